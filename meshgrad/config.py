@@ -1,0 +1,153 @@
+"""FinalizeConfig: the TransformerConfig / DDP-config fields that finalization reads."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+#: Load-balancing types Megatron knows; anything else is rejected as a typo.
+LOAD_BALANCING_TYPES = frozenset(
+    {"aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none", "quantile_balancing"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalizeConfig:
+    """Every option that changes what finalization does (SPEC.md section 2).
+
+    Args:
+      sequence_parallel: sum ``sequence_parallel`` params over tp (2.4).
+      qk_layernorm: sum params named ``q_layernorm``/``k_layernorm`` over tp (2.4).
+      has_cond_embedder: sync ``pipeline_parallel`` params over pp (2.2).
+      flextron: sync ``flextron_router_pp_sync`` params over pp (2.3).
+      calculate_per_token_loss: DP sync is a plain SUM, num_tokens divides later.
+      average_in_collective: DP sync is an AVG (else pre-scale by 1/DP_CP and SUM).
+      use_distributed_optimizer: DP sync is a reduce-scatter unless forced to all-reduce.
+      grad_reduce_in_fp32: the DP collective runs in float32.
+      share_embeddings_and_output_weights: input and output embeddings are tied (2.6).
+      mtp_num_layers: multi-token-prediction layers (None or 0 = none).
+      embedding_stages: pp stages of the embd group (None = first and last).
+      position_embedding_stages: pp stages of the pos_embd group (None = first).
+      moe_router_enable_expert_bias: update router expert bias (2.8).
+      moe_router_bias_update_rate: its rate.
+      moe_router_load_balancing_type: e.g. ``"aux_loss"``, ``"quantile_balancing"``.
+      moe_router_quantile_balancing_ema: EMA factor of 2.9.
+      check_for_nan_in_grad: raise on NaN/Inf before any collective.
+      use_megatron_fsdp: reduce local shards of DTensor grads (2.12).
+    """
+
+    sequence_parallel: bool = False
+    qk_layernorm: bool = False
+    has_cond_embedder: bool = False
+    flextron: bool = False
+    calculate_per_token_loss: bool = False
+    average_in_collective: bool = False
+    use_distributed_optimizer: bool = False
+    grad_reduce_in_fp32: bool = False
+    share_embeddings_and_output_weights: bool = True
+    mtp_num_layers: int | None = None
+    embedding_stages: tuple[int, ...] | None = None
+    position_embedding_stages: tuple[int, ...] | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_router_quantile_balancing_ema: float = 0.9
+    check_for_nan_in_grad: bool = False
+    use_megatron_fsdp: bool = False
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type == "bool" and not isinstance(value, bool):
+                raise TypeError(f"FinalizeConfig.{field.name} must be a bool, got {value!r}")
+        if self.mtp_num_layers is not None and (
+            isinstance(self.mtp_num_layers, bool)
+            or not isinstance(self.mtp_num_layers, int)
+            or self.mtp_num_layers < 0
+        ):
+            raise ValueError(
+                f"FinalizeConfig.mtp_num_layers must be None or an int >= 0, "
+                f"got {self.mtp_num_layers!r}"
+            )
+        for name in ("embedding_stages", "position_embedding_stages"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(int(v) for v in value))
+        if self.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
+            raise ValueError(
+                "FinalizeConfig.moe_router_load_balancing_type must be one of "
+                f"{sorted(LOAD_BALANCING_TYPES)}, got {self.moe_router_load_balancing_type!r}"
+            )
+        if not 0.0 <= float(self.moe_router_quantile_balancing_ema) <= 1.0:
+            raise ValueError(
+                "FinalizeConfig.moe_router_quantile_balancing_ema must lie in [0, 1], "
+                f"got {self.moe_router_quantile_balancing_ema!r}"
+            )
+
+    @property
+    def has_mtp(self) -> bool:
+        return bool(self.mtp_num_layers)
+
+    @property
+    def quantile_balancing(self) -> bool:
+        return self.moe_router_load_balancing_type == "quantile_balancing"
+
+    @property
+    def global_aux_loss(self) -> bool:
+        return "global_aux_loss" in self.moe_router_load_balancing_type
+
+    def replace(self, **changes: Any) -> "FinalizeConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_megatron(
+        cls, config: Any, ddp_config: Any = None, **overrides: Any
+    ) -> "FinalizeConfig":
+        """Build from a Megatron ``TransformerConfig`` (and DDP config), duck-typed.
+
+        Args:
+          config: any object with TransformerConfig attribute names; missing ones take
+            the defaults above.
+          ddp_config: any object with DistributedDataParallelConfig attribute names.
+          overrides: explicit values that win over both.
+
+        Returns:
+          A validated FinalizeConfig.
+        """
+        values: dict[str, Any] = {}
+        names = {f.name for f in dataclasses.fields(cls)}
+        for source in (config, ddp_config):
+            if source is None:
+                continue
+            for name in names:
+                if hasattr(source, name):
+                    values[name] = getattr(source, name)
+        if ddp_config is not None and hasattr(ddp_config, "average_in_collective"):
+            values["average_in_collective"] = ddp_config.average_in_collective
+        values.update(overrides)
+        return cls(**_normalize(values))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "FinalizeConfig":
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"FinalizeConfig: unknown option(s) {sorted(unknown)}")
+        return cls(**dict(values))
+
+
+def _normalize(values: dict[str, Any]) -> dict[str, Any]:
+    """Coerce Megatron's loosely typed fields (None for False, numpy bools, ...)."""
+    out = dict(values)
+    for name in ("moe_router_load_balancing_type",):
+        if name in out and out[name] is None:
+            out[name] = "none"
+    if "moe_router_bias_update_rate" in out and out["moe_router_bias_update_rate"] is None:
+        out.pop("moe_router_bias_update_rate")
+    if out.get("moe_router_quantile_balancing_ema") is None:
+        out.pop("moe_router_quantile_balancing_ema", None)
+    for field in dataclasses.fields(FinalizeConfig):
+        if field.type == "bool" and field.name in out:
+            value = out[field.name]
+            out[field.name] = False if value is None else bool(value)
+    return out

@@ -1,0 +1,116 @@
+"""ParamSpec and RouterSpec: what the plan needs to know about parameters and routers.
+
+Backends discover these from their models (torch ``nn.Module`` attributes, flax metadata
+or explicit trees); the plan reads only these records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+#: Dtype names the plan accepts.
+FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
+
+
+class Role(str, enum.Enum):
+    """A parameter's special role in pipeline-parallel embedding sync."""
+
+    NONE = "none"
+    WORD_EMBEDDING = "word_embedding"
+    POSITION_EMBEDDING = "position_embedding"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ParamKey = tuple[int, str]
+"""(chunk index, parameter name): unique within one rank's model list."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of one model chunk, with the flags of SPEC.md section 2.
+
+    Args:
+      name: the parameter's qualified name inside its chunk.
+      chunk: index of the (virtual pipeline) chunk in the model list.
+      shape: gradient shape.
+      dtype: gradient dtype name (``"float32"``, ``"bfloat16"``, ...).
+      expert: Megatron ``allreduce=False`` (reduced over edp, not dp_cp).
+      sequence_parallel: flagged ``sequence_parallel=True``.
+      average_gradients_across_tp_domain: AVG over tp.
+      pipeline_parallel: conditional-embedder param synced over pp.
+      flextron_router_pp_sync: flextron router param synced over pp.
+      is_gtp_weight_remat: sharded over gtp (skipped by the GTP step).
+      has_grad: ``requires_grad`` and a gradient exists.
+      role: word / position embedding role, or NONE.
+    """
+
+    name: str
+    chunk: int = 0
+    shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+    expert: bool = False
+    sequence_parallel: bool = False
+    average_gradients_across_tp_domain: bool = False
+    pipeline_parallel: bool = False
+    flextron_router_pp_sync: bool = False
+    is_gtp_weight_remat: bool = False
+    has_grad: bool = True
+    role: Role = Role.NONE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"ParamSpec.name must be a non-empty str, got {self.name!r}")
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 0:
+            raise ValueError(f"ParamSpec {self.name!r}: chunk must be an int >= 0, got {self.chunk!r}")
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if self.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"ParamSpec {self.name!r} (chunk {self.chunk}): gradient dtype {self.dtype!r} "
+                f"is not a floating type in {sorted(FLOAT_DTYPES)}"
+            )
+        object.__setattr__(self, "role", Role(self.role))
+
+    @property
+    def key(self) -> ParamKey:
+        return (self.chunk, self.name)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterSpec:
+    """One MoE router module (expert bias / quantile balancing state).
+
+    Args:
+      name: the router module's qualified name inside its chunk.
+      chunk: chunk index.
+      num_experts: length of its per-expert vectors.
+      training: module in training mode.
+      has_expert_bias: has an ``expert_bias`` buffer (and ``local_tokens_per_expert``).
+      frozen_expert_bias: flagged ``frozen_expert_bias``.
+      has_qb_beta: has ``qb_beta`` / ``qb_beta_accum`` / ``qb_beta_count``.
+      qb_accum_present: ``qb_beta_accum`` is not None.
+      has_aux_loss_tracker: has ``reset_global_aux_loss_tracker()``.
+    """
+
+    name: str
+    chunk: int = 0
+    num_experts: int = 1
+    training: bool = True
+    has_expert_bias: bool = False
+    frozen_expert_bias: bool = False
+    has_qb_beta: bool = False
+    qb_accum_present: bool = True
+    has_aux_loss_tracker: bool = False
+
+    @property
+    def key(self) -> ParamKey:
+        return (self.chunk, self.name)

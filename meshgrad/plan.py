@@ -1,0 +1,456 @@
+"""plan_finalize: the ordered steps of SPEC.md section 2, decided once per model.
+
+Which gradient is reduced over which group, with which op and pre-scale, is decided here
+and nowhere else. Backends execute a :class:`FinalizePlan`; they never re-derive it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+
+from meshgrad.axes import Group, ParallelDims, stage_set
+from meshgrad.config import FinalizeConfig
+from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
+
+
+class Step(str, enum.Enum):
+    """The steps of SPEC.md section 2, in execution order."""
+
+    DP_SYNC = "dp_sync"  # 2.1
+    COND_EMBEDDER = "cond_embedder"  # 2.2
+    ROUTER = "router"  # 2.3
+    NON_TP = "non_tp"  # 2.4
+    GTP = "gtp"  # 2.5
+    WORD_EMBEDDING = "word_embedding"  # 2.6
+    POS_EMBEDDING = "pos_embedding"  # 2.7
+    EXPERT_BIAS = "expert_bias"  # 2.8
+    QB_BETA = "qb_beta"  # 2.9
+    RESET = "reset"  # 2.10
+    TOKEN_SCALE = "token_scale"  # 2.11
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STEP_ORDER: tuple[Step, ...] = tuple(Step)
+
+
+class ReduceOp(str, enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSizes:
+    """Sizes of the named groups a plan uses (a size-1 group means no communication).
+
+    Args:
+      sizes: size of every group of :class:`Group` except EMBD / POS_EMBD.
+      embd_stages: pp stages of the word-embedding group.
+      pos_embd_stages: pp stages of the position-embedding group.
+    """
+
+    sizes: Mapping[Group, int]
+    embd_stages: tuple[int, ...]
+    pos_embd_stages: tuple[int, ...]
+
+    def __getitem__(self, group: Group) -> int:
+        if group is Group.EMBD:
+            return len(self.embd_stages)
+        if group is Group.POS_EMBD:
+            return len(self.pos_embd_stages)
+        return int(self.sizes.get(group, 1))
+
+    @property
+    def pp(self) -> int:
+        return self[Group.PP]
+
+    @classmethod
+    def from_dims(cls, dims: ParallelDims, config: FinalizeConfig) -> "GroupSizes":
+        """Group sizes of a full mesh, with the embedding stage sets of ``config``."""
+        sizes = {g: dims.group_size(g) for g in Group if g not in (Group.EMBD, Group.POS_EMBD)}
+        return cls(
+            sizes=sizes,
+            embd_stages=stage_set(config.embedding_stages, dims.pp, "first_last"),
+            pos_embd_stages=stage_set(config.position_embedding_stages, dims.pp, "first"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """One coalesced collective over one named group.
+
+    Args:
+      step: the SPEC step it implements.
+      group: the named group it reduces over.
+      op: SUM or AVG.
+      keys: gradients reduced together (all of one dtype).
+      dtype: their dtype name.
+      pre_scale: multiply before the collective (1.0 = none).
+      scatter: reduce-scatter (distributed optimizer) instead of all-reduce.
+      reduce_in_fp32: run the collective in float32 whatever the gradient dtype.
+      copies: per key, further local gradients (other chunks' copies) summed into the
+        key's gradient before the collective and overwritten with the result after.
+    """
+
+    step: Step
+    group: Group
+    op: ReduceOp
+    keys: tuple[ParamKey, ...]
+    dtype: str
+    pre_scale: float = 1.0
+    scatter: bool = False
+    reduce_in_fp32: bool = False
+    copies: tuple[tuple[ParamKey, ...], ...] = ()
+
+    @property
+    def all_keys(self) -> tuple[ParamKey, ...]:
+        extra = tuple(k for c in self.copies for k in c)
+        return self.keys + extra
+
+
+@dataclasses.dataclass(frozen=True)
+class StageReduction:
+    """A SUM over a subset of pp stages (word / position embedding, SPEC 2.6 / 2.7).
+
+    Args:
+      step: WORD_EMBEDDING or POS_EMBEDDING.
+      group: EMBD or POS_EMBD.
+      stages: member pp stages; other stages do nothing.
+      keys_by_stage: per pp stage (index = stage), the gradient that stage contributes,
+        or None when that stage has none (not a member, or frozen).
+      dtype: gradient dtype.
+    """
+
+    step: Step
+    group: Group
+    stages: tuple[int, ...]
+    keys_by_stage: tuple[ParamKey | None, ...]
+    dtype: str
+
+    def key_for(self, stage: int) -> ParamKey | None:
+        return self.keys_by_stage[stage] if stage in self.stages else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertBiasUpdate:
+    """SPEC 2.8: sum token counts over tp_dp_cp (one collective), sign-update the bias."""
+
+    routers: tuple[ParamKey, ...]
+    num_experts: tuple[int, ...]
+    rate: float
+    group: Group = Group.TP_DP_CP
+    step: Step = Step.EXPERT_BIAS
+
+
+@dataclasses.dataclass(frozen=True)
+class QbBetaUpdate:
+    """SPEC 2.9: AVG accum/max(count,1) over ``group``, EMA-blend, re-centre."""
+
+    routers: tuple[ParamKey, ...]
+    num_experts: tuple[int, ...]
+    ema: float
+    group: Group
+    step: Step = Step.QB_BETA
+
+
+@dataclasses.dataclass(frozen=True)
+class ResetTemporaries:
+    """SPEC 2.10: zero token counts / qb accumulators, reset the global aux-loss tracker."""
+
+    zero_tokens: tuple[ParamKey, ...]
+    zero_qb: tuple[ParamKey, ...]
+    reset_aux_loss: tuple[ParamKey, ...]
+    step: Step = Step.RESET
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenScale:
+    """SPEC 2.11: broadcast num_tokens from the last pp stage, SUM over ``group``, scale
+    every gradient in ``keys`` by 1/max(n, 1) on device."""
+
+    keys: tuple[ParamKey, ...]
+    group: Group
+    step: Step = Step.TOKEN_SCALE
+
+
+Action = Reduction | StageReduction | ExpertBiasUpdate | QbBetaUpdate | ResetTemporaries | TokenScale
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalizePlan:
+    """The ordered actions of one finalize call, plus what they were planned for.
+
+    Args:
+      actions: in SPEC order; each has a ``step``.
+      config: the config planned for.
+      sizes: the group sizes planned for.
+      params: the parameter specs planned for.
+      routers: the router specs planned for.
+      token_scale: the num_tokens action, used only when num_tokens is given.
+    """
+
+    actions: tuple[Action, ...]
+    config: FinalizeConfig
+    sizes: GroupSizes
+    params: tuple[ParamSpec, ...]
+    routers: tuple[RouterSpec, ...]
+    token_scale: TokenScale
+
+    def for_step(self, *steps: Step) -> tuple[Action, ...]:
+        """The actions of the given steps, in order."""
+        return tuple(a for a in self.actions if a.step in steps)
+
+    def reductions(self) -> tuple[Reduction, ...]:
+        return tuple(a for a in self.actions if isinstance(a, Reduction))
+
+    def describe(self) -> str:
+        """One line per action: step, group, op, scale and tensor count."""
+        lines = []
+        for a in self.actions:
+            if isinstance(a, Reduction):
+                lines.append(
+                    f"{a.step}: {a.op} over {a.group} x{a.pre_scale:g} "
+                    f"[{len(a.all_keys)} {a.dtype}{' scatter' if a.scatter else ''}]"
+                )
+            elif isinstance(a, StageReduction):
+                lines.append(f"{a.step}: sum over {a.group} stages {list(a.stages)}")
+            else:
+                lines.append(f"{a.step}: {type(a).__name__}")
+        return "\n".join(lines)
+
+
+QK_LAYERNORM_NAMES = ("q_layernorm", "k_layernorm")
+
+
+def _by_dtype(specs: Iterable[ParamSpec]) -> dict[str, list[ParamSpec]]:
+    out: dict[str, list[ParamSpec]] = {}
+    for spec in specs:
+        out.setdefault(spec.dtype, []).append(spec)
+    return out
+
+
+def _reductions(
+    step: Step,
+    group: Group,
+    op: ReduceOp,
+    specs: Sequence[ParamSpec],
+    pre_scale: float = 1.0,
+    scatter: bool = False,
+    reduce_in_fp32: bool = False,
+) -> list[Reduction]:
+    """One Reduction per dtype over ``specs`` (empty when there is nothing to reduce)."""
+    return [
+        Reduction(step, group, op, tuple(s.key for s in group_specs), dtype, pre_scale, scatter, reduce_in_fp32)
+        for dtype, group_specs in _by_dtype(specs).items()
+    ]
+
+
+def _dp_sync(
+    params: Sequence[ParamSpec], config: FinalizeConfig, sizes: GroupSizes, force_all_reduce: bool
+) -> list[Reduction]:
+    dp_cp = sizes[Group.DP_CP]
+    edp = sizes[Group.EDP]
+    scatter = config.use_distributed_optimizer and not force_all_reduce
+    fp32 = config.grad_reduce_in_fp32
+    dense = [p for p in params if p.has_grad and not p.expert]
+    expert = [p for p in params if p.has_grad and p.expert]
+    if config.calculate_per_token_loss:
+        dense_op = expert_op = ReduceOp.SUM
+        dense_scale = expert_scale = 1.0
+    elif config.average_in_collective:
+        dense_op = expert_op = ReduceOp.AVG
+        dense_scale, expert_scale = 1.0, edp / dp_cp
+    else:
+        dense_op = expert_op = ReduceOp.SUM
+        dense_scale = expert_scale = 1.0 / dp_cp
+    out: list[Reduction] = []
+    # A size-1 group still applies its pre-scale (e.g. EDP/DP_CP with edp == 1).
+    if dense and (dp_cp > 1 or dense_scale != 1.0):
+        out += _reductions(Step.DP_SYNC, Group.DP_CP, dense_op, dense, dense_scale, scatter, fp32)
+    if expert and (edp > 1 or expert_scale != 1.0):
+        out += _reductions(Step.DP_SYNC, Group.EDP, expert_op, expert, expert_scale, scatter, fp32)
+    return out
+
+
+def _pp_replicated(step: Step, params: Sequence[ParamSpec], flag: str) -> list[Reduction]:
+    """Steps 2.2 / 2.3: flagged params matched by name across chunks, summed over pp."""
+    by_name: dict[str, list[ParamSpec]] = {}
+    for spec in params:
+        if spec.has_grad and getattr(spec, flag):
+            by_name.setdefault(spec.name, []).append(spec)
+    firsts = [sorted(c, key=lambda s: s.chunk)[0] for c in by_name.values()]
+    out = []
+    for dtype, group_specs in _by_dtype(firsts).items():
+        copies = tuple(
+            tuple(s.key for s in sorted(by_name[f.name], key=lambda s: s.chunk)[1:]) for f in group_specs
+        )
+        out.append(
+            Reduction(step, Group.PP, ReduceOp.SUM, tuple(s.key for s in group_specs), dtype, copies=copies)
+        )
+    return out
+
+
+def _non_tp(params: Sequence[ParamSpec], config: FinalizeConfig) -> list[Reduction]:
+    avg, total = [], []
+    for spec in params:
+        if not spec.has_grad:
+            continue
+        if spec.average_gradients_across_tp_domain:
+            avg.append(spec)
+        elif (config.sequence_parallel and spec.sequence_parallel) or (
+            config.qk_layernorm and any(n in spec.name for n in QK_LAYERNORM_NAMES)
+        ):
+            total.append(spec)
+    return _reductions(Step.NON_TP, Group.TP, ReduceOp.SUM, total) + _reductions(
+        Step.NON_TP, Group.TP, ReduceOp.AVG, avg
+    )
+
+
+def _gtp(params: Sequence[ParamSpec], config: FinalizeConfig, sizes: GroupSizes) -> list[Reduction]:
+    op = ReduceOp.SUM if config.calculate_per_token_loss else ReduceOp.AVG
+    out: list[Reduction] = []
+    for group, expert in ((Group.GTP, False), (Group.EGTP, True)):
+        if sizes[group] > 1:
+            chosen = [p for p in params if p.has_grad and p.expert == expert and not p.is_gtp_weight_remat]
+            out += _reductions(Step.GTP, group, op, chosen)
+    return out
+
+
+def embedding_chunk(stage: int, pp: int, num_chunks: int, has_mtp: bool) -> int:
+    """SPEC 2.6: which model chunk holds a stage's embedding weight."""
+    last = num_chunks - 1
+    if stage == 0:
+        return 0
+    if stage == pp - 1:
+        return last
+    return last if has_mtp else 0
+
+
+def _stage_reduction(
+    step: Step,
+    group: Group,
+    role: Role,
+    stages: tuple[int, ...],
+    params: Sequence[ParamSpec],
+    config: FinalizeConfig,
+    pp: int,
+) -> list[StageReduction]:
+    if len(stages) <= 1:
+        return []
+    if step is Step.WORD_EMBEDDING and not (config.share_embeddings_and_output_weights or config.has_mtp):
+        return []
+    num_chunks = 1 + max((p.chunk for p in params), default=0)
+    by_chunk = {p.chunk: p for p in params if p.role is role}
+    keys: list[ParamKey | None] = []
+    dtypes = set()
+    for stage in range(pp):
+        spec = by_chunk.get(embedding_chunk(stage, pp, num_chunks, config.has_mtp))
+        if spec is not None and not spec.has_grad and step is Step.POS_EMBEDDING and stage in stages:
+            raise ValueError(
+                f"position embedding {spec.name!r} (chunk {spec.chunk}) has no gradient on pp "
+                f"stage {stage}; pos_embd group requires one (skip_if_none=False)"
+            )
+        if spec is None or not spec.has_grad or stage not in stages:
+            keys.append(None)
+        else:
+            keys.append(spec.key)
+            dtypes.add(spec.dtype)
+    if all(k is None for k in keys):
+        return []
+    if len(dtypes) > 1:
+        raise TypeError(f"{step}: embedding gradients differ in dtype across chunks: {sorted(dtypes)}")
+    return [StageReduction(step, group, stages, tuple(keys), dtypes.pop())]
+
+
+def _check_unique(params: Sequence[ParamSpec], routers: Sequence[RouterSpec]) -> None:
+    for kind, items in (("parameter", params), ("router", routers)):
+        seen: set[ParamKey] = set()
+        for item in items:
+            if item.key in seen:
+                raise ValueError(f"duplicate {kind} {item.name!r} in chunk {item.chunk}")
+            seen.add(item.key)
+
+
+def plan_finalize(
+    params: Sequence[ParamSpec],
+    config: FinalizeConfig,
+    sizes: GroupSizes | ParallelDims,
+    routers: Sequence[RouterSpec] = (),
+    *,
+    force_all_reduce: bool = False,
+    dp_sync: bool = True,
+) -> FinalizePlan:
+    """Plan one finalize call (SPEC.md section 2, steps 1 to 11, in order).
+
+    Args:
+      params: every parameter of this rank's model chunks.
+      config: the finalize options.
+      sizes: group sizes (or the full ParallelDims, with config's stage sets).
+      routers: MoE router modules (steps 8 to 10).
+      force_all_reduce: turn a distributed optimizer's reduce-scatter into an all-reduce.
+      dp_sync: include step 1 (False when the backend delegates it to DDP chunks).
+
+    Returns:
+      A FinalizePlan; its ``token_scale`` is used only when num_tokens is given.
+
+    Raises:
+      ValueError: duplicate parameters, or a position embedding without a gradient.
+    """
+    if isinstance(sizes, ParallelDims):
+        sizes = GroupSizes.from_dims(sizes, config)
+    params = tuple(params)
+    routers = tuple(routers)
+    _check_unique(params, routers)
+    pp = sizes.pp
+    actions: list[Action] = []
+    if dp_sync:
+        actions += _dp_sync(params, config, sizes, force_all_reduce)
+    if pp > 1 and config.has_cond_embedder:
+        actions += _pp_replicated(Step.COND_EMBEDDER, params, "pipeline_parallel")
+    if pp > 1 and config.flextron:
+        actions += _pp_replicated(Step.ROUTER, params, "flextron_router_pp_sync")
+    if sizes[Group.TP] > 1:
+        actions += _non_tp(params, config)
+    actions += _gtp(params, config, sizes)
+    actions += _stage_reduction(
+        Step.WORD_EMBEDDING, Group.EMBD, Role.WORD_EMBEDDING, sizes.embd_stages, params, config, pp
+    )
+    actions += _stage_reduction(
+        Step.POS_EMBEDDING, Group.POS_EMBD, Role.POSITION_EMBEDDING, sizes.pos_embd_stages, params, config, pp
+    )
+    trained = [r for r in routers if r.training]
+    if config.moe_router_enable_expert_bias:
+        chosen = [r for r in trained if r.has_expert_bias and not r.frozen_expert_bias]
+        if chosen:
+            actions.append(
+                ExpertBiasUpdate(
+                    tuple(r.key for r in chosen),
+                    tuple(r.num_experts for r in chosen),
+                    float(config.moe_router_bias_update_rate),
+                )
+            )
+    qb_group = Group.DP_CP_GTP if sizes[Group.GTP] > 1 else Group.DP_CP
+    if config.quantile_balancing:
+        chosen = [r for r in trained if r.has_qb_beta and r.qb_accum_present]
+        if chosen:
+            actions.append(
+                QbBetaUpdate(
+                    tuple(r.key for r in chosen),
+                    tuple(r.num_experts for r in chosen),
+                    float(config.moe_router_quantile_balancing_ema),
+                    qb_group,
+                )
+            )
+    zero_tokens = tuple(r.key for r in routers if config.moe_router_enable_expert_bias and r.has_expert_bias)
+    zero_qb = tuple(r.key for r in routers if r.has_qb_beta)
+    reset_aux = tuple(r.key for r in routers if config.global_aux_loss and r.has_aux_loss_tracker)
+    if zero_tokens or zero_qb or reset_aux:
+        actions.append(ResetTemporaries(zero_tokens, zero_qb, reset_aux))
+    token_scale = TokenScale(tuple(p.key for p in params if p.has_grad), qb_group)
+    return FinalizePlan(tuple(actions), config, sizes, params, routers, token_scale)

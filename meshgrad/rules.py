@@ -1,0 +1,49 @@
+"""The small array math of finalization, written once for numpy, torch and jax arrays.
+
+Each function uses only operators and methods that the three array types share
+(arithmetic, ``sign``, ``maximum``/``clamp`` via the namespace ``xp``), so backends call
+the same rule instead of re-deriving it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Array = Any
+
+
+def row_mean(x: Array) -> Array:
+    """Mean over the last dimension, kept as a trailing size-1 dim."""
+    return x.mean(-1)[..., None]
+
+
+def expert_bias_update(bias: Array, tokens: Array, rate: float, xp: Any) -> Array:
+    """SPEC 2.8: ``bias + rate * sign(mean(tokens) - tokens)`` per row (sign(0) = 0).
+
+    Args:
+      bias: expert bias, [..., E].
+      tokens: globally summed tokens per expert, [..., E].
+      rate: moe_router_bias_update_rate.
+      xp: the array namespace (numpy, torch or jax.numpy).
+
+    Returns:
+      The new bias, in ``bias``'s dtype.
+    """
+    offset = xp.sign(row_mean(tokens) - tokens)
+    return bias + (offset * rate).astype(bias.dtype) if hasattr(offset, "astype") else bias + (offset * rate).to(bias.dtype)
+
+
+def qb_local(accum: Array, count: Array, xp: Any) -> Array:
+    """SPEC 2.9: this rank's quantile estimate ``accum / max(count, 1)``."""
+    return accum / xp.maximum(count, xp.ones_like(count))
+
+
+def qb_beta_update(qb_beta: Array, mean_local: Array, ema: float) -> Array:
+    """SPEC 2.9: ``ema*qb_beta + (1-ema)*mean_local``, minus its mean over the last dim."""
+    new = qb_beta * ema + mean_local * (1.0 - ema)
+    return new - row_mean(new)
+
+
+def token_scale(num_tokens: Array, xp: Any) -> Array:
+    """SPEC 2.11: ``1 / max(num_tokens, 1)`` as an array (no host sync)."""
+    return 1.0 / xp.maximum(num_tokens, xp.ones_like(num_tokens))
