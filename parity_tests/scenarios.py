@@ -103,6 +103,15 @@ class Scenario:
     def mesh(self) -> tuple[int, int, int, int]:
         return (self.pp, self.dp, self.cp, self.tp)
 
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: the expert view covers the same ranks."""
+        return (self.dp * self.cp * self.gtp * self.tp) // (self.ep * self.expert_tp * self.egtp)
+
     def cfg(self, name: str, default: Any = False) -> Any:
         return self.config.get(name, default)
 
@@ -318,9 +327,121 @@ def dense_scenarios() -> Iterator[Scenario]:
             )
 
 
+def moe_routers(*, qb: bool = False) -> tuple[RouterLayout, ...]:
+    """Two trained MoE routers of 4 and 8 experts (ragged), one in eval mode, one frozen."""
+    return (
+        RouterLayout("decoder.layers.0.mlp.router", 4, has_qb_beta=qb),
+        RouterLayout("decoder.layers.1.mlp.router", 8, has_qb_beta=qb),
+        RouterLayout("decoder.layers.2.mlp.router", 4, training=False, has_qb_beta=qb),
+        RouterLayout("decoder.layers.3.mlp.router", 8, frozen_expert_bias=True, has_qb_beta=qb),
+    )
+
+
+#: (pp, dp, cp, tp, edp, ep, etp) of the experts issue.
+EXPERT_MESHES: tuple[tuple[int, ...], ...] = (
+    (1, 4, 1, 2, 2, 2, 2),
+    (1, 4, 1, 2, 1, 4, 2),
+    (2, 2, 1, 2, 1, 2, 2),
+    (1, 2, 1, 2, 2, 2, 1),
+    (1, 1, 1, 1, 1, 1, 1),
+)
+
+
+def expert_scenarios() -> Iterator[Scenario]:
+    """Expert DP sync, router expert bias, quantile balancing and GTP-remat cases."""
+    for pp, dp, cp, tp, edp, ep, etp in EXPERT_MESHES:
+        mesh = dict(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, etp=etp)
+        tag = "pp{}dp{}cp{}tp{}-edp{}ep{}etp{}".format(pp, dp, cp, tp, edp, ep, etp)
+        params = gpt_params(experts=True)
+        bias = dict(sequence_parallel=True, moe_router_enable_expert_bias=True)
+        yield Scenario(f"{tag}-experts", **mesh, params=params, routers=moe_routers(), config={})
+        yield Scenario(
+            f"{tag}-bias0.25-avgcoll",
+            **mesh,
+            params=params,
+            num_chunks=2,
+            routers=moe_routers(),
+            config=dict(bias, moe_router_bias_update_rate=0.25, average_in_collective=True),
+        )
+        yield Scenario(
+            f"{tag}-bias1e-3-pertoken-global-aux",
+            **mesh,
+            params=params,
+            routers=moe_routers(),
+            config=dict(
+                bias,
+                moe_router_bias_update_rate=1e-3,
+                calculate_per_token_loss=True,
+                moe_router_load_balancing_type="global_aux_loss",
+            ),
+            num_tokens="random",
+        )
+        for ema in (0.0, 0.9):
+            yield Scenario(
+                f"{tag}-qb-ema{ema}",
+                **mesh,
+                params=params,
+                routers=moe_routers(qb=True),
+                config=dict(
+                    moe_router_load_balancing_type="quantile_balancing",
+                    moe_router_quantile_balancing_ema=ema,
+                ),
+            )
+        yield Scenario(
+            f"{tag}-random-bf16",
+            **mesh,
+            params=params,
+            routers=moe_routers(qb=True),
+            num_chunks=2,
+            config=dict(
+                bias,
+                moe_router_bias_update_rate=0.25,
+                moe_router_load_balancing_type="quantile_balancing",
+            ),
+            dtype="bfloat16",
+            mode="random",
+            seed=3,
+        )
+
+
+#: (pp, dp, cp, gtp, tp, egtp, ep, etp) meshes with GTP-remat active.
+GTP_MESHES: tuple[tuple[int, ...], ...] = (
+    (1, 2, 1, 2, 2, 1, 2, 2),
+    (1, 2, 1, 2, 2, 2, 2, 1),
+    (2, 1, 1, 2, 2, 2, 1, 2),
+)
+
+
+def gtp_scenarios() -> Iterator[Scenario]:
+    """GTP-remat (gtp / egtp = 2) with and without per-token loss."""
+    for pp, dp, cp, gtp, tp, egtp, ep, etp in GTP_MESHES:
+        mesh = dict(pp=pp, dp=dp, cp=cp, gtp=gtp, tp=tp, egtp=egtp, ep=ep, etp=etp)
+        tag = "pp{}dp{}cp{}gtp{}tp{}-egtp{}ep{}etp{}".format(pp, dp, cp, gtp, tp, egtp, ep, etp)
+        params = gpt_params(experts=True, gtp_remat=True)
+        qb = dict(moe_router_load_balancing_type="quantile_balancing", moe_router_quantile_balancing_ema=0.5)
+        yield Scenario(f"{tag}-gtp-avg", **mesh, params=params, routers=moe_routers(qb=True), config=qb)
+        yield Scenario(
+            f"{tag}-gtp-pertoken",
+            **mesh,
+            params=params,
+            num_chunks=2,
+            routers=moe_routers(qb=True),
+            config=dict(qb, calculate_per_token_loss=True, sequence_parallel=True),
+            num_tokens="random",
+        )
+        yield Scenario(
+            f"{tag}-gtp-random",
+            **mesh,
+            params=params,
+            config=dict(average_in_collective=True, sequence_parallel=True),
+            mode="random",
+            seed=4,
+        )
+
+
 def all_scenarios() -> tuple[Scenario, ...]:
     """Every scenario of the parity suite, names unique."""
-    scenarios = tuple(dense_scenarios())
+    scenarios = tuple(dense_scenarios()) + tuple(expert_scenarios()) + tuple(gtp_scenarios())
     names = [s.name for s in scenarios]
     if len(names) != len(set(names)):
         raise RuntimeError("duplicate scenario names")
