@@ -102,3 +102,49 @@ def compare_ranks(
                     f"rank {rank} router {key}: aux-loss resets {gs.aux_loss_resets} != {ws.aux_loss_resets}"
                 )
     return Comparison(worst, failures)
+
+
+def _entry_diff(scenario: Scenario, got: RankData, want: RankData, kind: str, key) -> tuple[bool, float]:
+    """Difference of one gradient or one router's state on one rank."""
+    rtol, atol = tolerance(scenario)
+    if kind == "grad":
+        g, w = got.grads.get(key), want.grads.get(key)
+        if g is None or w is None:
+            return (g is None) == (w is None), 0.0 if (g is None) == (w is None) else float("inf")
+        return _close(g, w, rtol, atol)
+    gs, ws = got.routers.get(key), want.routers.get(key)
+    if gs is None or ws is None:
+        return False, float("inf")
+    ok, worst = gs.aux_loss_resets == ws.aux_loss_resets, 0.0
+    for field in ROUTER_FIELDS:
+        exact = scenario.mode == "exact" and field != "qb_beta"
+        r_tol = 0.0 if exact else 1e-6 * scenario.world_size
+        f_ok, diff = _close(getattr(gs, field), getattr(ws, field), r_tol, r_tol)
+        ok, worst = ok and f_ok, max(worst, diff)
+    return ok, worst
+
+
+def diff_by_step(
+    scenario: Scenario, got: list[RankData], want: list[RankData], touched: dict[str, set]
+) -> dict[str, tuple[bool, float]]:
+    """Per SPEC step: (within tolerance, max abs diff) over the values that step touched.
+
+    Args:
+      scenario: the scenario.
+      got: a backend's per-rank outputs.
+      want: the reference's per-rank outputs.
+      touched: the reference's step -> {(rank, kind, key)}.
+
+    Returns:
+      step name -> (ok, max abs diff), for the steps that touched anything.
+    """
+    out: dict[str, tuple[bool, float]] = {}
+    for step, entries in touched.items():
+        if not entries:
+            continue
+        ok, worst = True, 0.0
+        for rank, kind, key in entries:
+            e_ok, diff = _entry_diff(scenario, got[rank], want[rank], kind, key)
+            ok, worst = ok and e_ok, max(worst, diff)
+        out[step] = (ok, worst)
+    return out
