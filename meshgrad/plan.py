@@ -209,6 +209,35 @@ class FinalizePlan:
     def reductions(self) -> tuple[Reduction, ...]:
         return tuple(a for a in self.actions if isinstance(a, Reduction))
 
+    def group_signatures(self, stage: int | None = None) -> dict[Group, tuple[str, ...]]:
+        """Per group, what this rank will launch on it: one line per collective.
+
+        Members of one group must produce identical signatures, or the collectives they
+        launch would not match (a hang or mixed data). Backends exchange these once per
+        plan to report the mismatch by name instead.
+
+        Args:
+          stage: this rank's pp stage (selects its StageReduction operand); None = all.
+
+        Returns:
+          group -> tuple of lines "step op scale dtype [name shape, ...]".
+        """
+        shapes = {p.key: p.shape for p in self.params}
+        names = {p.key: p.name for p in self.params}
+        out: dict[Group, list[str]] = {}
+        for a in self.actions:
+            if isinstance(a, Reduction):
+                items = ",".join(f"{names[k]}{list(shapes[k])}" for k in a.keys)
+                line = f"{a.step} {a.op} x{a.pre_scale!r} {a.dtype}{' scatter' if a.scatter else ''} [{items}]"
+                out.setdefault(a.group, []).append(line)
+            elif isinstance(a, StageReduction):
+                keys = a.keys_by_stage if stage is None else (a.key_for(stage),)
+                items = ",".join(f"{list(shapes[k])}" for k in keys if k is not None)
+                out.setdefault(a.group, []).append(f"{a.step} sum {a.dtype} [{items}]")
+            elif isinstance(a, (ExpertBiasUpdate, QbBetaUpdate)):
+                out.setdefault(a.group, []).append(f"{a.step} experts {list(a.num_experts)}")
+        return {g: tuple(lines) for g, lines in out.items()}
+
     def describe(self) -> str:
         """One line per action: step, group, op, scale and tensor count."""
         lines = []

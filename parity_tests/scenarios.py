@@ -101,6 +101,7 @@ class Scenario:
 
     @property
     def mesh(self) -> tuple[int, int, int, int]:
+        """The dense (pp, dp, cp, tp) sizes (gtp, when active, sits between cp and tp)."""
         return (self.pp, self.dp, self.cp, self.tp)
 
     @property
@@ -110,6 +111,9 @@ class Scenario:
     @property
     def edp(self) -> int:
         """Expert data-parallel size: the expert view covers the same ranks."""
+        inner = self.dp * self.cp * self.gtp * self.tp
+        if inner % (self.ep * self.expert_tp * self.egtp):
+            raise ValueError(f"scenario {self.name}: ep*etp*egtp does not divide dp*cp*gtp*tp")
         return (self.dp * self.cp * self.gtp * self.tp) // (self.ep * self.expert_tp * self.egtp)
 
     def cfg(self, name: str, default: Any = False) -> Any:
@@ -170,15 +174,18 @@ def make_rank_inputs(scenario: Scenario, rank: int) -> RankData:
             else:
                 grads[(chunk, p.name)] = to_dtype(rng.standard_normal(p.shape), scenario.dtype)
     routers: dict[Key, RouterState] = {}
+    stage = rank // (scenario.world_size // scenario.pp)
     for chunk in range(scenario.num_chunks):
         for r in scenario.routers:
             rng = _rng(scenario, rank, chunk, r.name, "router")
+            # Router parameters are replicated across a stage, as in training.
+            shared = _rng(scenario, -1 - stage, chunk, r.name, "router-state")
             e = r.num_experts
             count = float(rng.integers(0, 3)) if scenario.mode != "exact" else float(rng.choice([0, 1, 2, 4]))
             routers[(chunk, r.name)] = RouterState(
                 local_tokens_per_expert=rng.integers(0, 6, size=e).astype(np.float32),
-                expert_bias=(rng.integers(-4, 5, size=e) / 4).astype(np.float32),
-                qb_beta=(rng.integers(-4, 5, size=e) / 4).astype(np.float32),
+                expert_bias=(shared.integers(-4, 5, size=e) / 4).astype(np.float32),
+                qb_beta=(shared.integers(-4, 5, size=e) / 4).astype(np.float32),
                 qb_beta_accum=rng.integers(0, 9, size=e).astype(np.float32),
                 qb_beta_count=np.array(count, dtype=np.float32),
             )
@@ -186,8 +193,9 @@ def make_rank_inputs(scenario: Scenario, rank: int) -> RankData:
     if scenario.num_tokens == "zero":
         num_tokens = 0
     elif scenario.num_tokens == "random":
-        last_stage = rank // (scenario.world_size // scenario.pp) == scenario.pp - 1
-        rng = _rng(scenario, rank, "num_tokens")
+        last_stage = stage == scenario.pp - 1
+        # Tensor-parallel peers see the same tokens: the count ignores the tp coordinate.
+        rng = _rng(scenario, rank // scenario.tp, "num_tokens")
         if scenario.mode == "exact":
             # Global count is a power of two (4 * dp*cp*gtp) on the last stage; other
             # stages hold a value that must be overwritten by the broadcast.
@@ -296,6 +304,13 @@ def dense_scenarios() -> Iterator[Scenario]:
             pp=pp, dp=dp, cp=cp, tp=tp,
             params=gpt_params(frozen_embedding=True),
             config=dict(share_embeddings_and_output_weights=False, qk_layernorm=True),
+        )
+        yield Scenario(
+            _name(mesh, "tied-frozen"),
+            pp=pp, dp=dp, cp=cp, tp=tp,
+            params=gpt_params(frozen_embedding=True),
+            num_chunks=2,
+            config=dict(sequence_parallel=True),
         )
         yield Scenario(
             _name(mesh, "untied-nopos"),

@@ -171,3 +171,14 @@ def test_size_one_world_plans_no_collectives_but_keeps_scales():
     plan = plan_finalize([spec("w"), spec("e", expert=True)], FinalizeConfig(), ParallelDims())
     assert plan.actions == ()
     assert plan.token_scale.keys == ((0, "w"), (0, "e"))
+
+
+def test_group_signatures_expose_mismatched_collectives():
+    config = FinalizeConfig(sequence_parallel=True)
+    a = plan_finalize([spec("ln", sequence_parallel=True), spec("w")], config, DIMS)
+    b = plan_finalize([ParamSpec("ln", shape=(3,), sequence_parallel=True), spec("w")], config, DIMS)
+    sa, sb = a.group_signatures(), b.group_signatures()
+    assert sa[Group.DP_CP] != sb[Group.DP_CP] and sa[Group.TP] != sb[Group.TP]
+    assert "ln[2]" in sa[Group.TP][0] and "ln[3]" in sb[Group.TP][0]
+    same = plan_finalize([spec("ln", sequence_parallel=True), spec("w")], config, DIMS)
+    assert same.group_signatures() == sa
