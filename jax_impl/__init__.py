@@ -1,0 +1,37 @@
+"""jax_impl: execute a meshgrad FinalizePlan inside ``jax.shard_map`` (the numerical oracle).
+
+Submodules (mirroring torch_impl): ``mesh`` (dense / expert Mesh views, fake host
+devices), ``discover`` (ParamSpecs from spec trees / flax.nnx metadata), ``execute`` (one
+pure function per plan action), ``finalize`` (pure, jittable finalize and a stacked
+helper).
+
+Names are imported lazily so that ``jax_impl.mesh.ensure_host_devices`` can run before
+jax itself is imported. ``jax_impl.finalize`` is always the submodule; the function is
+``jax_impl.finalize.finalize``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ensure_host_devices": "jax_impl.mesh",
+    "make_meshes": "jax_impl.mesh",
+    "MeshViews": "jax_impl.mesh",
+    "specs_from_tree": "jax_impl.discover",
+    "specs_from_nnx": "jax_impl.discover",
+    "router_specs": "jax_impl.discover",
+    "execute_local": "jax_impl.execute",
+    "execute_stacked": "jax_impl.execute",
+    "Collectives": "jax_impl.execute",
+    "finalize_stacked": "jax_impl.finalize",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jax_impl' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
