@@ -97,6 +97,20 @@ class Collectives:
             return lax.psum(x, axes)
         return jax.tree.map(lambda leaf: self._masked_sum(leaf, group), x)
 
+    def in_view(self, group: Group) -> bool:
+        """Whether every communicating axis of ``group`` is bound by this view."""
+        return {Axis(a) for a in self.axes(group)} <= set(self.view)
+
+    def member_index(self, group: Group) -> Array:
+        """This rank's index in its ``group`` (members ordered by global rank)."""
+        rank = jnp.zeros((), jnp.int32)
+        for axis in self.view:
+            rank = rank * self.dims.size(axis) + lax.axis_index(axis.value)
+        table = np.zeros(self.dims.world_size, dtype=np.int32)
+        for r in range(self.dims.world_size):
+            table[r] = self.dims.group_ranks(group, r).index(r)
+        return jnp.asarray(table)[rank]
+
     def _masked_sum(self, x: Array, group: Group) -> Array:
         if Axis.PP in GROUP_AXES[group]:
             raise NotImplementedError(f"group {group} varies pp and is not on the {self.view} view")
@@ -123,8 +137,8 @@ def apply_reduction(action: Reduction, grads: Grads, comm: Collectives) -> Grads
     """One coalesced collective: pre-scale, SUM/AVG over the group, write to every copy.
 
     Other chunks' copies are summed into each key first and overwritten after. A
-    reduce-scatter (``scatter``) is executed as an all-reduce: every rank holds the full
-    result, a superset of the shard it owns.
+    reduce-scatter (``scatter``) reduces only this rank's shard (see
+    ``meshgrad.plan.scatter_shard``); the rest keeps the local pre-scaled values.
 
     Args:
       action: the planned reduction.
@@ -146,14 +160,44 @@ def apply_reduction(action: Reduction, grads: Grads, comm: Collectives) -> Grads
         parts = [p.astype(jnp.float32) for p in parts]
     if action.pre_scale != 1.0:
         parts = [p * jnp.asarray(action.pre_scale, p.dtype) for p in parts]
-    parts = comm.sum(parts, action.group)
     size = comm.size(action.group)
-    if action.op is ReduceOp.AVG and size > 1:
-        parts = [p / jnp.asarray(size, p.dtype) for p in parts]
+    if action.scatter and size > 1:
+        parts = _reduce_scatter(parts, action, comm)
+    else:
+        parts = comm.sum(parts, action.group)
+        if action.op is ReduceOp.AVG and size > 1:
+            parts = [p / jnp.asarray(size, p.dtype) for p in parts]
     out = dict(grads)
     for key, extra, value, dtype in zip(action.keys, copies, parts, dtypes):
         for k in (key, *extra):
             out[k] = value.astype(dtype)
+    return out
+
+
+def _reduce_scatter(parts: list[Array], action: Reduction, comm: Collectives) -> list[Array]:
+    """Reduce-scatter with meshgrad's shard layout (``meshgrad.plan.scatter_shard``).
+
+    The parts are flattened into one zero-padded buffer; this rank's shard is reduced
+    (``lax.psum_scatter`` when the group is on this view), every other element keeps the
+    local (pre-scaled) value.
+    """
+    size = comm.size(action.group)
+    flat = jnp.concatenate([p.reshape(-1) for p in parts])
+    total = flat.shape[0]
+    shard = -(-total // size)
+    padded = jnp.pad(flat, (0, shard * size - total))
+    index = comm.member_index(action.group)
+    if comm.in_view(action.group):
+        mine = lax.psum_scatter(padded, comm.axes(action.group), scatter_dimension=0, tiled=True)
+    else:
+        mine = lax.dynamic_slice(comm.sum(padded, action.group), (index * shard,), (shard,))
+    if action.op is ReduceOp.AVG:
+        mine = mine / jnp.asarray(size, mine.dtype)
+    merged = lax.dynamic_update_slice(padded, mine.astype(padded.dtype), (index * shard,))
+    out, offset = [], 0
+    for p in parts:
+        out.append(merged[offset : offset + p.size].reshape(p.shape))
+        offset += p.size
     return out
 
 

@@ -187,6 +187,7 @@ def finalize_stacked(
     config: FinalizeConfig,
     dims: ParallelDims,
     devices: Sequence[Any] | None = None,
+    force_all_reduce: bool = False,
 ) -> tuple[dict[ParamKey, Array], dict[ParamKey, dict[str, Array]]]:
     """Plan once, then finalize per-rank inputs stacked along leading world / mesh dims.
 
@@ -200,6 +201,7 @@ def finalize_stacked(
       params, routers, config: planned with ``meshgrad.plan_finalize``.
       dims: the parallel dimensions.
       devices: W devices in rank order (default: the first W).
+      force_all_reduce: all-reduce even under a distributed optimizer (SPEC 2.1).
 
     Returns:
       (grads, routers) with the inputs' leading dims: what the plan touches as new jax
@@ -208,7 +210,7 @@ def finalize_stacked(
     Raises:
       ValueError / KeyError: as :func:`finalize`, before anything runs.
     """
-    plan = plan_finalize(params, config, dims, routers)
+    plan = plan_finalize(params, config, dims, routers, force_all_reduce=force_all_reduce)
     routers_stacked = {} if routers_stacked is None else routers_stacked
     actions = plan_actions(plan, num_tokens_stacked is not None)
     leading = _leading(plan, grads_stacked, routers_stacked, num_tokens_stacked)

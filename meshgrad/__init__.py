@@ -20,6 +20,7 @@ from meshgrad.plan import (
     TokenScale,
     embedding_chunk,
     plan_finalize,
+    scatter_shard,
 )
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "TokenScale",
     "embedding_chunk",
     "plan_finalize",
+    "scatter_shard",
     "stage_set",
 ]
 

@@ -81,6 +81,31 @@ class GroupSizes:
         )
 
 
+def scatter_shard(total: int, size: int, index: int) -> tuple[int, int]:
+    """The elements a group member keeps after a reduce-scatter (distributed optimizer).
+
+    Layout: the flat buffer of one :class:`Reduction` holds the gradients of its ``keys``
+    in plan order, each flattened row-major, zero-padded to a multiple of the group size;
+    member ``index`` (members ordered by global rank) owns the contiguous shard
+    ``[index * s, (index + 1) * s)`` with ``s = ceil(total / size)``. After the
+    collective its shard holds the reduced values; every other element keeps this rank's
+    local, pre-scaled value.
+
+    Args:
+      total: elements in the buffer (before padding).
+      size: group size.
+      index: the member's index in the group.
+
+    Returns:
+      (start, stop) into the unpadded buffer (empty when the shard is all padding).
+    """
+    if size < 1 or not 0 <= index < size:
+        raise ValueError(f"scatter_shard: member {index} outside a group of {size}")
+    shard = -(-total // size)
+    start = min(index * shard, total)
+    return start, min(start + shard, total)
+
+
 @dataclasses.dataclass(frozen=True)
 class Reduction:
     """One coalesced collective over one named group.
@@ -92,7 +117,8 @@ class Reduction:
       keys: gradients reduced together (all of one dtype).
       dtype: their dtype name.
       pre_scale: multiply before the collective (1.0 = none).
-      scatter: reduce-scatter (distributed optimizer) instead of all-reduce.
+      scatter: reduce-scatter (distributed optimizer) instead of all-reduce; see
+        :func:`scatter_shard` for the shard layout.
       reduce_in_fp32: run the collective in float32 whatever the gradient dtype.
       copies: per key, further local gradients (other chunks' copies) summed into the
         key's gradient before the collective and overwritten with the result after.

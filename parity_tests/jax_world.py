@@ -117,7 +117,10 @@ def run_scenario(scenario: Scenario) -> ScenarioResult:
         aux_reset = {k for a in plan.actions if isinstance(a, ResetTemporaries) for k in a.reset_aux_loss}
         inputs = [make_rank_inputs(scenario, rank) for rank in range(dims.world_size)]
         grads, rstate, tokens = stack_inputs(scenario, inputs)
-        kwargs = dict(params=params, routers=routers, config=config, dims=dims, devices=devices)
+        kwargs = dict(
+            params=params, routers=routers, config=config, dims=dims, devices=devices,
+            force_all_reduce=scenario.force_all_reduce,
+        )
         start = time.perf_counter()
         jax.block_until_ready(finalize_stacked(grads, rstate, tokens, **kwargs))
         first = time.perf_counter() - start

@@ -341,11 +341,9 @@ def step_dp_sync(ctx: Context, *, force_all_reduce: bool = False) -> set[Touch]:
     Returns:
       The entries touched.
     """
-    # TODO: with use_distributed_optimizer and not force_all_reduce Megatron runs a
-    # reduce-scatter (each rank keeps only its shard reduced). For now every rank keeps the
-    # full all-reduced gradient, whatever force_all_reduce says.
-    del force_all_reduce
     cfg, mesh = ctx.cfg, ctx.mesh
+    scatter = cfg.use_distributed_optimizer and not force_all_reduce
+    local = [dict(out.grads) for out in ctx.outputs] if scatter else None
     dp_cp = mesh.dp * mesh.cp
     # DECISION: grad_reduce_in_fp32 runs the collective (and its pre-scale) in float32 and
     # rounds the result once to the gradient dtype.
@@ -368,7 +366,50 @@ def step_dp_sync(ctx: Context, *, force_all_reduce: bool = False) -> set[Touch]:
                         g = ctx.grad(r, key)
                         if g is not None:
                             ctx.set_grad(r, key, to_dtype(g, ctx.dtype))
+        if scatter:
+            _keep_own_shard(ctx, local, expert, groups, 1.0 if pre_scale is None else pre_scale, coll_dtype)
     return touched
+
+
+def _keep_own_shard(
+    ctx: Context,
+    local: list[dict[Key, np.ndarray | None]],
+    expert: bool,
+    groups: list[list[int]],
+    pre_scale: float,
+    coll_dtype: str | None,
+) -> None:
+    """Reduce-scatter layout (meshgrad's documented contract, not Megatron's buckets).
+
+    The DP-sync buffer holds the gradients of chunk 0's params in layout order, then chunk
+    1's, ..., flattened; zero-padded to a multiple of the group size n; the member with
+    group index i (members by ascending rank) keeps elements [i*s, (i+1)*s), s = ceil(L/n),
+    reduced. Every other element keeps the rank's local value after the pre-scale.
+    """
+    keys = [(c, p.name) for c in ctx.chunks() for p in _params(ctx, expert=expert)]
+    if not keys:
+        return
+    for group in groups:
+        n = len(group)
+        if n == 1:
+            continue
+        for index, rank in enumerate(group):
+            sizes = [ctx.grad(rank, k).size for k in keys]
+            total = sum(sizes)
+            shard = -(-total // n)
+            start, stop = min(index * shard, total), min((index + 1) * shard, total)
+            offset = 0
+            for key, size in zip(keys, sizes):
+                reduced = ctx.grad(rank, key).reshape(-1).copy()
+                mine = np.zeros(size, dtype=bool)
+                lo, hi = max(start - offset, 0), min(stop - offset, size)
+                if lo < hi:
+                    mine[lo:hi] = True
+                kept = _scale(local[rank][key], pre_scale, coll_dtype).reshape(-1)
+                kept = to_dtype(kept, ctx.dtype)
+                reduced[~mine] = kept[~mine]
+                ctx.set_grad(rank, key, reduced.reshape(ctx.grad(rank, key).shape))
+                offset += size
 
 
 def _pp_chunk_sync(ctx: Context, flag: str) -> set[Touch]:
@@ -720,7 +761,8 @@ def reference_finalize(
     Args:
       scenario: mesh, layout, config and dtype.
       inputs: per global rank; not mutated.
-      force_all_reduce: SPEC 2.1 (currently every DP sync is an all-reduce anyway).
+      force_all_reduce: SPEC 2.1: an all-reduce even under a distributed optimizer
+        (also taken from ``scenario.force_all_reduce``).
 
     Returns:
       The per-rank outputs and, per step, what it touched.
@@ -737,7 +779,8 @@ def reference_finalize(
         _check_finite(outputs)
     ctx = Context(scenario=scenario, cfg=cfg, mesh=mesh, outputs=outputs)
     touched: dict[str, set[Touch]] = {}
-    touched["dp_sync"] = step_dp_sync(ctx, force_all_reduce=force_all_reduce)
+    force = force_all_reduce or scenario.force_all_reduce
+    touched["dp_sync"] = step_dp_sync(ctx, force_all_reduce=force)
     touched["cond_embedder"] = step_cond_embedder(ctx)
     touched["router"] = step_router(ctx)
     touched["non_tp"] = step_non_tp(ctx)

@@ -74,6 +74,7 @@ class Scenario:
       mode: "exact" (small integers, bit-exact) or "random" (normal data, tolerances).
       num_tokens: None (not passed), "random" or "zero" (global count 0).
       seed: data seed.
+      force_all_reduce: passed to finalize (an all-reduce despite a distributed optimizer).
     """
 
     name: str
@@ -94,6 +95,7 @@ class Scenario:
     mode: str = "exact"
     num_tokens: str | None = None
     seed: int = 0
+    force_all_reduce: bool = False
 
     @property
     def world_size(self) -> int:
@@ -319,6 +321,18 @@ def dense_scenarios() -> Iterator[Scenario]:
             num_chunks=2,
             config=dict(share_embeddings_and_output_weights=False, sequence_parallel=True),
         )
+        yield Scenario(
+            _name(mesh, "distopt-scatter"),
+            **base,
+            num_chunks=2,
+            config=dict(use_distributed_optimizer=True, sequence_parallel=True),
+        )
+        yield Scenario(
+            _name(mesh, "distopt-forced-allreduce"),
+            **base,
+            config=dict(use_distributed_optimizer=True, average_in_collective=True),
+            force_all_reduce=True,
+        )
         if pp >= 2:
             stages = tuple(range(pp))
             yield Scenario(
@@ -402,6 +416,12 @@ def expert_scenarios() -> Iterator[Scenario]:
                     moe_router_quantile_balancing_ema=ema,
                 ),
             )
+        yield Scenario(
+            f"{tag}-distopt-scatter-avgcoll",
+            **mesh,
+            params=params,
+            config=dict(use_distributed_optimizer=True, average_in_collective=True),
+        )
         yield Scenario(
             f"{tag}-random-bf16",
             **mesh,

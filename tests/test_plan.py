@@ -182,3 +182,15 @@ def test_group_signatures_expose_mismatched_collectives():
     assert "ln[2]" in sa[Group.TP][0] and "ln[3]" in sb[Group.TP][0]
     same = plan_finalize([spec("ln", sequence_parallel=True), spec("w")], config, DIMS)
     assert same.group_signatures() == sa
+
+
+@pytest.mark.parametrize(
+    "total, size, want",
+    [(8, 2, [(0, 4), (4, 8)]), (7, 2, [(0, 4), (4, 7)]), (3, 4, [(0, 1), (1, 2), (2, 3), (3, 3)]), (5, 1, [(0, 5)])],
+)
+def test_scatter_shard_layout(total, size, want):
+    from meshgrad import scatter_shard
+
+    assert [scatter_shard(total, size, i) for i in range(size)] == want
+    with pytest.raises(ValueError, match="outside a group"):
+        scatter_shard(total, size, size)

@@ -635,9 +635,11 @@ def test_every_scenario_invariants(scenario):
     for r, kind, key in all_touched:
         assert key in (res.outputs[r].grads if kind == "grad" else res.outputs[r].routers)
 
-    # dense grads agree across every dp_cp group (expert ones across edp groups)
+    # dense grads agree across every dp_cp group (expert ones across edp groups), unless a
+    # distributed optimizer's reduce-scatter left each rank with its own shard only
     expert_ok = scenario.num_tokens is None  # per-rank token counts may differ across tp
-    for p in scenario.params:
+    scattered = scenario.config.get("use_distributed_optimizer") and not scenario.force_all_reduce
+    for p in () if scattered else scenario.params:
         if not p.requires_grad or (p.expert and not expert_ok):
             continue
         groups = mesh.groups(("edp",), "expert") if p.expert else mesh.groups(("dp", "cp"), "dense")
@@ -655,3 +657,20 @@ def test_every_scenario_invariants(scenario):
             assert st.aux_loss_resets in (0, 1)
             if layouts[name].has_qb_beta:  # reset clears qb buffers, training or not
                 assert not st.qb_beta_accum.any() and float(st.qb_beta_count) == 0.0
+
+
+def test_distributed_optimizer_reduce_scatter_keeps_own_shard():
+    # dp=2, two params of 3 and 2 elements: buffer of 5, padded to 6, shards [0,3) and [3,5).
+    params = (ParamLayout("a", (3,)), ParamLayout("b", (2,)))
+    s = Scenario("rs", dp=2, params=params, config=dict(use_distributed_optimizer=True))
+    inputs = grads_inputs(s, lambda rank, c, p: (rank + 1) * (2 if p.name == "a" else 4))
+    out = reference_finalize(s, inputs)
+    # pre-scale 1/2, then SUM: reduced a = (2+4)/2 = 3, reduced b = (4+8)/2 = 6.
+    eq(g(out, 0, "a"), [3, 3, 3])  # rank 0 owns a
+    eq(g(out, 0, "b"), [2, 2])  # local b (4) pre-scaled by 1/2
+    eq(g(out, 1, "a"), [2, 2, 2])  # local a (4) pre-scaled
+    eq(g(out, 1, "b"), [6, 6])  # rank 1 owns b
+    forced = reference_finalize(s, inputs, force_all_reduce=True)
+    for rank in range(2):
+        eq(g(forced, rank, "a"), [3, 3, 3])
+        eq(g(forced, rank, "b"), [6, 6])
