@@ -1,0 +1,41 @@
+"""torch_impl against the numpy reference on every parity scenario.
+
+One gloo world per world size runs all scenarios of that size (spawning is the slow
+part); each scenario is then one test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from parity_tests.compare import compare_ranks  # noqa: E402
+from parity_tests.scenarios import all_scenarios, by_world_size, make_rank_inputs  # noqa: E402
+from parity_tests.torch_world import run_torch_world  # noqa: E402
+
+reference = pytest.importorskip("parity_tests.reference")
+
+SCENARIOS = all_scenarios()
+
+
+@pytest.fixture(scope="module")
+def torch_results():
+    results = {}
+    for world_size, scenarios in sorted(by_world_size(SCENARIOS).items()):
+        results.update(run_torch_world(scenarios, world_size, timeout=600.0))
+    return results
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_torch_matches_reference(scenario, torch_results):
+    result = torch_results[scenario.name]
+    inputs = [make_rank_inputs(scenario, rank) for rank in range(scenario.world_size)]
+    try:
+        want = reference.reference_finalize(scenario, inputs)
+    except Exception as exc:  # the reference rejects the scenario: torch must too
+        assert result.error is not None, f"reference raised {exc!r}; torch returned outputs"
+        return
+    assert result.error is None, result.error
+    comparison = compare_ranks(scenario, result.outputs, want.outputs)
+    assert comparison.ok, "\n".join(comparison.failures[:20])

@@ -1,0 +1,173 @@
+"""torch_impl.discover and the seed's accessor helpers, in-process (no process group)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from meshgrad import FinalizeConfig, Role  # noqa: E402
+from torch_impl import (  # noqa: E402
+    _get_main_grad_attr,
+    _get_position_embedding_weight,
+    _get_shared_word_embedding_weight,
+    _reshard_if_dtensor,
+    _unshard_if_dtensor,
+    discover,
+)
+from torch_impl.discover import find_attr, get_grad, router_spec, unwrap  # noqa: E402
+
+
+class Embedding(nn.Module):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(rows, 2))
+
+
+class Router(nn.Module):
+    def __init__(self, experts: int, qb: bool = True) -> None:
+        super().__init__()
+        self.register_buffer("expert_bias", torch.zeros(experts))
+        self.register_buffer("local_tokens_per_expert", torch.zeros(experts))
+        self.register_buffer("qb_beta", torch.zeros(experts) if qb else None)
+        self.register_buffer("qb_beta_accum", torch.zeros(experts) if qb else None)
+
+    def reset_global_aux_loss_tracker(self) -> None:
+        pass
+
+
+class Model(nn.Module):
+    def __init__(self, share: bool = True) -> None:
+        super().__init__()
+        self.embedding = nn.Module()
+        self.embedding.word_embeddings = Embedding(4)
+        self.embedding.position_embeddings = Embedding(3)
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.zeros(2))
+        self.norm.weight.sequence_parallel = True
+        self.expert = nn.Module()
+        self.expert.weight = nn.Parameter(torch.zeros(2))
+        self.expert.weight.allreduce = False
+        self.expert.weight.is_gtp_weight_remat = True
+        self.frozen = nn.Parameter(torch.zeros(2), requires_grad=False)
+        self.router = Router(3)
+        self.pre_process = True
+        self.share_embeddings_and_output_weights = share
+
+    def shared_embedding_or_output_weight(self) -> nn.Parameter:
+        return self.embedding.word_embeddings.weight
+
+    @property
+    def position_embeddings(self) -> nn.Module:
+        return self.embedding.position_embeddings
+
+
+class Wrapper(nn.Module):
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.config = FinalizeConfig()
+
+
+def _give_grads(model: nn.Module) -> None:
+    for i, p in enumerate(model.parameters()):
+        if p.requires_grad:
+            p.main_grad = torch.full(p.shape, float(i))
+
+
+def test_unwrap_and_find_attr():
+    inner = Model()
+    outer = Wrapper(Wrapper(inner))
+    assert unwrap(outer) is inner
+    assert find_attr(outer, "config") is outer.config
+    assert find_attr(outer, "missing") is None
+
+
+def test_main_grad_attr_and_grad():
+    p = nn.Parameter(torch.zeros(2))
+    assert _get_main_grad_attr(p) == "grad"
+    assert get_grad(p) is None
+    p.grad = torch.ones(2)
+    assert get_grad(p) is p.grad
+    p.main_grad = torch.full((2,), 3.0)
+    assert _get_main_grad_attr(p) == "main_grad"
+    assert get_grad(p) is p.main_grad
+
+
+def test_discover_flags_roles_and_routers():
+    model = Model()
+    _give_grads(model)
+    found = discover([Wrapper(model)], FinalizeConfig())
+    specs = {s.name: s for s in found.params}
+    assert specs["embedding.word_embeddings.weight"].role is Role.WORD_EMBEDDING
+    assert specs["embedding.position_embeddings.weight"].role is Role.POSITION_EMBEDDING
+    assert specs["norm.weight"].sequence_parallel and not specs["norm.weight"].expert
+    assert specs["expert.weight"].expert and specs["expert.weight"].is_gtp_weight_remat
+    assert not specs["frozen"].has_grad
+    assert all(s.chunk == 0 for s in found.params)
+    (router,) = found.routers
+    assert (router.name, router.num_experts, router.has_expert_bias, router.has_qb_beta) == ("router", 3, True, True)
+    assert router.has_aux_loss_tracker and router.training and router.qb_accum_present
+    assert found.router_modules[router.key] is model.router
+
+
+def test_word_embedding_role_needs_sharing_or_mtp():
+    model = Model(share=False)
+    _give_grads(model)
+    found = discover([model], FinalizeConfig())
+    assert {s.role for s in found.params} == {Role.NONE, Role.POSITION_EMBEDDING}
+    found = discover([model], FinalizeConfig(mtp_num_layers=1))
+    assert Role.WORD_EMBEDDING in {s.role for s in found.params}
+
+
+def test_fingerprint_tracks_grad_presence_and_router_mode():
+    model = Model()
+    _give_grads(model)
+    found = discover([model], FinalizeConfig())
+    before = found.fingerprint()
+    model.norm.weight.requires_grad_(False)
+    assert found.fingerprint() != before
+    refreshed = found.refresh()
+    assert not {s.name: s for s in refreshed.params}["norm.weight"].has_grad
+    model.norm.weight.requires_grad_(True)
+    model.router.eval()
+    assert found.fingerprint() != before
+
+
+def test_non_float_gradient_is_a_type_error():
+    model = Model()
+    _give_grads(model)
+    model.norm.weight.main_grad = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(TypeError, match="norm.weight"):
+        discover([model], FinalizeConfig())
+
+
+def test_router_buffers_must_agree():
+    router = Router(3)
+    router.qb_beta = torch.zeros(4)
+    with pytest.raises(ValueError, match="differ in length"):
+        router_spec("r", 0, router)
+    assert router_spec("x", 0, nn.Linear(2, 2)) is None
+
+
+def test_shared_word_embedding_weight():
+    model = Model(share=False)
+    cfg = FinalizeConfig()
+    assert _get_shared_word_embedding_weight(model, cfg) is None
+    assert _get_shared_word_embedding_weight(model, FinalizeConfig(mtp_num_layers=2)) is model.embedding.word_embeddings.weight
+    model.share_embeddings_and_output_weights = True
+    assert _get_shared_word_embedding_weight(model, cfg) is model.embedding.word_embeddings.weight
+
+
+def test_position_embedding_weight():
+    model = Model()
+    assert _get_position_embedding_weight(model) is model.embedding.position_embeddings.weight
+    with pytest.raises(AttributeError):
+        _get_position_embedding_weight(nn.Linear(2, 2))
+
+
+def test_dtensor_helpers_pass_plain_tensors_through():
+    t, ref = torch.ones(2), torch.zeros(2)
+    assert _unshard_if_dtensor(t) is t
+    assert _reshard_if_dtensor(t, ref) is ref

@@ -1,0 +1,351 @@
+"""torch_impl.groups and finalize_model_grads' group validation in a gloo world of 8.
+
+One world runs every ``case_*`` below on every rank; the tests compare with the groups
+meshgrad.axes computes, and check that every validation error names the rank and the
+group and leaves gradients and router state bit-identical.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from meshgrad import Group, ParallelDims, stage_set  # noqa: E402
+from parity_tests.scenarios import Scenario, gpt_params, make_rank_inputs, moe_routers  # noqa: E402
+from parity_tests.torch_world import (  # noqa: E402
+    build_model,
+    collection,
+    load_inputs,
+    read_outputs,
+    run_cases,
+    scenario_config,
+)
+
+WORLD = 8
+_CACHE: dict[Any, Any] = {}  # per worker process (tests only)
+
+EXPERT_LAYOUTS = ((1, None, 1), (2, 1, 1), (4, 1, 1), (2, 2, 1))
+MOE = Scenario(
+    "pp2dp2tp2-moe",
+    pp=2,
+    dp=2,
+    tp=2,
+    ep=2,
+    etp=1,
+    params=gpt_params(experts=True),
+    routers=moe_routers(),
+    config=dict(moe_router_enable_expert_bias=True, sequence_parallel=True),
+)
+
+
+def _describe(groups: Any) -> dict[str, Any]:
+    """What a TorchGroups says about every group (plain data)."""
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    for group in Group:
+        pg = groups.group(group)
+        out[group.value] = (None if pg is None else sorted(dist.get_process_group_ranks(pg)), groups.size(group))
+    out["pp_ranks"] = list(groups.pp_ranks)
+    out["stages"] = {g.value: groups.stages.get(g) for g in (Group.EMBD, Group.POS_EMBD)}
+    return out
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = ("mesh", shape, names)
+    if key not in _CACHE:
+        _CACHE[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _CACHE[key]
+
+
+# =========================================================================== cases (run on every rank)
+
+
+def case_mesh_groups(rank: int, world: int) -> list[dict[str, Any]]:
+    from torch_impl import mesh_groups
+
+    mesh = _mesh((2, 2, 2), ("pp", "dp", "tp"))
+    return [_describe(mesh_groups(mesh).resolve(ep=ep, etp=etp, egtp=egtp)) for ep, etp, egtp in EXPERT_LAYOUTS]
+
+
+def case_mesh_gtp(rank: int, world: int) -> dict[str, Any]:
+    from torch_impl import mesh_groups
+
+    mesh = _mesh((2, 2, 2), ("dp", "gtp", "tp"))
+    groups = mesh_groups(mesh)
+    first = groups.resolve(ep=2, etp=1, egtp=2)
+    assert groups.resolve(ep=2, etp=1, egtp=2) is first  # cached
+    return _describe(first)
+
+
+def case_mesh_permuted(rank: int, world: int) -> dict[str, Any]:
+    from torch_impl import mesh_groups
+
+    return _describe(mesh_groups(_mesh((2, 2, 2), ("tp", "dp", "pp"))).resolve())
+
+
+def case_mesh_pp4_stages(rank: int, world: int) -> list[dict[str, Any]]:
+    from torch_impl import mesh_groups
+
+    groups = mesh_groups(_mesh((4, 2), ("pp", "tp")))
+    return [_describe(groups.resolve()), _describe(groups.resolve(embedding_stages=(0, 1, 3), position_embedding_stages=(0, 2)))]
+
+
+def case_bad_mesh_names(rank: int, world: int) -> str:
+    from torch_impl import mesh_groups
+
+    try:
+        mesh_groups(_mesh((8,), ("data",)))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def case_collection_pp4(rank: int, world: int) -> tuple[dict[str, Any], Any]:
+    from meshgrad import FinalizeConfig
+    from torch_impl import TorchGroups
+
+    scenario = Scenario("pp4tp2", pp=4, tp=2)
+    groups = TorchGroups.from_collection(collection(scenario, _CACHE))
+    sizes = groups.group_sizes(FinalizeConfig())
+    return _describe(groups), (sizes.embd_stages, sizes.pos_embd_stages, sizes.pp, sizes[Group.TP])
+
+
+def case_non_member_group(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    from torch_impl import TorchGroups
+
+    tp = dist.new_group([0, 1])  # NON_GROUP_MEMBER on ranks 2..7
+    try:
+        TorchGroups.from_collection(types.SimpleNamespace(tp=tp, pp=None, embd=None, pos_embd=None, dp_cp=None))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def case_reduce_scatter_layouts(rank: int, world: int) -> dict[str, list[float]]:
+    """The documented shard layout, whether or not group ranks follow global ranks."""
+    import torch.distributed as dist
+
+    from meshgrad.plan import ReduceOp
+    from torch_impl.execute import reduce_scatter_into
+
+    out = {}
+    for name, ranks, sort in (("sorted", list(range(8)), True), ("unsorted", list(range(7, -1, -1)), False)):
+        group = dist.new_group(ranks, sort_ranks=sort)
+        for op in (ReduceOp.SUM, ReduceOp.AVG):
+            flat = torch.arange(11, dtype=torch.float32) + 100 * rank
+            reduce_scatter_into(flat, group, op, 8, rank)
+            out[f"{name}-{op}"] = flat.tolist()
+    return out
+
+
+def _with(pgc: Any, **changes: Any) -> types.SimpleNamespace:
+    fields = dict(vars(pgc))
+    for name, value in changes.items():
+        if value is _DROP:
+            fields.pop(name)
+        else:
+            fields[name] = value
+    return types.SimpleNamespace(**fields)
+
+
+_DROP = object()
+
+
+def case_finalize_validation(rank: int, world: int) -> list[tuple[str, bool]]:
+    """Each bad call raises on every rank and leaves grads and router state untouched."""
+    from torch_impl import finalize_model_grads
+
+    pgc = collection(MOE, _CACHE)
+    mesh_no_gtp = _mesh((2, 2, 2), ("pp", "dp", "tp"))
+    calls = [
+        ("tp_dp_cp", {}, lambda m: finalize_model_grads(m, pg_collection=_with(pgc, tp_dp_cp=_DROP))),
+        ("expt_dp", {}, lambda m: finalize_model_grads(m, pg_collection=_with(pgc, expt_dp=_DROP))),
+        ("gtp_remat", {"gtp_weight_remat_size": 2}, lambda m: finalize_model_grads(m, pg_collection=pgc)),
+        ("expt_gtp_remat", {"expert_gtp_weight_remat_size": 2}, lambda m: finalize_model_grads(m, pg_collection=pgc)),
+        ("gtp_remat", {"gtp_weight_remat_size": 2}, lambda m: finalize_model_grads(m, pg_collection=mesh_no_gtp)),
+        ("pg_collection", {}, lambda m: finalize_model_grads(m)),
+        ("embd", {"embedding_stages": (0,)}, lambda m: finalize_model_grads(m, pg_collection=pgc)),
+        ("ep", {"expert_model_parallel_size": 3}, lambda m: finalize_model_grads(m, pg_collection=mesh_no_gtp)),
+        ("num_tokens", {}, lambda m: finalize_model_grads(m, num_tokens=torch.tensor([1, 2]), pg_collection=pgc)),
+    ]
+    out = []
+    for _, extra, call in calls:
+        config = scenario_config(MOE, finalize_config=False)
+        for name, value in extra.items():
+            setattr(config, name, value)
+        model = build_model(MOE, rank, config)
+        data = make_rank_inputs(MOE, rank)
+        load_inputs(model, MOE, data)
+        before = read_outputs(model, MOE, data)
+        try:
+            call(model)
+            message = "no error"
+        except (ValueError, TypeError) as err:
+            message = f"{type(err).__name__}: {err}"
+        after = read_outputs(model, MOE, data)
+        same = all(
+            (a is None and after.grads[k] is None) or np.array_equal(a, after.grads[k]) for k, a in before.grads.items()
+        ) and all(
+            np.array_equal(s.expert_bias, after.routers[k].expert_bias)
+            and np.array_equal(s.local_tokens_per_expert, after.routers[k].local_tokens_per_expert)
+            for k, s in before.routers.items()
+        )
+        out.append((message, same))
+    return out
+
+
+def case_one_collective_per_action(rank: int, world: int) -> tuple[int, int, int]:
+    """Count all_reduce calls of a finalize; a second call reuses the cached plan."""
+    import torch.distributed as dist
+
+    from meshgrad.plan import Reduction, StageReduction
+    from torch_impl import finalize_model_grads
+    from torch_impl.finalize import ModelState
+
+    scenario = Scenario("count", pp=2, dp=2, tp=2, num_chunks=2, params=gpt_params(),
+                        config=dict(sequence_parallel=True, qk_layernorm=True, has_cond_embedder=True, flextron=True))
+    model = build_model(scenario, rank, scenario_config(scenario, False))
+    load_inputs(model, scenario, make_rank_inputs(scenario, rank))
+    pgc = collection(scenario, _CACHE)
+    calls = []
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        finalize_model_grads(model, pg_collection=pgc)
+        first = len(calls)
+        finalize_model_grads(model, pg_collection=pgc)
+    finally:
+        dist.all_reduce = original
+    (bound,) = ModelState.of(model).plans.values()
+    stage = rank // 4
+    expected = sum(
+        1 for a in bound.plan.actions
+        if isinstance(a, Reduction) or (isinstance(a, StageReduction) and a.key_for(stage) is not None)
+    )
+    return first, len(calls) - first, expected
+
+
+CASES = [name for name in list(globals()) if name.startswith("case_")]
+
+
+# =========================================================================== tests (parent)
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[str, list[tuple[str, Any]]]:
+    return run_cases(__name__, CASES, WORLD, timeout=300)
+
+
+def _ok(world: dict[str, list[tuple[str, Any]]], name: str) -> list[Any]:
+    results = world[name]
+    problems = [f"rank {r}: {s}: {v}" for r, (s, v) in enumerate(results) if s != "ok"]
+    assert not problems, "\n".join(problems)
+    return [v for _, v in results]
+
+
+def _expected(dims: ParallelDims, rank: int, embd=None, pos=None) -> dict[str, Any]:
+    embd = stage_set(embd, dims.pp, "first_last")
+    pos = stage_set(pos, dims.pp, "first")
+    out: dict[str, Any] = {}
+    for group in Group:
+        stages = embd if group is Group.EMBD else pos if group is Group.POS_EMBD else None
+        ranks = dims.group_ranks(group, rank, stages)
+        out[group.value] = (ranks if len(ranks) > 1 else None, max(len(ranks), 1))
+    out["pp_ranks"] = dims.group_ranks(Group.PP, rank)
+    stage = dims.coords(rank)["pp"]
+    out["stages"] = {"embd": embd if stage in embd else None, "pos_embd": pos if stage in pos else None}
+    return out
+
+
+def test_mesh_groups_match_meshgrad_axes(world):
+    for rank, layouts in enumerate(_ok(world, "case_mesh_groups")):
+        for (ep, etp, egtp), got in zip(EXPERT_LAYOUTS, layouts):
+            dims = ParallelDims(pp=2, dp=2, tp=2, ep=ep, etp=etp, egtp=egtp)
+            assert got == _expected(dims, rank), (rank, ep, etp)
+
+
+def test_mesh_groups_with_gtp_remat(world):
+    dims = ParallelDims(dp=2, gtp=2, tp=2, ep=2, etp=1, egtp=2)
+    for rank, got in enumerate(_ok(world, "case_mesh_gtp")):
+        assert got == _expected(dims, rank)
+
+
+def test_mesh_dim_order_is_taken_from_names(world):
+    for rank, got in enumerate(_ok(world, "case_mesh_permuted")):
+        tp, dp, pp = rank // 4, (rank // 2) % 2, rank % 2  # mesh tensor is arange(8) as (tp, dp, pp)
+        assert got["tp"][0] == sorted(4 * t + 2 * dp + pp for t in range(2))
+        assert got["dp_cp"][0] == sorted(4 * tp + 2 * d + pp for d in range(2))
+        assert got["pp_ranks"] == [4 * tp + 2 * dp + p for p in range(2)]
+        assert got["tp_dp_cp"][0] == sorted(4 * t + 2 * d + pp for t in range(2) for d in range(2))
+
+
+def test_mesh_embedding_stage_sets(world):
+    dims = ParallelDims(pp=4, tp=2)
+    for rank, (default, custom) in enumerate(_ok(world, "case_mesh_pp4_stages")):
+        assert default == _expected(dims, rank)
+        assert custom == _expected(dims, rank, embd=(0, 1, 3), pos=(0, 2))
+
+
+def test_bad_mesh_dim_names(world):
+    for rank, message in enumerate(_ok(world, "case_bad_mesh_names")):
+        assert f"rank {rank}" in message and "data" in message
+
+
+def test_collection_groups_and_sizes(world):
+    dims = ParallelDims(pp=4, tp=2)
+    for rank, (got, sizes) in enumerate(_ok(world, "case_collection_pp4")):
+        want = _expected(dims, rank)
+        assert {k: v for k, v in got.items() if k != "stages"} == {k: v for k, v in want.items() if k != "stages"}
+        stage = rank // 2
+        assert got["stages"]["embd"] == ((0, 3) if stage in (0, 3) else None)
+        # Non-members (and a None size-1 group) plan with the configured set without
+        # their own stage: nothing to do for them.
+        assert sizes == ((0, 3), () if stage == 0 else (0,), 4, 2)
+
+
+def test_validation_errors_name_rank_and_group_and_mutate_nothing(world):
+    expected = ["tp_dp_cp", "expt_dp", "gtp_remat", "expt_gtp_remat", "gtp_remat", "pg_collection", "embd", "ep", "num_tokens"]
+    for rank, results in enumerate(_ok(world, "case_finalize_validation")):
+        for what, (message, untouched) in zip(expected, results):
+            assert message != "no error", what
+            assert f"rank {rank}" in message and what.split("_size")[0] in message, (what, message)
+            assert untouched, (what, message)
+
+
+def test_one_collective_per_planned_reduction_and_cached_plan(world):
+    for rank, (first, second, expected) in enumerate(_ok(world, "case_one_collective_per_action")):
+        assert first == second == expected > 0, rank
+
+
+def test_group_of_other_ranks_is_rejected(world):
+    for rank, message in enumerate(_ok(world, "case_non_member_group")):
+        if rank < 2:
+            assert message == "no error"
+        else:
+            assert f"rank {rank} is not a member of the 'tp' group" in message
+
+
+def test_reduce_scatter_keeps_own_shard(world):
+    for rank, got in enumerate(_ok(world, "case_reduce_scatter_layouts")):
+        start, stop = min(2 * rank, 11), min(2 * rank + 2, 11)
+        for name in ("sorted", "unsorted"):
+            for op, n in (("sum", 1), ("avg", 8)):
+                want = [float(i + 100 * rank) for i in range(11)]
+                for i in range(start, stop):
+                    want[i] = (8 * i + 100 * 28) / n
+                assert got[f"{name}-{op}"] == want, (rank, name, op)

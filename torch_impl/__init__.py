@@ -1,0 +1,52 @@
+"""torch backend of meshgrad: run a FinalizePlan with torch.distributed.
+
+The public entry point mirrors Megatron-Core's ``core.distributed.finalize_model_grads``
+module (same function names and signatures), so Megatron users can swap it in.
+"""
+
+from torch_impl.discover import Discovered, discover
+from torch_impl.finalize import (
+    _allreduce_conditional_embedding_grads,
+    _allreduce_embedding_grad,
+    _allreduce_layernorm_grads,
+    _allreduce_non_tensor_model_parallel_grads,
+    _allreduce_position_embedding_grads,
+    _allreduce_replicated_grads_over_gtp_remat_group,
+    _allreduce_router_grads,
+    _allreduce_word_embedding_grads,
+    _get_main_grad_attr,
+    _get_position_embedding_weight,
+    _get_shared_word_embedding_weight,
+    _reshard_if_dtensor,
+    _unshard_if_dtensor,
+    _update_router_expert_bias,
+    _update_router_qb_beta,
+    finalize_model_grads,
+    reset_model_temporary_tensors,
+)
+from torch_impl.groups import MeshGroups, TorchGroups, mesh_groups
+
+__all__ = [
+    "Discovered",
+    "MeshGroups",
+    "TorchGroups",
+    "discover",
+    "finalize_model_grads",
+    "mesh_groups",
+    "reset_model_temporary_tensors",
+    "_allreduce_conditional_embedding_grads",
+    "_allreduce_embedding_grad",
+    "_allreduce_layernorm_grads",
+    "_allreduce_non_tensor_model_parallel_grads",
+    "_allreduce_position_embedding_grads",
+    "_allreduce_replicated_grads_over_gtp_remat_group",
+    "_allreduce_router_grads",
+    "_allreduce_word_embedding_grads",
+    "_get_main_grad_attr",
+    "_get_position_embedding_weight",
+    "_get_shared_word_embedding_weight",
+    "_reshard_if_dtensor",
+    "_unshard_if_dtensor",
+    "_update_router_expert_bias",
+    "_update_router_qb_beta",
+]

@@ -1,0 +1,231 @@
+"""ParamSpecs and RouterSpecs from torch model chunks, with Megatron's attribute conventions.
+
+Conventions read (all optional):
+
+* ``param.allreduce = False``: an expert parameter (reduced over expert DP).
+* ``param.sequence_parallel``, ``param.average_gradients_across_tp_domain``,
+  ``param.pipeline_parallel``, ``param.flextron_router_pp_sync``,
+  ``param.is_gtp_weight_remat``: the flags of SPEC.md section 2.
+* gradient: ``param.main_grad`` when the attribute exists, else ``param.grad``.
+* word embedding: ``module.shared_embedding_or_output_weight()`` when the module's
+  ``share_embeddings_and_output_weights`` is True or the config has MTP layers;
+  position embedding: ``module.position_embeddings.weight``.
+* routers: modules with ``expert_bias`` / ``qb_beta`` buffers or a
+  ``reset_global_aux_loss_tracker()`` method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshgrad.config import FinalizeConfig
+from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
+
+#: Parameter attributes copied into ParamSpec flags.
+FLAG_ATTRS = (
+    "sequence_parallel",
+    "average_gradients_across_tp_domain",
+    "pipeline_parallel",
+    "flextron_router_pp_sync",
+    "is_gtp_weight_remat",
+)
+
+
+def unwrap(module: Any, attr: str = "pre_process") -> Any:
+    """Follow ``.module`` wrappers (DDP, Float16Module, ...) down to the model.
+
+    Args:
+      module: a model chunk, possibly wrapped.
+      attr: stop at the first object that has this attribute.
+
+    Returns:
+      The first object in the ``.module`` chain with ``attr``, else the innermost one.
+    """
+    seen = 0
+    while not hasattr(module, attr) and hasattr(module, "module") and seen < 64:
+        module = module.module
+        seen += 1
+    return module
+
+
+def find_attr(module: Any, attr: str) -> Any:
+    """The first ``attr`` found along the ``.module`` chain of ``module`` (None if absent)."""
+    for _ in range(64):
+        if hasattr(module, attr):
+            return getattr(module, attr)
+        if not hasattr(module, "module"):
+            return None
+        module = module.module
+    return None
+
+
+def grad_attr(param: torch.Tensor) -> str:
+    """``"main_grad"`` when the parameter has that attribute, else ``"grad"``."""
+    return "main_grad" if hasattr(param, "main_grad") else "grad"
+
+
+def get_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient finalization works on (``main_grad`` or ``grad``)."""
+    return getattr(param, grad_attr(param))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def param_spec(name: str, chunk: int, param: torch.Tensor, role: Role = Role.NONE) -> ParamSpec:
+    """The ParamSpec of one parameter.
+
+    Raises:
+      TypeError: its gradient is not a floating tensor.
+    """
+    grad = get_grad(param)
+    has_grad = bool(param.requires_grad) and grad is not None
+    ref = grad if grad is not None else param
+    if grad is not None and not isinstance(grad, torch.Tensor):
+        raise TypeError(
+            f"parameter {name!r} (chunk {chunk}): {grad_attr(param)} is a {type(grad).__name__}, not a tensor"
+        )
+    return ParamSpec(
+        name=name,
+        chunk=chunk,
+        shape=tuple(ref.shape),
+        dtype=dtype_name(ref.dtype),
+        expert=getattr(param, "allreduce", True) is False,
+        has_grad=has_grad,
+        role=role,
+        **{flag: bool(getattr(param, flag, False)) for flag in FLAG_ATTRS},
+    )
+
+
+def shared_word_embedding(module: Any, has_mtp: bool) -> torch.Tensor | None:
+    """SPEC 2.6: the tied word-embedding weight of an unwrapped chunk, or None."""
+    if not (getattr(module, "share_embeddings_and_output_weights", False) or has_mtp):
+        return None
+    getter = getattr(module, "shared_embedding_or_output_weight", None)
+    return getter() if callable(getter) else None
+
+
+def position_embedding(module: Any) -> torch.Tensor | None:
+    """SPEC 2.7: ``module.position_embeddings.weight``, or None."""
+    emb = getattr(module, "position_embeddings", None)
+    return getattr(emb, "weight", None) if emb is not None else None
+
+
+def router_spec(name: str, chunk: int, module: nn.Module) -> RouterSpec | None:
+    """The RouterSpec of a module, or None when it holds no router state.
+
+    Raises:
+      ValueError: its per-expert buffers disagree in length, or expert_bias comes
+        without local_tokens_per_expert.
+    """
+    bias = getattr(module, "expert_bias", None)
+    qb = getattr(module, "qb_beta", None)
+    reset = getattr(module, "reset_global_aux_loss_tracker", None)
+    if not (hasattr(module, "expert_bias") or hasattr(module, "qb_beta") or callable(reset)):
+        return None
+    lengths = {}
+    for attr in ("expert_bias", "local_tokens_per_expert", "qb_beta", "qb_beta_accum"):
+        value = getattr(module, attr, None)
+        if isinstance(value, torch.Tensor):
+            lengths[attr] = int(value.shape[-1]) if value.dim() else 1
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"router {name!r} (chunk {chunk}): per-expert buffers differ in length: {lengths}")
+    if bias is not None and not isinstance(getattr(module, "local_tokens_per_expert", None), torch.Tensor):
+        raise ValueError(f"router {name!r} (chunk {chunk}) has expert_bias but no local_tokens_per_expert tensor")
+    return RouterSpec(
+        name=name,
+        chunk=chunk,
+        num_experts=next(iter(lengths.values()), 1),
+        training=bool(getattr(module, "training", True)),
+        has_expert_bias=bias is not None,
+        frozen_expert_bias=bool(getattr(module, "frozen_expert_bias", False)),
+        has_qb_beta=qb is not None,
+        qb_accum_present=getattr(module, "qb_beta_accum", None) is not None,
+        has_aux_loss_tracker=callable(reset),
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Discovered:
+    """What discovery found in a model list.
+
+    Args:
+      params: one ParamSpec per parameter of every chunk.
+      routers: one RouterSpec per router module.
+      tensors: the parameter objects by key.
+      router_modules: the router modules by key.
+      chunks: the unwrapped chunks (index = chunk).
+    """
+
+    params: tuple[ParamSpec, ...]
+    routers: tuple[RouterSpec, ...]
+    tensors: Mapping[ParamKey, torch.Tensor]
+    router_modules: Mapping[ParamKey, nn.Module]
+    chunks: tuple[Any, ...]
+
+    def fingerprint(self) -> tuple[Any, ...]:
+        """What may change between steps and changes the plan: requires_grad, gradient
+        presence and dtype of every parameter; mode and accumulator presence of routers."""
+        out: list[Any] = []
+        for key, param in self.tensors.items():
+            grad = get_grad(param)
+            out.append((param.requires_grad, None if grad is None else grad.dtype))
+        for module in self.router_modules.values():
+            out.append((module.training, getattr(module, "qb_beta_accum", None) is None))
+        return tuple(out)
+
+    def refresh(self) -> "Discovered":
+        """Re-read the per-step facts (grad presence, dtype, router mode) of the same
+        parameters and routers."""
+        params = tuple(
+            param_spec(s.name, s.chunk, self.tensors[s.key], s.role) for s in self.params
+        )
+        routers = tuple(router_spec(r.name, r.chunk, self.router_modules[r.key]) for r in self.routers)
+        return dataclasses.replace(self, params=params, routers=routers)  # type: ignore[arg-type]
+
+
+def discover(model: Sequence[Any], config: FinalizeConfig) -> Discovered:
+    """ParamSpecs and RouterSpecs of every chunk of ``model``.
+
+    Args:
+      model: the model chunks of this rank (virtual pipeline chunks), possibly wrapped.
+      config: the finalize config (MTP decides whether the shared weight is looked up).
+
+    Returns:
+      A :class:`Discovered`.
+
+    Raises:
+      TypeError: a gradient is not a floating tensor.
+      ValueError: inconsistent router buffers.
+    """
+    params: list[ParamSpec] = []
+    routers: list[RouterSpec] = []
+    tensors: dict[ParamKey, torch.Tensor] = {}
+    router_modules: dict[ParamKey, nn.Module] = {}
+    chunks = []
+    for index, chunk in enumerate(model):
+        module = unwrap(chunk)
+        chunks.append(module)
+        roles: dict[int, Role] = {}
+        word = shared_word_embedding(module, config.has_mtp)
+        if word is not None:
+            roles[id(word)] = Role.WORD_EMBEDDING
+        pos = position_embedding(module)
+        if pos is not None:
+            roles.setdefault(id(pos), Role.POSITION_EMBEDDING)
+        for name, param in module.named_parameters():
+            spec = param_spec(name, index, param, roles.get(id(param), Role.NONE))
+            params.append(spec)
+            tensors[spec.key] = param
+        for name, sub in module.named_modules():
+            spec = router_spec(name, index, sub)
+            if spec is not None:
+                routers.append(spec)
+                router_modules[spec.key] = sub
+    return Discovered(tuple(params), tuple(routers), tensors, router_modules, tuple(chunks))

@@ -1,0 +1,748 @@
+"""Megatron-Core's ``finalize_model_grads`` API, executed from a meshgrad plan.
+
+Every function of the seed API page is here with its name and signature. Each helper
+discovers the model (:mod:`torch_impl.discover`), plans its step with
+:func:`meshgrad.plan.plan_finalize` (the selection rules live there only) and runs the
+plan (:mod:`torch_impl.execute`). :func:`finalize_model_grads` plans all steps at once
+and caches the plan on the model, so a repeated step does O(collectives) work.
+
+Groups: helpers take Megatron's explicit groups; ``None`` in a world of more than one
+rank is an error (Megatron's ``parallel_state`` lookup is not supported yet).
+:func:`finalize_model_grads` takes a ``ProcessGroupCollection`` (or any object with its
+attribute names), a torch ``DeviceMesh`` with meshgrad dim names, a
+:class:`~torch_impl.groups.MeshGroups` or a :class:`~torch_impl.groups.TorchGroups`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshgrad.axes import Group
+from meshgrad.config import FinalizeConfig
+from meshgrad.params import ParamKey, Role
+from meshgrad.plan import FinalizePlan, GroupSizes, Step, embedding_chunk, plan_finalize
+from torch_impl.discover import (
+    Discovered,
+    discover,
+    find_attr,
+    grad_attr,
+    param_spec,
+    position_embedding,
+    shared_word_embedding,
+    unwrap,
+)
+from torch_impl.execute import (
+    GradAccess,
+    global_token_scale,
+    is_dtensor,
+    reshard,
+    run_actions,
+    scale_grads,
+    unshard,
+)
+from torch_impl.groups import (
+    MeshGroups,
+    TorchGroups,
+    is_device_mesh,
+    mesh_groups,
+    world_rank,
+    world_size,
+)
+
+ProcessGroup = Any
+_STATE_ATTR = "_meshgrad_finalize_state"
+_MAX_PLANS = 16
+
+
+# =========================================================================== config
+
+
+@contextlib.contextmanager
+def ranked() -> Iterator[None]:
+    """Prefix the message of a ValueError / TypeError with this rank when it lacks one."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        text = str(err)
+        if text.startswith("rank "):
+            raise
+        try:
+            renamed = type(err)(f"rank {world_rank()}: {text}")
+        except Exception:  # an exception type with another constructor
+            raise err from None
+        raise renamed from err
+
+
+def resolve_config(config: Any, ddp_config: Any = None) -> FinalizeConfig:
+    """A FinalizeConfig from a Megatron TransformerConfig, a duck-typed object or a
+    FinalizeConfig, merged with a DDP config.
+
+    Raises:
+      TypeError: neither a config nor a DDP config is given.
+    """
+    if isinstance(config, FinalizeConfig) and ddp_config is None:
+        return config
+    if config is None and ddp_config is None:
+        raise TypeError(f"rank {world_rank()}: no config: pass one or set `config` on the model chunk")
+    return FinalizeConfig.from_megatron(config, ddp_config)
+
+
+def chunk_configs(model: Sequence[Any]) -> tuple[Any, Any]:
+    """The ``config`` and ``ddp_config`` found along the ``.module`` chain of the chunks."""
+    config = ddp_config = None
+    for chunk in model:
+        config = config if config is not None else find_attr(chunk, "config")
+        ddp_config = ddp_config if ddp_config is not None else find_attr(chunk, "ddp_config")
+    return config, ddp_config
+
+
+def _chunks(model: Any) -> list[Any]:
+    """The model as a non-empty list of chunks.
+
+    Raises:
+      TypeError: ``model`` is not a module or a sequence of modules.
+    """
+    if isinstance(model, nn.Module):
+        return [model]
+    if not isinstance(model, (list, tuple)) or not model:
+        raise TypeError(
+            f"rank {world_rank()}: model must be a non-empty list of nn.Module chunks, got {type(model).__name__}"
+        )
+    for i, chunk in enumerate(model):
+        if not isinstance(chunk, nn.Module):
+            raise TypeError(f"rank {world_rank()}: model[{i}] is a {type(chunk).__name__}, not an nn.Module")
+    return list(model)
+
+
+def _int_attr(config: Any, name: str, default: int | None) -> int | None:
+    value = getattr(config, name, None)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"rank {world_rank()}: config.{name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Requested:
+    """Parallel sizes the (Megatron) config asks for, beyond what FinalizeConfig holds.
+
+    Args:
+      ep: ``expert_model_parallel_size``.
+      etp: ``expert_tensor_parallel_size`` (None = tp).
+      gtp: ``gtp_weight_remat_size`` (1 = GTP inactive).
+      egtp: ``expert_gtp_weight_remat_size``.
+    """
+
+    ep: int = 1
+    etp: int | None = None
+    gtp: int = 1
+    egtp: int = 1
+
+    @classmethod
+    def from_config(cls, config: Any) -> "Requested":
+        if config is None or isinstance(config, FinalizeConfig):
+            return cls()
+        return cls(
+            ep=_int_attr(config, "expert_model_parallel_size", 1),
+            etp=_int_attr(config, "expert_tensor_parallel_size", None),
+            gtp=_int_attr(config, "gtp_weight_remat_size", 1),
+            egtp=_int_attr(config, "expert_gtp_weight_remat_size", 1),
+        )
+
+
+# =========================================================================== groups
+
+
+def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Requested) -> TorchGroups:
+    """This rank's TorchGroups from whatever ``finalize_model_grads`` was given.
+
+    Raises:
+      ValueError: no groups in a multi-rank world, or a DeviceMesh that does not fit.
+    """
+    if pg_collection is None:
+        if world_size() > 1:
+            raise ValueError(
+                f"rank {world_rank()}: pg_collection is None in a world of {world_size()} ranks; pass a "
+                "ProcessGroupCollection or a torch DeviceMesh (looking groups up in Megatron's "
+                "parallel_state is not supported yet)"
+            )
+        return TorchGroups.trivial()
+    if isinstance(pg_collection, TorchGroups):
+        return pg_collection
+    if is_device_mesh(pg_collection) or isinstance(pg_collection, MeshGroups):
+        groups = mesh_groups(pg_collection) if is_device_mesh(pg_collection) else pg_collection
+        return groups.resolve(
+            ep=requested.ep,
+            etp=requested.etp,
+            egtp=requested.egtp,
+            embedding_stages=config.embedding_stages,
+            position_embedding_stages=config.position_embedding_stages,
+        )
+    if isinstance(pg_collection, Mapping):
+        return TorchGroups.from_mapping(pg_collection, source="group mapping")
+    return TorchGroups.from_collection(pg_collection)
+
+
+def requirements(
+    config: FinalizeConfig,
+    params: Sequence[Any],
+    groups: TorchGroups,
+    requested: Requested,
+    *,
+    plain_dp_sync: bool,
+    num_tokens: bool,
+) -> tuple[dict[Group, str], dict[Group, tuple[int, str]]]:
+    """The groups ``finalize_model_grads`` needs, for :meth:`TorchGroups.check`.
+
+    Returns:
+      (required groups with reasons, expected sizes with reasons).
+    """
+    always = (Group.TP, Group.PP, Group.EMBD, Group.POS_EMBD, Group.DP_CP)
+    required = {g: "finalize_model_grads always needs it" for g in always}
+    expected: dict[Group, tuple[int, str]] = {}
+    if config.moe_router_enable_expert_bias:
+        required[Group.TP_DP_CP] = "moe_router_enable_expert_bias is set"
+    if plain_dp_sync and any(p.expert and p.has_grad for p in params):
+        required[Group.EDP] = "expert parameters (allreduce=False) are synced over expert data parallel"
+    if requested.gtp > 1:
+        expected[Group.GTP] = (requested.gtp, "config.gtp_weight_remat_size")
+    if requested.egtp > 1:
+        expected[Group.EGTP] = (requested.egtp, "config.expert_gtp_weight_remat_size")
+    gtp = max(groups.size(Group.GTP), requested.gtp)
+    if gtp > 1 and (num_tokens or config.quantile_balancing):
+        why = "GTP-remat is active and num_tokens / qb_beta are reduced over dp_cp x gtp"
+        required[Group.DP_CP_GTP] = why
+        expected[Group.DP_CP_GTP] = (groups.size(Group.DP_CP) * gtp, why)
+    return required, expected
+
+
+# =========================================================================== plan cache
+
+
+def _ddp_object(chunk: Any) -> Any:
+    """The object in the ``.module`` chain that does Megatron DDP's grad sync, or None."""
+    for _ in range(64):
+        if callable(getattr(chunk, "finish_grad_sync", None)):
+            return chunk
+        if not hasattr(chunk, "module"):
+            return None
+        chunk = chunk.module
+    return None
+
+
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BoundPlan:
+    """A plan with everything a step needs to run it.
+
+    Args:
+      plan: the FinalizePlan (all steps; DP sync only for plain chunks).
+      ddp: the DDP objects whose ``finish_grad_sync`` does step 1 for their chunks.
+      ddp_force_kwarg: per DDP object, whether it accepts ``force_all_reduce``.
+      plain_scale_keys: gradients this backend scales by num_tokens (plain chunks).
+    """
+
+    plan: FinalizePlan
+    ddp: tuple[Any, ...]
+    ddp_force_kwarg: tuple[bool, ...]
+    plain_scale_keys: tuple[ParamKey, ...]
+
+
+def build_plan(
+    found: Discovered,
+    config: FinalizeConfig,
+    sizes: GroupSizes,
+    ddp: Sequence[Any],
+    force_all_reduce: bool,
+) -> BoundPlan:
+    """Plan every step; step 1 only for chunks without a DDP wrapper."""
+    plain = {i for i, obj in enumerate(ddp) if obj is None}
+    if len(plain) == len(ddp):
+        plan = plan_finalize(found.params, config, sizes, found.routers, force_all_reduce=force_all_reduce)
+    else:
+        plan = plan_finalize(found.params, config, sizes, found.routers, dp_sync=False)
+        if plain:
+            dp = plan_finalize(
+                [p for p in found.params if p.chunk in plain], config, sizes, force_all_reduce=force_all_reduce
+            ).for_step(Step.DP_SYNC)
+            plan = dataclasses.replace(plan, actions=tuple(dp) + plan.actions)
+    objects = []
+    for obj in ddp:
+        if obj is not None and all(obj is not o for o in objects):
+            objects.append(obj)
+    return BoundPlan(
+        plan=plan,
+        ddp=tuple(objects),
+        ddp_force_kwarg=tuple(_accepts(o.finish_grad_sync, "force_all_reduce") for o in objects),
+        plain_scale_keys=tuple(k for k in plan.token_scale.keys if k[0] in plain),
+    )
+
+
+class ModelState:
+    """What ``finalize_model_grads`` caches on a model (on its first chunk).
+
+    Discovery is keyed on the chunk objects, resolved groups on the group source, and
+    plans on everything that can change them: parameters' requires_grad / gradient
+    presence and dtype, router modes, the config, the groups and the call's options.
+    """
+
+    def __init__(self, chunks: Sequence[Any]) -> None:
+        self.chunk_ids = tuple(id(c) for c in chunks)
+        self.found: dict[bool, tuple[tuple[Any, ...], Discovered]] = {}
+        self.groups: dict[tuple[Any, ...], tuple[Any, TorchGroups]] = {}
+        self.plans: dict[tuple[Any, ...], BoundPlan] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A cache: copying or pickling the model (deepcopy, torch.save) starts it afresh
+        # instead of trying to copy process groups.
+        return (ModelState, ((),))
+
+    @classmethod
+    def of(cls, chunks: Sequence[Any]) -> "ModelState":
+        state = getattr(chunks[0], _STATE_ATTR, None)
+        if not isinstance(state, cls) or state.chunk_ids != tuple(id(c) for c in chunks):
+            state = cls(chunks)
+            object.__setattr__(chunks[0], _STATE_ATTR, state)
+        return state
+
+    def discovered(self, chunks: Sequence[Any], config: FinalizeConfig) -> tuple[tuple[Any, ...], Discovered]:
+        """(fingerprint, Discovered) with this step's gradient presence."""
+        cached = self.found.get(config.has_mtp)
+        if cached is None:
+            found = discover(chunks, config)
+            cached = (found.fingerprint(), found)
+        else:
+            fingerprint = cached[1].fingerprint()
+            if fingerprint != cached[0]:
+                cached = (fingerprint, cached[1].refresh())
+        self.found[config.has_mtp] = cached
+        return cached
+
+    def resolve_groups(self, source: Any, config: FinalizeConfig, requested: Requested) -> TorchGroups:
+        """Resolved groups, cached per group source (DeviceMesh groups cache themselves)."""
+        if isinstance(source, TorchGroups) or is_device_mesh(source) or isinstance(source, MeshGroups):
+            return resolve_groups(source, config, requested)
+        if isinstance(source, Mapping):
+            fields = tuple((k, id(v)) for k, v in source.items())
+        else:
+            fields = tuple(id(getattr(source, g.value, None)) for g in Group)
+        key = (id(source), fields, world_size())
+        hit = self.groups.get(key)
+        if hit is None or hit[0] is not source:
+            hit = (source, resolve_groups(source, config, requested))
+            self.groups = {key: hit}
+        return hit[1]
+
+    def plan(self, key: tuple[Any, ...], make: Callable[[], BoundPlan]) -> BoundPlan:
+        bound = self.plans.get(key)
+        if bound is None:
+            bound = make()
+            if len(self.plans) >= _MAX_PLANS:
+                self.plans.pop(next(iter(self.plans)))
+            self.plans[key] = bound
+        return bound
+
+
+# =========================================================================== checks
+
+
+def _check_num_tokens(num_tokens: Any, bound: BoundPlan) -> None:
+    if num_tokens is None:
+        return
+    if not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
+        raise TypeError(
+            f"rank {world_rank()}: num_tokens must be a one-element tensor, got "
+            f"{type(num_tokens).__name__}{tuple(num_tokens.shape) if isinstance(num_tokens, torch.Tensor) else ''}"
+        )
+    if num_tokens.is_floating_point() or num_tokens.is_complex() or num_tokens.dtype == torch.bool:
+        raise TypeError(f"rank {world_rank()}: num_tokens must be an integer tensor, got {num_tokens.dtype}")
+    for obj in bound.ddp:
+        if not callable(getattr(obj, "scale_gradients", None)):
+            raise TypeError(
+                f"rank {world_rank()}: {type(obj).__name__} has finish_grad_sync but no scale_gradients(); "
+                "cannot scale its gradients by num_tokens"
+            )
+
+
+def _check_finite(found: Discovered, keys: Sequence[ParamKey]) -> None:
+    """Raise when a gradient holds NaN or Inf (config.check_for_nan_in_grad)."""
+    grads = GradAccess(found.tensors, local_shards=True)
+    tensors = [grads[k] for k in keys]
+    if not tensors:
+        return
+    ok = torch.stack([torch.isfinite(t).all() for t in tensors])
+    if bool(ok.all()):
+        return
+    bad = [k for k, good in zip(keys, ok.tolist()) if not good]
+    raise ValueError(
+        f"rank {world_rank()}: NaN or Inf in the gradient of {bad[0][1]!r} (chunk {bad[0][0]})"
+        + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+    )
+
+
+# =========================================================================== entry point
+
+
+def finalize_model_grads(
+    model: list[nn.Module],
+    num_tokens: torch.Tensor | None = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
+) -> None:
+    """Finalize gradients: DP sync, pipeline/tensor-parallel fix-ups, router updates,
+    temporaries reset and num_tokens scaling (SPEC.md section 2, steps 1 to 11).
+
+    Args:
+      model: this rank's model chunks (virtual pipeline chunks), possibly wrapped in
+        Megatron DDP (then its ``finish_grad_sync`` / ``scale_gradients`` are used).
+      num_tokens: one-element integer tensor: the local token count of the last pipeline
+        stage; gradients are divided by the global count (no host sync).
+      pg_collection: a ProcessGroupCollection (or any object with its attribute names),
+        a torch DeviceMesh with meshgrad dim names, a MeshGroups or a TorchGroups. None:
+        only in a world of one rank.
+      force_all_reduce: all-reduce instead of a distributed optimizer's reduce-scatter.
+
+    Raises:
+      TypeError / ValueError: before any communication or mutation, naming the rank and
+        the group or parameter at fault.
+    """
+    force = bool(force_all_reduce)
+    with ranked():
+        bound, found, groups, config = _prepare(model, num_tokens, pg_collection, force)
+    with torch.no_grad():
+        for obj, kwarg in zip(bound.ddp, bound.ddp_force_kwarg):
+            if kwarg:
+                obj.finish_grad_sync(force_all_reduce=force)
+            else:
+                obj.finish_grad_sync()
+        grads = GradAccess(found.tensors, config.use_megatron_fsdp)
+        run_actions(bound.plan.actions, grads, found.router_modules, groups)
+        if num_tokens is not None:
+            scale = global_token_scale(num_tokens, bound.plan.token_scale, groups)
+            for obj in bound.ddp:
+                obj.scale_gradients(scale)
+            grads = GradAccess(found.tensors, local_shards=True)
+            scale_grads([grads[k] for k in bound.plain_scale_keys], scale)
+
+
+def _prepare(
+    model: Any, num_tokens: Any, pg_collection: Any, force: bool
+) -> tuple[BoundPlan, Discovered, TorchGroups, FinalizeConfig]:
+    """Everything finalize_model_grads checks and plans before touching anything.
+
+    Returns:
+      (the cached or new plan, the discovered model, the groups, the config).
+    """
+    chunks = _chunks(model)
+    raw_config, ddp_config = chunk_configs(chunks)
+    config = resolve_config(raw_config, ddp_config)
+    requested = Requested.from_config(raw_config)
+    state = ModelState.of(chunks)
+    groups = state.resolve_groups(pg_collection, config, requested)
+    fingerprint, found = state.discovered(chunks, config)
+    ddp = tuple(_ddp_object(c) for c in chunks)
+
+    def make() -> BoundPlan:
+        plain = {i for i, obj in enumerate(ddp) if obj is None}
+        plain_params = [p for p in found.params if p.chunk in plain]
+        required, expected = requirements(
+            config, plain_params, groups, requested, plain_dp_sync=bool(plain), num_tokens=num_tokens is not None
+        )
+        groups.check(required, expected)
+        return build_plan(found, config, groups.group_sizes(config), ddp, force)
+
+    key = (fingerprint, config, groups, requested, force, num_tokens is not None, tuple(id(d) for d in ddp))
+    bound = state.plan(key, make)
+    _check_num_tokens(num_tokens, bound)
+    if config.check_for_nan_in_grad:
+        _check_finite(found, [p.key for p in found.params if p.has_grad and ddp[p.chunk] is None])
+    return bound, found, groups, config
+
+
+# =========================================================================== seed helpers
+
+
+def _get_main_grad_attr(param: nn.Parameter) -> str:
+    """Name of the gradient attribute to use: ``"main_grad"`` if the parameter has one,
+    else ``"grad"``."""
+    return grad_attr(param)
+
+
+def _unshard_if_dtensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Unshards the input tensor if it is a DTensor and otherwise returns it unmodified.
+
+    Args:
+      tensor: the tensor to potentially unshard.
+
+    Returns:
+      The whole tensor of a DTensor, or ``tensor`` itself.
+    """
+    return unshard(tensor)
+
+
+def _reshard_if_dtensor(tensor_to_shard: torch.Tensor, reference_tensor: torch.Tensor) -> torch.Tensor:
+    """Reshards ``tensor_to_shard`` like ``reference_tensor`` if that is a DTensor.
+
+    Args:
+      tensor_to_shard: the whole tensor (identical on every rank of the DTensor's mesh).
+      reference_tensor: the reference for mesh and placements.
+
+    Returns:
+      A DTensor with the reference's mesh, placements and attributes, or
+      ``reference_tensor`` itself when it is not a DTensor.
+    """
+    if not is_dtensor(reference_tensor):
+        return reference_tensor
+    return reshard(tensor_to_shard, reference_tensor)
+
+
+def _explicit(groups: Mapping[Group, ProcessGroup | None], needed: Mapping[Group, str]) -> TorchGroups:
+    """TorchGroups from a helper's explicit groups; None is only fine in a world of one.
+
+    Raises:
+      ValueError: a needed group is None in a multi-rank world.
+    """
+    if world_size() > 1:
+        for group, why in needed.items():
+            if groups.get(group) is None:
+                raise ValueError(
+                    f"rank {world_rank()}: the {group.value!r} group is None in a world of {world_size()} "
+                    f"ranks ({why}); pass it explicitly (Megatron parallel_state lookup is not supported yet)"
+                )
+    return TorchGroups.from_mapping(groups, source="explicit groups")
+
+
+def _model_config(model: Sequence[Any], config: Any) -> FinalizeConfig:
+    if config is None:
+        config = chunk_configs(model)[0]
+    return resolve_config(config)
+
+
+def _run_steps(
+    model: Any,
+    config: FinalizeConfig,
+    groups: TorchGroups,
+    steps: Sequence[Step],
+    found: Discovered | None = None,
+) -> None:
+    """Discover, plan, and run only ``steps``."""
+    with ranked():
+        chunks = _chunks(model)
+        # No embedding step runs here: the configured embedding stage sets do not apply.
+        config = config.replace(embedding_stages=None, position_embedding_stages=None)
+        found = found if found is not None else discover(chunks, config)
+        plan = plan_finalize(found.params, config, groups.group_sizes(config), found.routers, dp_sync=False)
+    actions = plan.for_step(*steps)
+    if actions:
+        run_actions(actions, GradAccess(found.tensors, config.use_megatron_fsdp), found.router_modules, groups)
+
+
+@ranked()
+def _allreduce_conditional_embedding_grads(
+    model: list[nn.Module], config: Any, pp_group: ProcessGroup | None = None
+) -> None:
+    """All-reduce conditional embedding grads (params flagged ``pipeline_parallel``) over
+    the pipeline stages, summing this rank's virtual-chunk copies first (SPEC 2.2)."""
+    cfg = resolve_config(config)
+    needed = {Group.PP: "config.has_cond_embedder"} if cfg.has_cond_embedder else {}
+    _run_steps(model, cfg, _explicit({Group.PP: pp_group}, needed), [Step.COND_EMBEDDER])
+
+
+@ranked()
+def _allreduce_router_grads(
+    model: list[nn.Module], config: Any, *, pp_group: ProcessGroup | None = None
+) -> None:
+    """All-reduce router grads (params flagged ``flextron_router_pp_sync``) over the
+    pipeline stages (SPEC 2.3).
+
+    Args:
+      model: the model chunks.
+      config: transformer config (``flextron`` enables the step).
+      pp_group: keyword-only extension: the pipeline group (Megatron looks it up).
+    """
+    cfg = resolve_config(config)
+    needed = {Group.PP: "config.flextron"} if cfg.flextron else {}
+    _run_steps(model, cfg, _explicit({Group.PP: pp_group}, needed), [Step.ROUTER])
+
+
+@ranked()
+def _allreduce_non_tensor_model_parallel_grads(
+    model: list[nn.Module], config: Any, tp_group: ProcessGroup | None = None
+) -> None:
+    """All-reduce layernorm grads (sequence parallel, qk-layernorm) and
+    ``average_gradients_across_tp_domain`` grads over the tensor-parallel group (SPEC 2.4)."""
+    cfg = resolve_config(config)
+    _run_steps(model, cfg, _explicit({Group.TP: tp_group}, {Group.TP: "tensor-parallel grads"}), [Step.NON_TP])
+
+
+_allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
+
+
+@ranked()
+def _allreduce_replicated_grads_over_gtp_remat_group(
+    model: list[nn.Module],
+    gtp_remat_group: ProcessGroup | None,
+    egtp_remat_group: ProcessGroup | None,
+    calculate_per_token_loss: bool = False,
+) -> None:
+    """Complete the gtp_remat / egtp_remat reduction of replicated (not
+    ``is_gtp_weight_remat``) params: SUM with per-token loss, else AVG (SPEC 2.5).
+    No-op when both groups are None or of size 1."""
+    chunks = _chunks(model)
+    raw = chunk_configs(chunks)[0]
+    base = resolve_config(raw) if raw is not None else FinalizeConfig()
+    cfg = base.replace(calculate_per_token_loss=bool(calculate_per_token_loss))
+    groups = TorchGroups.from_mapping(
+        {Group.GTP: gtp_remat_group, Group.EGTP: egtp_remat_group}, source="explicit groups"
+    )
+    _run_steps(chunks, cfg, groups, [Step.GTP])
+
+
+def _get_shared_word_embedding_weight(model_module: nn.Module, config: Any) -> nn.Parameter | None:
+    """Return the shared word-embedding weight if it is duplicated across stages.
+
+    Args:
+      model_module: the (unwrapped) model chunk.
+      config: transformer config (``mtp_num_layers``).
+
+    Returns:
+      ``shared_embedding_or_output_weight()`` when the module shares embeddings and
+      output weights or MTP is on; otherwise None.
+    """
+    return shared_word_embedding(model_module, bool(getattr(config, "mtp_num_layers", None)))
+
+
+def _get_position_embedding_weight(model_module: nn.Module) -> nn.Parameter:
+    """Return ``model_module.position_embeddings.weight``.
+
+    Raises:
+      AttributeError: the module has no position embedding.
+    """
+    weight = position_embedding(model_module)
+    if weight is None:
+        raise AttributeError(f"{type(model_module).__name__} has no position_embeddings.weight")
+    return weight
+
+
+@ranked()
+def _allreduce_embedding_grad(
+    model: list[nn.Module],
+    embd_group: ProcessGroup,
+    pp_group: ProcessGroup,
+    weight_getter: Callable[[nn.Module], nn.Parameter | None],
+    skip_if_none: bool = True,
+    config: Any = None,
+) -> None:
+    """All-reduce one embedding parameter over the pipeline stages of ``embd_group``.
+
+    The chunk used is ``model[0]`` on the first stage, ``model[-1]`` on the last and on
+    middle stages ``model[-1]`` with MTP, else ``model[0]`` (SPEC 2.6 / 2.7).
+
+    Args:
+      model: the model chunks (PP/VPP).
+      embd_group: the group to reduce over.
+      pp_group: the pipeline group (stage detection).
+      weight_getter: returns the parameter of the unwrapped chunk, or None.
+      skip_if_none: quietly return when the parameter or its gradient is None; else raise.
+      config: transformer config (``mtp_num_layers``); default: the chunk's.
+
+    Raises:
+      ValueError: ``skip_if_none`` is False and the parameter or its gradient is None.
+    """
+    chunks = _chunks(model)
+    cfg = _model_config(chunks, config)
+    needed = {Group.EMBD: "embedding group", Group.PP: "pipeline stage detection"}
+    groups = _explicit({Group.EMBD: embd_group, Group.POS_EMBD: embd_group, Group.PP: pp_group}, needed)
+    stages = groups.stages.get(Group.EMBD)
+    if stages is None or groups.size(Group.EMBD) <= 1:
+        return
+    stage, pp = groups.pp_stage, groups.pp_size
+    index = embedding_chunk(stage, pp, len(chunks), cfg.has_mtp)
+    module = unwrap(chunks[index])
+    weight = weight_getter(module)
+    if weight is None:
+        if skip_if_none:
+            return
+        raise ValueError(f"rank {groups.rank}: pp stage {stage}: chunk {index} has no embedding weight to reduce")
+    name = next((n for n, p in module.named_parameters() if p is weight), "embedding.weight")
+    role, step = (
+        (Role.WORD_EMBEDDING, Step.WORD_EMBEDDING) if skip_if_none else (Role.POSITION_EMBEDDING, Step.POS_EMBEDDING)
+    )
+    spec = param_spec(name, index, weight, role)
+    found = Discovered((spec,), (), {spec.key: weight}, {}, tuple(chunks))
+    plan_cfg = FinalizeConfig(share_embeddings_and_output_weights=True, mtp_num_layers=cfg.mtp_num_layers)
+    sizes = GroupSizes(sizes={Group.PP: pp}, embd_stages=stages, pos_embd_stages=stages)
+    with ranked():
+        plan = plan_finalize(found.params, plan_cfg, sizes, dp_sync=False)
+    run_actions(plan.for_step(step), GradAccess(found.tensors, cfg.use_megatron_fsdp), {}, groups)
+
+
+def _allreduce_word_embedding_grads(
+    model: list[nn.Module],
+    config: Any,
+    embd_group: ProcessGroup | None = None,
+    pp_group: ProcessGroup | None = None,
+) -> None:
+    """All-reduce the tied word-embedding gradient across the first and last pipeline
+    stages (and any other stage of ``embd_group``), SPEC 2.6."""
+    _allreduce_embedding_grad(
+        model,
+        embd_group,
+        pp_group,
+        lambda module: _get_shared_word_embedding_weight(module, config),
+        skip_if_none=True,
+        config=config,
+    )
+
+
+def _allreduce_position_embedding_grads(
+    model: list[nn.Module], config: Any, pos_emb_group: ProcessGroup, pp_group: ProcessGroup
+) -> None:
+    """All-reduce the position-embedding gradient over ``pos_emb_group`` (SPEC 2.7); a
+    missing gradient on a member stage is an error."""
+    _allreduce_embedding_grad(
+        model, pos_emb_group, pp_group, _get_position_embedding_weight, skip_if_none=False, config=config
+    )
+
+
+@ranked()
+def _update_router_expert_bias(
+    model: list[nn.Module], config: Any, tp_dp_cp_group: ProcessGroup | None = None
+) -> None:
+    """Update trained routers' expert bias from token counts summed over tp x dp x cp
+    (one collective for all routers), SPEC 2.8."""
+    cfg = resolve_config(config)
+    needed = {Group.TP_DP_CP: "moe_router_enable_expert_bias"} if cfg.moe_router_enable_expert_bias else {}
+    _run_steps(model, cfg, _explicit({Group.TP_DP_CP: tp_dp_cp_group}, needed), [Step.EXPERT_BIAS])
+
+
+@ranked()
+def _update_router_qb_beta(model: list[nn.Module], config: Any, dp_cp_group: ProcessGroup | None = None) -> None:
+    """Update the quantile-balancing bias once per global batch: AVG of
+    ``qb_beta_accum / max(qb_beta_count, 1)`` over ``dp_cp_group``, EMA blend, re-centre
+    (SPEC 2.9)."""
+    cfg = resolve_config(config)
+    needed = {Group.DP_CP: "quantile_balancing"} if cfg.quantile_balancing else {}
+    _run_steps(model, cfg, _explicit({Group.DP_CP: dp_cp_group}, needed), [Step.QB_BETA])
+
+
+@ranked()
+def reset_model_temporary_tensors(config: Any, model: list[nn.Module]) -> None:
+    """Reset the temporary tensors of the model: token counts, qb accumulators, the global
+    aux-loss tracker (SPEC 2.10)."""
+    _run_steps(model, resolve_config(config), TorchGroups.trivial(), [Step.RESET])

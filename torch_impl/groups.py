@@ -1,0 +1,419 @@
+"""Named meshgrad groups as torch ProcessGroups, from a DeviceMesh or a group collection.
+
+:class:`TorchGroups` is one rank's view of the named groups of SPEC.md section 1: the
+process group of each :class:`meshgrad.Group` (``None`` = size 1, no communication), its
+pipeline stage and the pp stages of the embedding groups. It comes from
+
+* a Megatron ``ProcessGroupCollection`` or any object with its attribute names
+  (:meth:`TorchGroups.from_collection`), or a plain mapping (:meth:`TorchGroups.from_mapping`);
+* a torch ``DeviceMesh`` whose dim names are meshgrad axis names, through
+  :class:`MeshGroups`, which builds the multi-axis, expert and embedding groups with
+  ``dist.new_group`` once and caches them on itself.
+
+Nothing here is global: the caller keeps the objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from meshgrad.axes import DENSE_AXES, EXPERT_AXES, GROUP_AXES, Axis, Group, ParallelDims, stage_set
+from meshgrad.config import FinalizeConfig
+from meshgrad.plan import GroupSizes
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps duck-typed groups usable
+STAGE_GROUPS = (Group.EMBD, Group.POS_EMBD)
+
+
+def world_rank() -> int:
+    """This process's global rank (0 when torch.distributed is not initialized)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The world size (1 when torch.distributed is not initialized)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+_NON_MEMBER = getattr(dist.GroupMember, "NON_GROUP_MEMBER", object())
+
+
+def _is_group(value: Any) -> bool:
+    return value is not None and value is not _NON_MEMBER
+
+
+def group_ranks(group: ProcessGroup) -> list[int]:
+    """Global ranks of ``group`` in group-rank order."""
+    ranks = dist.get_process_group_ranks(group)
+    return sorted(ranks, key=lambda r: dist.get_group_rank(group, r))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TorchGroups:
+    """One rank's process groups for every named group.
+
+    Args:
+      rank: this process's global rank.
+      groups: per Group, the ProcessGroup this rank is a member of, or None (size 1, or
+        for EMBD / POS_EMBD possibly "not a member").
+      sizes: per Group, its size (1 where the group is None).
+      pp_ranks: global ranks of this rank's pp group, by pp stage.
+      stages: for EMBD / POS_EMBD, the member pp stages, or None when this rank is not a
+        member.
+      missing: groups the source does not define at all (collections only).
+      source: a short description of where the groups came from (for errors).
+    """
+
+    rank: int
+    groups: Mapping[Group, ProcessGroup | None]
+    sizes: Mapping[Group, int]
+    pp_ranks: tuple[int, ...]
+    stages: Mapping[Group, tuple[int, ...] | None]
+    missing: frozenset[Group] = frozenset()
+    source: str = "process groups"
+
+    # ------------------------------------------------------------------ queries
+    def group(self, group: Group) -> ProcessGroup | None:
+        """The process group to communicate over, or None when there is nothing to do."""
+        return self.groups.get(group) if self.size(group) > 1 else None
+
+    def size(self, group: Group) -> int:
+        return int(self.sizes.get(group, 1))
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.pp_ranks)
+
+    @property
+    def pp_stage(self) -> int:
+        return self.pp_ranks.index(self.rank)
+
+    @property
+    def pp_last_rank(self) -> int:
+        """Global rank of the last pipeline stage of this rank's pp group."""
+        return self.pp_ranks[-1]
+
+    def group_sizes(self, config: FinalizeConfig) -> GroupSizes:
+        """The :class:`meshgrad.plan.GroupSizes` to plan with.
+
+        Members of EMBD / POS_EMBD use the stages of their group; a non-member uses the
+        configured stage set without its own stage (it then does nothing).
+
+        Raises:
+          ValueError: the configured stage set disagrees with the group's members.
+        """
+        out: dict[Group, tuple[int, ...]] = {}
+        for group, name, default in (
+            (Group.EMBD, "embedding_stages", "first_last"),
+            (Group.POS_EMBD, "position_embedding_stages", "first"),
+        ):
+            configured = getattr(config, name)
+            stages = self.stages.get(group)
+            try:
+                wanted = stage_set(configured, self.pp_size, default)
+            except ValueError as err:
+                raise ValueError(f"rank {self.rank}: config.{name}: {err}") from None
+            if stages is None:
+                out[group] = tuple(s for s in wanted if s != self.pp_stage)
+                continue
+            if configured is not None and tuple(stages) != wanted:
+                raise ValueError(
+                    f"rank {self.rank}: group {group.value!r} of the {self.source} spans pp "
+                    f"stages {list(stages)} but config.{name} = {list(configured)}"
+                )
+            out[group] = tuple(stages)
+        plain = {g: self.size(g) for g in Group if g not in STAGE_GROUPS}
+        plain[Group.PP] = self.pp_size
+        return GroupSizes(sizes=plain, embd_stages=out[Group.EMBD], pos_embd_stages=out[Group.POS_EMBD])
+
+    # ------------------------------------------------------------------ validation
+    def check(
+        self,
+        required: Mapping[Group, str] | None = None,
+        expected: Mapping[Group, tuple[int, str]] | None = None,
+    ) -> None:
+        """Raise before any communication when a needed group is absent or mis-sized.
+
+        Args:
+          required: groups that must be defined by the source, with the reason.
+          expected: groups whose size must equal a value (when that value is > 1, the
+            group must exist), with the reason.
+
+        Raises:
+          ValueError: naming the group, this rank and what was expected.
+        """
+        for group, why in (required or {}).items():
+            if group in self.missing:
+                raise ValueError(
+                    f"rank {self.rank}: process group {group.value!r} is missing from the "
+                    f"{self.source}; it is required ({why}). Set it (None if it has size 1)."
+                )
+        for group, (size, why) in (expected or {}).items():
+            have = self.size(group)
+            if group in STAGE_GROUPS or size == have or (size <= 1 and have <= 1):
+                continue
+            state = "missing" if group in self.missing else f"of size {have}"
+            raise ValueError(
+                f"rank {self.rank}: process group {group.value!r} is {state} in the "
+                f"{self.source}, expected size {size} ({why})"
+            )
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def trivial(cls, rank: int | None = None, source: str = "trivial groups") -> "TorchGroups":
+        """Every group of size 1 (a world of one rank)."""
+        rank = world_rank() if rank is None else rank
+        return cls(
+            rank=rank,
+            groups={},
+            sizes={},
+            pp_ranks=(rank,),
+            stages={Group.EMBD: (0,), Group.POS_EMBD: (0,)},
+            source=source,
+        )
+
+    @classmethod
+    def from_collection(cls, collection: Any, source: str | None = None) -> "TorchGroups":
+        """From a ``ProcessGroupCollection`` (or any object with its attribute names).
+
+        An attribute set to None is a size-1 group (EMBD / POS_EMBD: this rank is not a
+        member); an absent attribute is recorded in ``missing``.
+        """
+        values: dict[Group, Any] = {}
+        for group in Group:
+            if hasattr(collection, group.value):
+                values[group] = getattr(collection, group.value)
+        return cls.from_mapping(values, defined=frozenset(values), source=source or type(collection).__name__)
+
+    @classmethod
+    def from_mapping(
+        cls,
+        values: Mapping[Group | str, ProcessGroup | None],
+        defined: Iterable[Group | str] | None = None,
+        source: str = "process groups",
+        rank: int | None = None,
+    ) -> "TorchGroups":
+        """From ``{group: ProcessGroup or None}``; unlisted groups are size 1.
+
+        Args:
+          values: the groups this rank belongs to.
+          defined: the groups the source defines (default: the keys of ``values``).
+          source: description used in error messages.
+          rank: global rank (default: this process's).
+
+        Raises:
+          ValueError: this rank is not a member of a group it was given (other than
+            EMBD / POS_EMBD), or the embedding group is not within its pp group.
+        """
+        rank = world_rank() if rank is None else rank
+        named = {Group(g): v for g, v in values.items()}
+        defined_set = frozenset(Group(g) for g in (named if defined is None else defined))
+        groups: dict[Group, ProcessGroup | None] = {}
+        sizes: dict[Group, int] = {}
+        member_ranks: dict[Group, list[int] | None] = {}
+        for group, value in named.items():
+            if value is _NON_MEMBER and group not in STAGE_GROUPS:
+                raise ValueError(
+                    f"rank {rank} is not a member of the {group.value!r} group given by the {source} "
+                    "(dist.new_group returned NON_GROUP_MEMBER here)"
+                )
+            if not _is_group(value):
+                groups[group], sizes[group] = None, 1
+                member_ranks[group] = None
+                continue
+            ranks = group_ranks(value)
+            if rank not in ranks:
+                if group in STAGE_GROUPS:
+                    groups[group], sizes[group] = None, 1
+                    member_ranks[group] = None
+                    continue
+                raise ValueError(
+                    f"rank {rank} is not a member of the {group.value!r} group {ranks} given by "
+                    f"the {source}"
+                )
+            groups[group], sizes[group] = value, len(ranks)
+            member_ranks[group] = ranks
+        pp_ranks = tuple(member_ranks.get(Group.PP) or (rank,))
+        stages: dict[Group, tuple[int, ...] | None] = {}
+        for group in STAGE_GROUPS:
+            ranks = member_ranks.get(group)
+            if ranks is None:
+                # None / absent: a member of a size-1 group when pp == 1, else not a member.
+                stages[group] = (0,) if len(pp_ranks) == 1 and _is_none_group(named, group) else None
+                continue
+            outside = [r for r in ranks if r not in pp_ranks]
+            if outside:
+                raise ValueError(
+                    f"rank {rank}: the {group.value!r} group {ranks} of the {source} has ranks "
+                    f"{outside} outside this rank's pp group {list(pp_ranks)}"
+                )
+            stages[group] = tuple(sorted(pp_ranks.index(r) for r in ranks))
+        return cls(
+            rank=rank,
+            groups=groups,
+            sizes=sizes,
+            pp_ranks=pp_ranks,
+            stages=stages,
+            missing=frozenset(Group) - defined_set,
+            source=source,
+        )
+
+
+def _is_none_group(named: Mapping[Group, Any], group: Group) -> bool:
+    return not _is_group(named.get(group))
+
+
+# --------------------------------------------------------------------------- DeviceMesh
+
+
+def _rows(grid: np.ndarray, names: Sequence[Axis], axes: Sequence[Axis]) -> list[tuple[int, ...]]:
+    """Every instance of the group varying ``axes`` of ``grid`` (dims named ``names``)."""
+    varying = [names.index(a) for a in axes]
+    fixed = [i for i in range(grid.ndim) if i not in varying]
+    moved = np.transpose(grid, fixed + varying)
+    width = int(np.prod([grid.shape[i] for i in varying], dtype=np.int64))
+    return [tuple(int(r) for r in row) for row in moved.reshape(-1, width)]
+
+
+class MeshGroups:
+    """Process groups of a torch ``DeviceMesh`` with meshgrad dim names, built once.
+
+    The mesh's dims must be named after dense axes (``pp``, ``dp``, ``cp``, ``gtp``,
+    ``tp``); absent ones have size 1. Expert groups come from the same ranks in the expert
+    order (``pp, edp, egtp, ep, etp``). Groups that span several mesh dims, expert groups
+    and the embedding subset groups are created with ``dist.new_group`` the first time a
+    layout asks for them -- every rank must make the same calls in the same order, so
+    call :meth:`resolve` collectively -- and cached on this object.
+
+    Args:
+      mesh: the DeviceMesh.
+
+    Raises:
+      ValueError: a dim name is not a dense meshgrad axis, or is repeated.
+    """
+
+    def __init__(self, mesh: Any) -> None:
+        names = tuple(mesh.mesh_dim_names or ())
+        dense = {a.value for a in DENSE_AXES}
+        bad = [n for n in names if n not in dense]
+        if bad or len(set(names)) != len(names) or len(names) != mesh.ndim:
+            raise ValueError(
+                f"rank {world_rank()}: DeviceMesh dim names {list(names)} must be distinct "
+                f"dense meshgrad axis names from {sorted(dense)}"
+            )
+        self.mesh = mesh
+        grid = np.asarray(mesh.mesh.cpu().numpy())
+        order = [names.index(a.value) for a in DENSE_AXES if a.value in names]
+        grid = np.transpose(grid, order)
+        shape = [mesh.size(names.index(a.value)) if a.value in names else 1 for a in DENSE_AXES]
+        self.grid = grid.reshape(shape)
+        self.rank = world_rank()
+        self._by_rows: dict[tuple[tuple[int, ...], ...], ProcessGroup | None] = {}
+        self._resolved: dict[tuple[Any, ...], TorchGroups] = {}
+        for name in names:
+            rows = _rows(self.grid, DENSE_AXES, (Axis(name),))
+            if len(rows[0]) > 1:
+                self._by_rows[_canon(rows)] = mesh.get_group(name)
+
+    def dims(self, *, ep: int = 1, etp: int | None = None, egtp: int = 1) -> ParallelDims:
+        """The ParallelDims of this mesh with the given expert factoring."""
+        pp, dp, cp, gtp, tp = self.grid.shape
+        return ParallelDims(pp=pp, dp=dp, cp=cp, gtp=gtp, tp=tp, ep=ep, etp=etp, egtp=egtp)
+
+    def resolve(
+        self,
+        *,
+        ep: int = 1,
+        etp: int | None = None,
+        egtp: int = 1,
+        embedding_stages: Sequence[int] | None = None,
+        position_embedding_stages: Sequence[int] | None = None,
+    ) -> TorchGroups:
+        """This rank's :class:`TorchGroups` for an expert factoring and embedding stages.
+
+        Collective on first use of a layout (creates groups); cached afterwards.
+
+        Raises:
+          ValueError: the expert sizes do not factor the mesh, or a stage is out of range.
+        """
+        try:
+            dims = self.dims(ep=ep, etp=etp, egtp=egtp)
+            embd = stage_set(embedding_stages, dims.pp, "first_last")
+            pos = stage_set(position_embedding_stages, dims.pp, "first")
+        except ValueError as err:
+            raise ValueError(f"rank {self.rank}: DeviceMesh {tuple(self.grid.shape)}: {err}") from None
+        key = (dims.ep, dims.etp, dims.egtp, embd, pos)
+        if key not in self._resolved:
+            self._resolved[key] = self._build(dims, embd, pos)
+        return self._resolved[key]
+
+    def _build(self, dims: ParallelDims, embd: tuple[int, ...], pos: tuple[int, ...]) -> TorchGroups:
+        pp_rows = [r for r in _rows(self.grid, DENSE_AXES, (Axis.PP,)) if self.rank in r]
+        if not pp_rows:
+            raise ValueError(f"rank {self.rank} is not part of the DeviceMesh {self.grid.tolist()}")
+        pp_row = pp_rows[0]
+        expert_grid = self.grid.reshape(dims.expert_shape())
+        groups: dict[Group, ProcessGroup | None] = {}
+        sizes: dict[Group, int] = {}
+        for group in Group:
+            if group in STAGE_GROUPS:
+                continue
+            axes = GROUP_AXES[group]
+            expert = any(a in EXPERT_AXES and a is not Axis.PP for a in axes)
+            grid, names = (expert_grid, EXPERT_AXES) if expert else (self.grid, DENSE_AXES)
+            rows = _rows(grid, names, axes)
+            groups[group], sizes[group] = self._group(rows, group.value), len(rows[0])
+        stages: dict[Group, tuple[int, ...] | None] = {}
+        for group, chosen in ((Group.EMBD, embd), (Group.POS_EMBD, pos)):
+            rows = [tuple(row[s] for s in chosen) for row in _rows(self.grid, DENSE_AXES, (Axis.PP,))]
+            member = self.rank in {r for row in rows for r in row}
+            groups[group] = self._group(rows, group.value)
+            sizes[group] = len(chosen) if member else 1
+            stages[group] = chosen if member else None
+        return TorchGroups(
+            rank=self.rank,
+            groups=groups,
+            sizes=sizes,
+            pp_ranks=pp_row,
+            stages=stages,
+            source=f"DeviceMesh {dict(zip([a.value for a in DENSE_AXES], self.grid.shape))}",
+        )
+
+    def _group(self, rows: list[tuple[int, ...]], desc: str) -> ProcessGroup | None:
+        """This rank's group among ``rows`` (None when size 1 or not a member)."""
+        if len(rows[0]) <= 1:
+            return None
+        key = _canon(rows)
+        if key not in self._by_rows:
+            mine = None
+            for row in rows:  # every rank creates every instance, in the same order
+                pg = dist.new_group(sorted(row), group_desc=f"meshgrad_{desc}")
+                if self.rank in row:
+                    mine = pg
+            self._by_rows[key] = mine
+        return self._by_rows[key]
+
+
+def _canon(rows: Iterable[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(sorted(tuple(sorted(r)) for r in rows))
+
+
+def mesh_groups(mesh: Any) -> MeshGroups:
+    """The :class:`MeshGroups` of a DeviceMesh, created once and kept on the mesh object."""
+    cached = getattr(mesh, "_meshgrad_groups", None)
+    if not isinstance(cached, MeshGroups) or cached.mesh is not mesh:
+        cached = MeshGroups(mesh)
+        mesh._meshgrad_groups = cached
+    return cached
+
+
+def is_device_mesh(obj: Any) -> bool:
+    """Whether ``obj`` is a torch DeviceMesh (no import: none exists before the module is)."""
+    module = sys.modules.get("torch.distributed.device_mesh")
+    return module is not None and isinstance(obj, getattr(module, "DeviceMesh", ()))
