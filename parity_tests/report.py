@@ -121,17 +121,25 @@ def _fmt(cell: tuple[bool, float] | None) -> str:
 def format_table(reports: Sequence[ScenarioReport], backends: Sequence[str]) -> str:
     """Step x scenario table of max abs differences against the reference."""
     name_w = max([len(r.scenario.name) for r in reports] + [8])
-    header = f"{'scenario':<{name_w}}  {'step':<15}" + "".join(f"{b + ' Δ':>12}" for b in backends) + "  verdict"
+    timing = "jax" in backends
+    header = (
+        f"{'scenario':<{name_w}}  {'step':<15}" + "".join(f"{b + ' Δ':>12}" for b in backends) + "  verdict"
+        + ("  jax compile / run" if timing else "")
+    )
     lines = [header, "-" * len(header)]
     for rep in reports:
         steps = [s for s in STEPS if any(s in rep.steps.get(b, {}) for b in backends)]
-        for step in steps or ["(none)"]:
+        for i, step in enumerate(steps or ["(none)"]):
             cells = [_fmt(rep.steps.get(b, {}).get(step)) for b in backends]
             ok = all(rep.steps.get(b, {}).get(step, (True, 0))[0] for b in backends)
-            lines.append(
+            line = (
                 f"{rep.scenario.name:<{name_w}}  {step:<15}" + "".join(f"{c:>12}" for c in cells)
-                + ("  ok" if ok and rep.ok else "  FAIL")
+                + ("  ok     " if ok and rep.ok else "  FAIL   ")
             )
+            jax_result = rep.results.get("jax")
+            if timing and i == 0 and jax_result is not None and jax_result.outputs is not None:
+                line += f"  {(jax_result.compile_seconds or 0.0) * 1e3:7.0f}ms / {jax_result.seconds * 1e3:.2f}ms"
+            lines.append(line.rstrip())
         for backend, lines_ in rep.failures.items():
             for failure in lines_[:3]:
                 lines.append(f"    {backend}: {failure}")
