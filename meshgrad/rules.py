@@ -29,8 +29,13 @@ def expert_bias_update(bias: Array, tokens: Array, rate: float, xp: Any) -> Arra
     Returns:
       The new bias, in ``bias``'s dtype.
     """
-    offset = xp.sign(row_mean(tokens) - tokens)
-    return bias + (offset * rate).astype(bias.dtype) if hasattr(offset, "astype") else bias + (offset * rate).to(bias.dtype)
+    offset = xp.sign(row_mean(tokens) - tokens) * rate
+    return bias + cast(offset, bias)
+
+
+def cast(x: Array, like: Array) -> Array:
+    """``x`` in ``like``'s dtype (torch tensors use ``.to``, numpy/jax ``.astype``)."""
+    return x.to(like.dtype) if hasattr(x, "to") else x.astype(like.dtype)
 
 
 def qb_local(accum: Array, count: Array, xp: Any) -> Array:
