@@ -156,8 +156,10 @@ def apply_reduction(action: Reduction, grads: Grads, comm: Collectives) -> Grads
             x = x + _get(grads, c, str(action.step))
         parts.append(x)
     dtypes = [p.dtype for p in parts]
-    if action.reduce_in_fp32:
-        parts = [p.astype(jnp.float32) for p in parts]
+    # The collective's dtype: float32 under reduce_in_fp32, else the plan's (a fused
+    # reduction over several dtypes runs in their promotion, as Megatron's flatten does).
+    work = jnp.dtype(action.work_dtype)
+    parts = [p if p.dtype == work else p.astype(work) for p in parts]
     if action.pre_scale != 1.0:
         parts = [p * jnp.asarray(action.pre_scale, p.dtype) for p in parts]
     size = comm.size(action.group)
@@ -409,6 +411,8 @@ def select(
     sub_routers: dict[ParamKey, dict[str, Any]] = {}
     for key, field in fields:
         state = routers.get(key)
+        if state is None and field == AUX_LOSS:  # optional: absent router state is fine
+            continue
         if state is None:
             raise KeyError(f"router {key[1]!r} (chunk {key[0]}) is missing")
         if field in state:

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from meshgrad.axes import DENSE_AXES, Group, ParallelDims
 from meshgrad.config import FinalizeConfig
@@ -82,6 +83,42 @@ def _leading(plan: FinalizePlan, grads: Mapping[ParamKey, Array], routers: Mappi
     return next(iter(found), None)
 
 
+def check_inputs(
+    plan: FinalizePlan,
+    grads: Mapping[ParamKey, Any],
+    num_tokens: Any,
+    leading: tuple[int, ...] | None,
+) -> None:
+    """Dtypes always; NaN / Inf with ``config.check_for_nan_in_grad`` (concrete inputs:
+    a traced value, under ``jax.jit``, cannot be inspected -- use ``jax_debug_nans``).
+
+    Raises:
+      TypeError: a gradient that is not floating point, or num_tokens that is not integer.
+      ValueError: NaN / Inf in a gradient, naming the parameter and the first rank (the
+        index along the flattened leading dims) that holds it.
+    """
+    for key, value in grads.items():
+        dtype = jnp.result_type(value)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"gradient {key[1]!r} (chunk {key[0]}) has dtype {dtype}, not a floating type")
+    if num_tokens is not None and not jnp.issubdtype(jnp.result_type(num_tokens), jnp.integer):
+        raise TypeError(f"num_tokens must hold integers, got dtype {jnp.result_type(num_tokens)}")
+    if not plan.config.check_for_nan_in_grad:
+        return
+    width = int(np.prod(leading)) if leading else 1
+    for spec in plan.params:
+        value = grads.get(spec.key)
+        if value is None or not spec.has_grad or isinstance(value, jax.core.Tracer):
+            continue
+        ok = np.asarray(jnp.isfinite(jnp.asarray(value)).reshape(width, -1).all(axis=1))
+        if not ok.all():
+            where = f"rank {int(np.argmin(ok))}: " if leading else ""
+            raise ValueError(
+                f"{where}NaN or Inf in the gradient of {spec.name!r} (chunk {spec.chunk}) "
+                "(check_for_nan_in_grad); nothing was finalized"
+            )
+
+
 def finalize(
     grads: Mapping[ParamKey, Array],
     routers: Mapping[ParamKey, Mapping[str, Array]] | None = None,
@@ -113,12 +150,15 @@ def finalize(
       (grads, routers) in the same layout; untouched entries are returned as given.
 
     Raises:
-      ValueError: plan / dims / shape mismatch; KeyError: a planned entry is missing.
+      ValueError: plan / dims / shape mismatch, or NaN / Inf with check_for_nan_in_grad
+        (concrete inputs); TypeError: a non-floating gradient or non-integer num_tokens;
+        KeyError: a planned entry is missing.
     """
     check_plan(plan, dims)
     routers = {} if routers is None else routers
     actions = plan_actions(plan, num_tokens is not None)
     leading = _leading(plan, grads, routers, num_tokens)
+    check_inputs(plan, grads, num_tokens, leading)
     if not leading:
         state = LocalState(dict(grads), {k: dict(v) for k, v in routers.items()}, num_tokens)
         state = execute_local(actions, state, Collectives(dims, DENSE_AXES))
@@ -221,6 +261,7 @@ def finalize_stacked(
     for spec in plan.params:
         if spec.has_grad and spec.key not in grads_stacked:
             raise KeyError(f"gradient of {spec.name!r} (chunk {spec.chunk}) is missing")
+    check_inputs(plan, grads_stacked, num_tokens_stacked, leading)
     grads, rstate, uses_tokens = select(grads_stacked, routers_stacked, actions)
     meshes = make_meshes(dims, devices)
     put = lambda x: _to_world(x, leading, world, meshes.rank_sharding("dense"))  # noqa: E731
@@ -235,5 +276,5 @@ def finalize_stacked(
     return {**grads_stacked, **out_grads}, merge(routers_stacked, out_routers)
 
 
-__all__ = ["Program", "check_plan", "finalize", "finalize_stacked", "plan_actions", "run_stacked"]
+__all__ = ["Program", "check_inputs", "check_plan", "finalize", "finalize_stacked", "plan_actions", "run_stacked"]
 

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+import numbers
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+#: Values of FinalizeConfig.consistency_check (see torch_impl.validate).
+CONSISTENCY_CHECKS = ("off", "once", "every_step")
 
 #: Load-balancing types Megatron knows; anything else is rejected as a typo.
 LOAD_BALANCING_TYPES = frozenset(
@@ -35,6 +40,9 @@ class FinalizeConfig:
       moe_router_quantile_balancing_ema: EMA factor of 2.9.
       check_for_nan_in_grad: raise on NaN/Inf before any collective.
       use_megatron_fsdp: reduce local shards of DTensor grads (2.12).
+      consistency_check: cross-rank check that the members of every group would launch
+        the same collectives (torch_impl): ``"off"``, ``"once"`` per plan (default) or
+        ``"every_step"``. Must be the same on every rank.
     """
 
     sequence_parallel: bool = False
@@ -55,6 +63,7 @@ class FinalizeConfig:
     moe_router_quantile_balancing_ema: float = 0.9
     check_for_nan_in_grad: bool = False
     use_megatron_fsdp: bool = False
+    consistency_check: str = "once"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -73,8 +82,24 @@ class FinalizeConfig:
         for name in ("embedding_stages", "position_embedding_stages"):
             value = getattr(self, name)
             if value is not None:
+                if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not all(
+                    isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in value
+                ):
+                    raise ValueError(f"FinalizeConfig.{name} must be None or a sequence of ints >= 0, got {value!r}")
                 object.__setattr__(self, name, tuple(int(v) for v in value))
-        if self.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
+        for name in ("moe_router_bias_update_rate", "moe_router_quantile_balancing_ema"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"FinalizeConfig.{name} must be a real number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"FinalizeConfig.{name} must be finite, got {value!r}")
+        if self.consistency_check not in CONSISTENCY_CHECKS:
+            raise ValueError(
+                f"FinalizeConfig.consistency_check must be one of {list(CONSISTENCY_CHECKS)}, "
+                f"got {self.consistency_check!r}"
+            )
+        lbt = self.moe_router_load_balancing_type
+        if not isinstance(lbt, str) or lbt not in LOAD_BALANCING_TYPES:
             raise ValueError(
                 "FinalizeConfig.moe_router_load_balancing_type must be one of "
                 f"{sorted(LOAD_BALANCING_TYPES)}, got {self.moe_router_load_balancing_type!r}"

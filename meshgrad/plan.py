@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from meshgrad.axes import Group, ParallelDims, stage_set
 from meshgrad.config import FinalizeConfig
@@ -122,6 +123,10 @@ class Reduction:
       reduce_in_fp32: run the collective in float32 whatever the gradient dtype.
       copies: per key, further local gradients (other chunks' copies) summed into the
         key's gradient before the collective and overwritten with the result after.
+      parts: when :func:`merge_reductions` fused several reductions into this one, the
+        reductions it replaces (in order); empty otherwise. A fused reduction may hold
+        keys of several dtypes: ``dtype`` is then the dtype the collective runs in (their
+        promotion, as Megatron's ``_flatten_dense_tensors`` does).
     """
 
     step: Step
@@ -133,11 +138,29 @@ class Reduction:
     scatter: bool = False
     reduce_in_fp32: bool = False
     copies: tuple[tuple[ParamKey, ...], ...] = ()
+    parts: tuple["Reduction", ...] = ()
 
     @property
     def all_keys(self) -> tuple[ParamKey, ...]:
         extra = tuple(k for c in self.copies for k in c)
         return self.keys + extra
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        """The SPEC steps this reduction implements (several when fused)."""
+        if not self.parts:
+            return (self.step,)
+        out: list[Step] = []
+        for part in self.parts:
+            for step in part.steps:
+                if step not in out:
+                    out.append(step)
+        return tuple(out)
+
+    @property
+    def work_dtype(self) -> str:
+        """The dtype the collective runs in."""
+        return "float32" if self.reduce_in_fp32 else self.dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +242,10 @@ class FinalizePlan:
       params: the parameter specs planned for.
       routers: the router specs planned for.
       token_scale: the num_tokens action, used only when num_tokens is given.
+      layout: per gradient dtype, every key with a gradient in the order a flat gradient
+        buffer should hold them (:func:`buffer_layout`): the keys of every reduction that
+        can be made contiguous lie back to back in that reduction's key order, so a
+        backend that allocates gradients this way reduces them in place, without copies.
     """
 
     actions: tuple[Action, ...]
@@ -227,10 +254,25 @@ class FinalizePlan:
     params: tuple[ParamSpec, ...]
     routers: tuple[RouterSpec, ...]
     token_scale: TokenScale
+    layout: tuple[tuple[str, tuple[ParamKey, ...]], ...] = ()
 
     def for_step(self, *steps: Step) -> tuple[Action, ...]:
-        """The actions of the given steps, in order."""
-        return tuple(a for a in self.actions if a.step in steps)
+        """The actions of the given steps, in order.
+
+        A fused reduction (:func:`merge_reductions`) whose steps are not all requested is
+        replaced by its parts of the requested steps.
+        """
+        out: list[Action] = []
+        for a in self.actions:
+            if isinstance(a, Reduction) and a.parts:
+                wanted = [s in steps for s in a.steps]
+                if all(wanted):
+                    out.append(a)
+                elif any(wanted):
+                    out += [p for p in a.parts if p.step in steps]
+            elif a.step in steps:
+                out.append(a)
+        return tuple(out)
 
     def reductions(self) -> tuple[Reduction, ...]:
         return tuple(a for a in self.actions if isinstance(a, Reduction))
@@ -254,7 +296,8 @@ class FinalizePlan:
         for a in self.actions:
             if isinstance(a, Reduction):
                 items = ",".join(f"{names[k]}{list(shapes[k])}" for k in a.keys)
-                line = f"{a.step} {a.op} x{a.pre_scale!r} {a.dtype}{' scatter' if a.scatter else ''} [{items}]"
+                step = "+".join(map(str, a.steps))
+                line = f"{step} {a.op} x{a.pre_scale!r} {a.dtype}{' scatter' if a.scatter else ''} [{items}]"
                 out.setdefault(a.group, []).append(line)
             elif isinstance(a, StageReduction):
                 keys = a.keys_by_stage if stage is None else (a.key_for(stage),)
@@ -270,7 +313,7 @@ class FinalizePlan:
         for a in self.actions:
             if isinstance(a, Reduction):
                 lines.append(
-                    f"{a.step}: {a.op} over {a.group} x{a.pre_scale:g} "
+                    f"{'+'.join(map(str, a.steps))}: {a.op} over {a.group} x{a.pre_scale:g} "
                     f"[{len(a.all_keys)} {a.dtype}{' scatter' if a.scatter else ''}]"
                 )
             elif isinstance(a, StageReduction):
@@ -404,8 +447,11 @@ def _stage_reduction(
     by_chunk = {p.chunk: p for p in params if p.role is role}
     keys: list[ParamKey | None] = []
     dtypes = set()
+    # The MTP chunk rule applies to the word embedding only: megatron-core (0.16.1)
+    # reduces a middle stage's position embedding from model[0] even with MTP layers.
+    has_mtp = config.has_mtp and step is Step.WORD_EMBEDDING
     for stage in range(pp):
-        spec = by_chunk.get(embedding_chunk(stage, pp, num_chunks, config.has_mtp))
+        spec = by_chunk.get(embedding_chunk(stage, pp, num_chunks, has_mtp))
         if spec is not None and not spec.has_grad and step is Step.POS_EMBEDDING and stage in stages:
             raise ValueError(
                 f"position embedding {spec.name!r} (chunk {spec.chunk}) has no gradient on pp "
@@ -432,6 +478,201 @@ def _check_unique(params: Sequence[ParamSpec], routers: Sequence[RouterSpec]) ->
             seen.add(item.key)
 
 
+# --------------------------------------------------------------------------- fusion, layout
+
+#: Steps whose gradients Megatron coalesces with ``_flatten_dense_tensors``: one collective
+#: over gradients of every dtype, run in their promoted dtype.
+FLATTENED_STEPS = frozenset({Step.COND_EMBEDDER, Step.ROUTER, Step.NON_TP})
+
+#: Groups whose members all sit on one pp stage and so plan identically: a reduction over
+#: them may order its keys for the buffer layout. Reductions over pp-spanning groups keep
+#: the plan's key order (their members hold different models), as do reduce-scatters
+#: (their key order is the documented shard layout).
+STAGE_LOCAL_GROUPS = frozenset(
+    {Group.DP_CP, Group.EDP, Group.TP, Group.GTP, Group.EGTP, Group.TP_DP_CP, Group.DP_CP_GTP}
+)
+
+_FLOAT_RANK = {"float16": 0, "bfloat16": 0, "float32": 1, "float64": 2}
+
+
+def promote_dtypes(a: str, b: str) -> str:
+    """torch / numpy type promotion of two float dtype names (bf16 with fp16 -> fp32)."""
+    if a == b:
+        return a
+    rank = max(_FLOAT_RANK[a], _FLOAT_RANK[b], 1)
+    return "float64" if rank == 2 else "float32"
+
+
+def _fusable(a: Reduction, b: Reduction) -> bool:
+    if (a.group, a.op, a.pre_scale, a.reduce_in_fp32) != (b.group, b.op, b.pre_scale, b.reduce_in_fp32):
+        return False
+    if a.scatter or b.scatter:  # the shard layout is defined per reduction
+        return False
+    if set(a.all_keys) & set(b.all_keys):  # a key reduced twice must stay reduced twice
+        return False
+    if a.dtype == b.dtype or a.reduce_in_fp32:  # same collective dtype: exact
+        return True
+    # Different dtypes in one collective: what Megatron does where it flattens.
+    return all(s in FLATTENED_STEPS for s in a.steps + b.steps)
+
+
+def _fuse(a: Reduction, b: Reduction) -> Reduction:
+    copies = (a.copies or ((),) * len(a.keys)) + (b.copies or ((),) * len(b.keys))
+    return Reduction(
+        step=a.step,
+        group=a.group,
+        op=a.op,
+        keys=a.keys + b.keys,
+        dtype=promote_dtypes(a.dtype, b.dtype),
+        pre_scale=a.pre_scale,
+        scatter=False,
+        reduce_in_fp32=a.reduce_in_fp32,
+        copies=copies if any(copies) else (),
+        parts=(a.parts or (a,)) + (b.parts or (b,)),
+    )
+
+
+def merge_reductions(actions: Sequence[Action]) -> tuple[Action, ...]:
+    """Fuse adjacent reductions that can share one collective.
+
+    Two reductions next to each other in the plan (nothing runs between them) become one
+    when they have the same group, op, pre-scale and reduce_in_fp32 flag, neither is a
+    reduce-scatter, their keys (copies included) are disjoint, and either
+
+    * they run in the same dtype: exact (cond-embedder + router pp syncs; dtype-split
+      reductions under ``grad_reduce_in_fp32``), or
+    * both belong to steps Megatron coalesces across dtypes (:data:`FLATTENED_STEPS`):
+      the fused collective runs in the promoted dtype, as ``_flatten_dense_tensors`` does.
+
+    DP-sync reductions of different dtypes stay apart without ``grad_reduce_in_fp32``
+    (Megatron's DDP keeps one buffer per dtype).
+
+    Returns:
+      The actions, fused reductions carrying their ``parts``.
+    """
+    out: list[Action] = []
+    for action in actions:
+        prev = out[-1] if out else None
+        if isinstance(action, Reduction) and isinstance(prev, Reduction) and _fusable(prev, action):
+            out[-1] = _fuse(prev, action)
+        else:
+            out.append(action)
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class _Block:
+    keys: tuple[ParamKey, ...]
+    members: frozenset[ParamKey]
+    fixed: bool
+    first: int
+    children: list["_Block"] = dataclasses.field(default_factory=list)
+
+
+def _nests(inner: _Block, outer: _Block, order: Mapping[ParamKey, int]) -> bool:
+    """Whether ``inner`` (a subset of ``outer``) can lie contiguously inside it."""
+    if not outer.fixed:
+        return True
+    pos = [outer.keys.index(k) for k in inner.keys]
+    if max(pos) - min(pos) + 1 != len(pos):
+        return False
+    return not inner.fixed or pos == sorted(pos)
+
+
+def buffer_layout(
+    actions: Sequence[Action], params: Sequence[ParamSpec]
+) -> tuple[tuple[tuple[str, tuple[ParamKey, ...]], ...], tuple[Action, ...]]:
+    """Order gradients for flat buffers so that reductions run in place.
+
+    Every reduction whose keys share one dtype asks for its keys to be contiguous. The
+    requests are taken largest first and kept when they nest in (or are disjoint from)
+    every kept one -- a laminar family, laid out by a depth-first walk: inside a block
+    its nested blocks first, then its other keys, each in parameter order. Reductions
+    over pp-spanning groups and reduce-scatters keep their key order (a block nested in
+    them must be a run of it). A request that cannot be kept just costs that reduction
+    a copy in backends that use the layout.
+
+    Args:
+      actions: the plan's actions.
+      params: the plan's parameters (their order is the default order).
+
+    Returns:
+      (per dtype, every key with a gradient in buffer order; the actions with the keys of
+      each reorderable, contiguous reduction in buffer order).
+    """
+    order = {p.key: i for i, p in enumerate(params)}
+    dtype_of = {p.key: p.dtype for p in params}
+    requests: list[tuple[int, _Block]] = []
+    for where, a in enumerate(actions):
+        if not isinstance(a, Reduction) or not a.keys:
+            continue
+        if any(dtype_of.get(k) != a.dtype for k in a.keys) or len(set(a.keys)) != len(a.keys):
+            continue
+        fixed = a.scatter or a.group not in STAGE_LOCAL_GROUPS
+        requests.append((where, _Block(a.keys, frozenset(a.keys), fixed, min(order[k] for k in a.keys))))
+    kept: dict[int, _Block] = {}
+    roots: list[_Block] = []
+    for index in sorted(range(len(requests)), key=lambda i: -len(requests[i][1].keys)):
+        block = requests[index][1]
+        parent: _Block | None = None
+        ok = True
+        for other in kept.values():
+            common = block.members & other.members
+            if not common:
+                continue
+            if common != block.members or not _nests(block, other, order):
+                ok = False
+                break
+            if parent is None or len(other.members) <= len(parent.members):
+                parent = other
+        if not ok:
+            continue
+        kept[index] = block  # its parent is the smallest kept block around it
+        (parent.children if parent is not None else roots).append(block)
+
+    placed: dict[ParamKey, int] = {}
+
+    def emit(block: _Block, out: list[ParamKey]) -> None:
+        if block.fixed:
+            for k in block.keys:
+                if k not in placed:
+                    placed[k] = len(out)
+                    out.append(k)
+            return
+        inner = {k for child in block.children for k in child.members}
+        items: list[tuple[int, Any]] = [(b.first, b) for b in block.children]
+        items += [(order[k], k) for k in block.keys if k not in inner]
+        for _, item in sorted(items, key=lambda i: i[0]):
+            if isinstance(item, _Block):
+                emit(item, out)
+            elif item not in placed:
+                placed[item] = len(out)
+                out.append(item)
+
+    layout: dict[str, list[ParamKey]] = {}
+    for block in sorted(roots, key=lambda b: b.first):
+        emit(block, layout.setdefault(dtype_of[block.keys[0]], []))
+    for p in params:
+        if p.has_grad and p.key not in placed:
+            out = layout.setdefault(p.dtype, [])
+            placed[p.key] = len(out)
+            out.append(p.key)
+
+    new_actions = list(actions)
+    for index, block in kept.items():
+        where = requests[index][0]
+        action = actions[where]
+        if block.fixed or not isinstance(action, Reduction):
+            continue
+        ranked = sorted(range(len(action.keys)), key=lambda i: placed[action.keys[i]])
+        if ranked == list(range(len(action.keys))):
+            continue
+        keys = tuple(action.keys[i] for i in ranked)
+        copies = tuple(action.copies[i] for i in ranked) if action.copies else ()
+        new_actions[where] = dataclasses.replace(action, keys=keys, copies=copies)
+    return tuple((d, tuple(keys)) for d, keys in layout.items()), tuple(new_actions)
+
+
 def plan_finalize(
     params: Sequence[ParamSpec],
     config: FinalizeConfig,
@@ -440,6 +681,7 @@ def plan_finalize(
     *,
     force_all_reduce: bool = False,
     dp_sync: bool = True,
+    merge: bool = True,
 ) -> FinalizePlan:
     """Plan one finalize call (SPEC.md section 2, steps 1 to 11, in order).
 
@@ -450,6 +692,7 @@ def plan_finalize(
       routers: MoE router modules (steps 8 to 10).
       force_all_reduce: turn a distributed optimizer's reduce-scatter into an all-reduce.
       dp_sync: include step 1 (False when the backend delegates it to DDP chunks).
+      merge: fuse reductions that can share a collective (:func:`merge_reductions`).
 
     Returns:
       A FinalizePlan; its ``token_scale`` is used only when num_tokens is given.
@@ -508,4 +751,6 @@ def plan_finalize(
     if zero_tokens or zero_qb or reset_aux:
         actions.append(ResetTemporaries(zero_tokens, zero_qb, reset_aux))
     token_scale = TokenScale(tuple(p.key for p in params if p.has_grad), qb_group)
-    return FinalizePlan(tuple(actions), config, sizes, params, routers, token_scale)
+    final = merge_reductions(actions) if merge else tuple(actions)
+    layout, final = buffer_layout(final, params)
+    return FinalizePlan(final, config, sizes, params, routers, token_scale, layout)

@@ -69,9 +69,11 @@ class Scenario:
       num_chunks: virtual pipeline chunks per rank.
       params, routers: the per-chunk layout.
       config: FinalizeConfig keyword values (plain types).
-      dtype: gradient dtype, "float32" or "bfloat16".
+      dtype: gradient dtype, "float32", "bfloat16" or "float16".
       grad_attr: "main_grad" or "grad".
-      mode: "exact" (small integers, bit-exact) or "random" (normal data, tolerances).
+      mode: "exact" (small integers, bit-exact), "random" (normal data, tolerances) or
+        "wide" (integers up to 2**12 in the dtype; bit-exact when every collective over
+        more than two ranks runs in float32, i.e. with grad_reduce_in_fp32).
       num_tokens: None (not passed), "random" or "zero" (global count 0).
       seed: data seed.
       force_all_reduce: passed to finalize (an all-reduce despite a distributed optimizer).
@@ -173,6 +175,10 @@ def make_rank_inputs(scenario: Scenario, rank: int) -> RankData:
                 grads[(chunk, p.name)] = None
             elif scenario.mode == "exact":
                 grads[(chunk, p.name)] = rng.integers(-3, 4, size=p.shape).astype(np.float32)
+            elif scenario.mode == "wide":
+                # Integers up to 2**12 rounded to the dtype: exact in it, but their partial
+                # sums are not (a reduction in the dtype rounds; one in float32 does not).
+                grads[(chunk, p.name)] = to_dtype(rng.integers(-(2**12), 2**12 + 1, size=p.shape), scenario.dtype)
             else:
                 grads[(chunk, p.name)] = to_dtype(rng.standard_normal(p.shape), scenario.dtype)
     routers: dict[Key, RouterState] = {}
@@ -474,9 +480,43 @@ def gtp_scenarios() -> Iterator[Scenario]:
         )
 
 
+def dtype_scenarios() -> Iterator[Scenario]:
+    """float16 gradients, and grad_reduce_in_fp32 for bfloat16 / float16 DP sync.
+
+    The "wide" cases are bit-exact only if the DP collective really runs in float32 and
+    rounds once: their DP groups have 4 members (a sum of two is rounded once either way)
+    and every other group at most 2.
+    """
+    all_on = dict(sequence_parallel=True, qk_layernorm=True, has_cond_embedder=True, flextron=True)
+    fp32 = dict(grad_reduce_in_fp32=True, sequence_parallel=True)
+    params = gpt_params(experts=True)
+    pipeline = dict(pp=2, dp=2, tp=2)  # world 8: fp16 through every pipeline step
+    dp_cp4 = dict(dp=2, cp=2, tp=2, ep=2, etp=1)  # world 8: dp_cp = 4, edp = 4
+    dp4 = dict(dp=4, ep=2, etp=1)  # world 4: dp_cp = 4, edp = 2
+    cases = [
+        ("pp2dp2cp1tp2-fp16-grad", pipeline, dict(num_chunks=2, config=all_on, grad_attr="grad")),
+        ("pp1dp2cp2tp2-fp16-random-pertoken", dp_cp4,
+         dict(config=dict(all_on, calculate_per_token_loss=True), mode="random", num_tokens="random", seed=5)),
+        ("pp1dp4cp1tp1-fp16-distopt-scatter", dp4,
+         dict(num_chunks=2, config=dict(use_distributed_optimizer=True, average_in_collective=True))),
+        ("pp1dp2cp2tp2-bf16-fp32reduce-wide", dp_cp4, dict(num_chunks=2, config=fp32, mode="wide", seed=6)),
+        ("pp1dp2cp2tp2-fp16-fp32reduce-wide-scatter", dp_cp4,
+         dict(config=dict(fp32, use_distributed_optimizer=True), mode="wide", seed=7)),
+        ("pp1dp4cp1tp1-fp16-fp32reduce-wide", dp4, dict(num_chunks=2, config=fp32, mode="wide", seed=6)),
+        ("pp1dp4cp1tp1-bf16-fp32reduce-wide-scatter-avgcoll", dp4,
+         dict(config=dict(fp32, use_distributed_optimizer=True, average_in_collective=True), mode="wide", seed=7)),
+        ("pp1dp2cp2tp2-bf16-fp32reduce-random-avgcoll", dp_cp4,
+         dict(config=dict(fp32, average_in_collective=True, qk_layernorm=True), mode="random", seed=8)),
+    ]
+    for name, mesh, kw in cases:
+        dtype = "float16" if "-fp16-" in name else "bfloat16"
+        yield Scenario(name, **mesh, params=params, dtype=dtype, **kw)
+
+
 def all_scenarios() -> tuple[Scenario, ...]:
     """Every scenario of the parity suite, names unique."""
     scenarios = tuple(dense_scenarios()) + tuple(expert_scenarios()) + tuple(gtp_scenarios())
+    scenarios += tuple(dtype_scenarios())
     names = [s.name for s in scenarios]
     if len(names) != len(set(names)):
         raise RuntimeError("duplicate scenario names")

@@ -3,3 +3,38 @@
 from jax_impl.mesh import ensure_host_devices
 
 ensure_host_devices(8)
+
+import pytest  # noqa: E402
+
+# --------------------------------------------------------------------------- reliability table
+# The reliability tests (tests/test_reliability_*.py, tests/test_properties.py) record one
+# row per bad input tried, fault injected or property batch run; the terminal summary
+# prints them as the README's "Reliability" table.
+
+_ROWS = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def reliability(request):
+    """``reliability(kind, case, outcome)`` adds a row to the printed reliability table."""
+    rows = request.config.stash.setdefault(_ROWS, [])
+
+    def record(kind: str, case: str, outcome: str) -> None:
+        rows.append((kind, case, outcome))
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    order = {"bad input": 0, "check cost": 1, "fault": 2, "concurrency": 3, "property": 4}
+    rows = sorted(config.stash.get(_ROWS, []), key=lambda r: order.get(r[0], 5))  # stable: run order within a kind
+    if not rows:
+        return
+    widths = [max(len(r[i]) for r in rows + [("kind", "case", "outcome")]) for i in range(3)]
+    widths[2] = min(widths[2], 110)
+    terminalreporter.section("Reliability: bad inputs, faults, properties")
+    line = " | ".join(h.ljust(w) for h, w in zip(("kind", "case", "outcome"), widths))
+    terminalreporter.write_line(line)
+    terminalreporter.write_line("-+-".join("-" * w for w in widths))
+    for kind, case, outcome in rows:
+        terminalreporter.write_line(" | ".join(v.ljust(w) for v, w in zip((kind, case, outcome), widths)))

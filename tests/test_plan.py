@@ -80,11 +80,17 @@ def test_non_tp_selection_rules():
 
 def test_cond_embedder_and_router_sum_chunk_copies_over_pp():
     params = [spec("cond", 0, pipeline_parallel=True), spec("cond", 1, pipeline_parallel=True), spec("flex", 1, flextron_router_pp_sync=True)]
-    plan = plan_finalize(params, FinalizeConfig(has_cond_embedder=True, flextron=True), DIMS)
+    plan = plan_finalize(params, FinalizeConfig(has_cond_embedder=True, flextron=True), DIMS, merge=False)
     (cond,) = reductions(plan, Step.COND_EMBEDDER)
     assert (cond.group, cond.keys, cond.copies) == (Group.PP, ((0, "cond"),), (((1, "cond"),),))
     (router,) = reductions(plan, Step.ROUTER)
     assert (router.keys, router.copies) == (((1, "flex"),), ((),))
+    # Merged (the default): one pp collective for both steps; for_step splits it again.
+    merged = plan_finalize(params, FinalizeConfig(has_cond_embedder=True, flextron=True), DIMS)
+    (both,) = [a for a in merged.actions if a.group is Group.PP]
+    assert both.steps == (Step.COND_EMBEDDER, Step.ROUTER) and both.parts == (cond, router)
+    assert (both.keys, both.copies) == (((0, "cond"), (1, "flex")), (((1, "cond"),), ()))
+    assert merged.for_step(Step.ROUTER) == (router,)
     assert reductions(plan_finalize(params, FinalizeConfig(has_cond_embedder=True), ParallelDims(dp=2)), Step.COND_EMBEDDER) == []
 
 

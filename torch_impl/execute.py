@@ -2,16 +2,25 @@
 
 Each :class:`~meshgrad.plan.Reduction` is one coalesced collective: the gradients of its
 keys (plus their chunk copies) go through one flat buffer -- no copy at all when they
-already lie back to back in one storage, as Megatron's grad buffers do -- are pre-scaled,
-all-reduced over the planned group and written back. A group of size 1 only applies the
-pre-scale. Router updates use :mod:`meshgrad.rules`, so the math is written once.
+already lie back to back in one storage, in the plan's key order (meshgrad's
+:mod:`torch_impl.buffers` or Megatron's grad buffers) -- are pre-scaled, all-reduced over
+the planned group and written back. A group of size 1 only applies the pre-scale. Router
+updates use :mod:`meshgrad.rules`, so the math is written once.
+
+Plan once, run many: :class:`Program` binds a plan's actions to the gradient tensors of
+one step (flat spans, staging buffers, copy lists are found once), and stays valid while
+:class:`GradWatch` sees the same tensors, so a repeated step does O(collectives) Python
+work. Bytes that coalescing has to copy (user-owned, non-contiguous storage) are counted
+in :class:`ExecStats`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import sys
-
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -34,6 +43,7 @@ from meshgrad.plan import (
 )
 from torch_impl.discover import get_grad
 from torch_impl.groups import TorchGroups
+from torch_impl.validate import action_failed
 
 # --------------------------------------------------------------------------- DTensor
 
@@ -130,17 +140,26 @@ def all_reduce(tensor: torch.Tensor, group: Any, op: ReduceOp, size: int) -> Non
         tensor.div_(size)
 
 
-def reduce_scatter_into(flat: torch.Tensor, group: Any, op: ReduceOp, size: int, rank: int) -> None:
+def reduce_scatter_into(flat: torch.Tensor, group: Any, op: ReduceOp, size: int, rank: int) -> int:
     """Distributed-optimizer reduce-scatter of ``flat`` in place: this rank's shard
     (:func:`meshgrad.plan.scatter_shard`, members by ascending global rank) receives the
-    reduced values; every other element keeps its local value."""
+    reduced values; every other element keeps its local value.
+
+    Returns:
+      Bytes copied on the way (padding, shard write-back).
+    """
     members = dist.get_process_group_ranks(group)
     index = sorted(members).index(rank)
     start, stop = scatter_shard(flat.numel(), size, index)
     shard = -(-flat.numel() // size)
+    copied = (stop - start) * flat.element_size()
     if members == sorted(members) and [dist.get_group_rank(group, r) for r in members] == list(range(size)):
-        padded = flat.new_zeros(shard * size)
-        padded[: flat.numel()].copy_(flat)
+        if shard * size == flat.numel():
+            padded = flat
+        else:
+            padded = flat.new_zeros(shard * size)
+            padded[: flat.numel()].copy_(flat)
+            copied += flat.numel() * flat.element_size()
         out = padded.new_empty(shard)
         native = op is ReduceOp.AVG and _native_avg(group)
         # reduce_scatter_single is the newer name of reduce_scatter_tensor (deprecated in 2.13).
@@ -150,9 +169,11 @@ def reduce_scatter_into(flat: torch.Tensor, group: Any, op: ReduceOp, size: int,
             out.div_(size)
     else:  # group ranks not in global-rank order: reduce everything, keep our shard
         out = flat.clone()
+        copied += flat.numel() * flat.element_size()
         all_reduce(out, group, op, size)
         out = out[index * shard : index * shard + shard]
     flat[start:stop].copy_(out[: stop - start])
+    return copied
 
 
 def _span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -175,51 +196,146 @@ def _span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((total,), (1,), first.storage_offset())
 
 
-def run_reduction(action: Reduction, grads: GradAccess, groups: TorchGroups) -> None:
-    """One coalesced collective (SPEC 2.1-2.5): local copies in, pre-scale, reduce, out."""
+#: Largest staging buffer (bytes) a bound reduction keeps between calls; larger ones are
+#: allocated per call, so user-owned gradients are never held twice.
+PERSISTENT_STAGING_BYTES = 16 * 2**20
+
+
+@dataclasses.dataclass
+class ExecStats:
+    """Counters of one model's finalize calls (kept on its cached state, never global).
+
+    Args:
+      calls: finalize calls run.
+      bytes_copied: gradient bytes copied to coalesce: into a staging buffer and back
+        (plus reduce-scatter padding and shard write-back). 0 when every reduced
+        gradient lies in place in a flat buffer in plan order.
+      programs_bound: times a plan was bound to gradient tensors (rebinding happens when
+        the gradient tensor objects change, e.g. ``zero_grad(set_to_none=True)``).
+      plans_built: times a plan was built (the O(parameters) work).
+    """
+
+    calls: int = 0
+    bytes_copied: int = 0
+    programs_bound: int = 0
+    plans_built: int = 0
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def bind_reduction(
+    action: Reduction, grads: Mapping[ParamKey, torch.Tensor], groups: TorchGroups, stats: ExecStats
+) -> Callable[[], None]:
+    """One coalesced collective (SPEC 2.1-2.5) bound to its gradient tensors.
+
+    Binding finds, once, whether the reduced gradients lie back to back in one storage
+    in key order and in the collective's dtype (then the collective runs on that span in
+    place, no copy) or else prepares a staging buffer (then each call copies in with one
+    ``_foreach_copy_``, reduces, and copies back, counting the bytes). A staging buffer
+    of up to :data:`PERSISTENT_STAGING_BYTES` lives as long as the binding; a larger one
+    is allocated per call (no second copy of a model's gradients is kept). Without a
+    collective (a size-1 group) only the pre-scale runs, on the tensors themselves.
+
+    Returns:
+      A function that runs the reduction: chunk copies summed in, pre-scale, reduce,
+      result written to every copy.
+    """
     tensors = [grads[k] for k in action.keys]
-    copies = [[grads[k] for k in keys] for keys in action.copies] if action.copies else []
-    for tensor, extra in zip(tensors, copies):
-        for other in extra:
-            tensor.add_(other)
-    work_dtype = torch.float32 if action.reduce_in_fp32 else tensors[0].dtype
-    flat = _span(tensors) if work_dtype == tensors[0].dtype else None
-    if flat is None:
-        flat = torch.cat([t.reshape(-1).to(work_dtype) for t in tensors])
-        in_place = False
-    else:
-        in_place = True
-    if action.pre_scale != 1.0:
-        flat.mul_(action.pre_scale)
+    pairs = [(tensor, grads[k]) for tensor, keys in zip(tensors, action.copies or ()) for k in keys]
+    work = _DTYPES[action.work_dtype]
     group, size = groups.group(action.group), groups.size(action.group)
-    if action.scatter and group is not None:
-        reduce_scatter_into(flat, group, action.op, size, groups.rank)
-    else:
-        all_reduce(flat, group, action.op, size)
-    if not in_place:
-        offset = 0
-        for tensor in tensors:
-            n = tensor.numel()
-            tensor.copy_(flat[offset : offset + n].view(tensor.shape))
-            offset += n
-    for tensor, extra in zip(tensors, copies):
-        for other in extra:
+    scatter = action.scatter and group is not None
+    pre_scale, op, rank = action.pre_scale, action.op, groups.rank
+    flat = _span(tensors) if all(t.dtype == work for t in tensors) else None
+    if group is None and (flat is not None or all(t.dtype == work for t in tensors)):
+        targets = [flat] if flat is not None else tensors
+
+        def scale_only() -> None:
+            for tensor, other in pairs:
+                tensor.add_(other)
+            if pre_scale != 1.0:
+                torch._foreach_mul_(targets, pre_scale)
+            for tensor, other in pairs:
+                other.copy_(tensor)
+
+        return scale_only
+    sizes = [t.numel() for t in tensors]
+    shapes = [t.shape for t in tensors]
+    staging = flat is None
+    copied = 2 * _nbytes(tensors) if staging else 0
+    persistent = staging and sum(sizes) * work.itemsize <= PERSISTENT_STAGING_BYTES
+    kept: list[torch.Tensor] = []
+    if persistent:
+        flat = torch.empty(sum(sizes), dtype=work, device=tensors[0].device)
+        kept = [v.view(s) for v, s in zip(torch.split(flat, sizes), shapes)]
+
+    def run() -> None:
+        for tensor, other in pairs:
+            tensor.add_(other)
+        buffer, views = flat, kept
+        if staging:
+            if not persistent:
+                buffer = torch.empty(sum(sizes), dtype=work, device=tensors[0].device)
+                views = [v.view(s) for v, s in zip(torch.split(buffer, sizes), shapes)]
+            torch._foreach_copy_(views, tensors)
+        if pre_scale != 1.0:
+            buffer.mul_(pre_scale)
+        extra = 0
+        if scatter:
+            extra = reduce_scatter_into(buffer, group, op, size, rank)
+        else:
+            all_reduce(buffer, group, op, size)
+        if staging:
+            torch._foreach_copy_(tensors, views)
+        stats.bytes_copied += copied + extra
+        for tensor, other in pairs:
             other.copy_(tensor)
 
+    return run
 
-def run_stage_reduction(action: StageReduction, grads: GradAccess, groups: TorchGroups) -> None:
-    """SPEC 2.6 / 2.7: SUM over the embedding group, only on member stages with a key."""
+
+def bind_stage_reduction(
+    action: StageReduction, grads: Mapping[ParamKey, torch.Tensor], groups: TorchGroups, stats: ExecStats
+) -> Callable[[], None] | None:
+    """SPEC 2.6 / 2.7: SUM over the embedding group, only on member stages with a key.
+
+    Returns:
+      The bound reduction, or None when this rank has nothing to do.
+    """
     key = action.key_for(groups.pp_stage)
     group = groups.group(action.group)
     if key is None or group is None:
-        return
+        return None
     tensor = grads[key]
     if tensor.is_contiguous():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    else:
+        return lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    copied = 2 * _nbytes([tensor])
+
+    def run() -> None:
         flat = tensor.contiguous()
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         tensor.copy_(flat)
+        stats.bytes_copied += copied
+
+    return run
+
+
+def run_reduction(
+    action: Reduction, grads: Mapping[ParamKey, torch.Tensor], groups: TorchGroups, stats: ExecStats | None = None
+) -> None:
+    """Bind and run one reduction (see :func:`bind_reduction`)."""
+    bind_reduction(action, grads, groups, stats or ExecStats())()
+
+
+def run_stage_reduction(
+    action: StageReduction, grads: Mapping[ParamKey, torch.Tensor], groups: TorchGroups, stats: ExecStats | None = None
+) -> None:
+    """Bind and run one embedding reduction (see :func:`bind_stage_reduction`)."""
+    run = bind_stage_reduction(action, grads, groups, stats or ExecStats())
+    if run is not None:
+        run()
 
 
 def _split(flat: torch.Tensor, lengths: Iterable[int]) -> list[torch.Tensor]:
@@ -229,11 +345,25 @@ def _split(flat: torch.Tensor, lengths: Iterable[int]) -> list[torch.Tensor]:
 def run_expert_bias(action: ExpertBiasUpdate, routers: Mapping[ParamKey, nn.Module], groups: TorchGroups) -> None:
     """SPEC 2.8: one SUM of every router's token counts over tp_dp_cp, then the sign update."""
     modules = [routers[k] for k in action.routers]
-    counts = torch.cat([m.local_tokens_per_expert.reshape(-1).to(torch.float32) for m in modules])
-    all_reduce(counts, groups.group(action.group), ReduceOp.SUM, groups.size(action.group))
-    for module, tokens in zip(modules, _split(counts, action.num_experts)):
-        bias = module.expert_bias
-        bias.copy_(rules.expert_bias_update(bias, tokens.view(bias.shape), action.rate, torch))
+    biases = [m.expert_bias for m in modules]
+    tokens = [m.local_tokens_per_expert for m in modules]
+    group, size = groups.group(action.group), groups.size(action.group)
+    first = biases[0]
+    if all(
+        b.dim() == 1 and b.shape == first.shape and b.dtype == first.dtype and b.device == first.device
+        and t.numel() == b.numel() and t.device == b.device
+        for b, t in zip(biases, tokens)
+    ):
+        # Every router alike (the usual case): stacked [L, E], one update, as Megatron does.
+        counts = torch.stack([t.reshape(-1).to(torch.float32) for t in tokens])
+        all_reduce(counts, group, ReduceOp.SUM, size)
+        updated = rules.expert_bias_update(torch.stack(biases), counts, action.rate, torch)
+        torch._foreach_copy_(biases, list(updated.unbind(0)))
+        return
+    counts = torch.cat([t.reshape(-1).to(torch.float32) for t in tokens])
+    all_reduce(counts, group, ReduceOp.SUM, size)
+    for bias, summed in zip(biases, _split(counts, action.num_experts)):
+        bias.copy_(rules.expert_bias_update(bias, summed.view(bias.shape), action.rate, torch))
 
 
 def run_qb_beta(action: QbBetaUpdate, routers: Mapping[ParamKey, nn.Module], groups: TorchGroups) -> None:
@@ -253,15 +383,18 @@ def run_qb_beta(action: QbBetaUpdate, routers: Mapping[ParamKey, nn.Module], gro
 
 def run_reset(action: ResetTemporaries, routers: Mapping[ParamKey, nn.Module]) -> None:
     """SPEC 2.10: zero token counts and qb accumulators, reset the global aux-loss tracker."""
+    zero = []
     for key in action.zero_tokens:
         tokens = getattr(routers[key], "local_tokens_per_expert", None)
         if tokens is not None:
-            tokens.zero_()
+            zero.append(tokens)
     for key in action.zero_qb:
         for attr in ("qb_beta_accum", "qb_beta_count"):
             value = getattr(routers[key], attr, None)
             if value is not None:
-                value.zero_()
+                zero.append(value)
+    if zero:
+        torch._foreach_zero_(zero)
     for key in action.reset_aux_loss:
         routers[key].reset_global_aux_loss_tracker()
 
@@ -279,15 +412,114 @@ def global_token_scale(num_tokens: torch.Tensor, action: TokenScale, groups: Tor
 
 def scale_grads(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
     """Multiply every tensor in place by the 0-d float32 ``scale`` (on device)."""
-    by_kind: dict[tuple[Any, Any], list[torch.Tensor]] = {}
+    bind_scale(tensors)(scale)
+
+
+def coalesce(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The fewest tensors covering ``tensors``: contiguous tensors that lie back to back
+    in one storage are merged into one 1-D span (overlapping ones are kept apart)."""
+    spans: list[tuple[Any, int, torch.Tensor]] = []
+    other: list[torch.Tensor] = []
     for t in tensors:
+        try:
+            ptr = t.untyped_storage().data_ptr() if t.is_contiguous() else None
+        except (RuntimeError, NotImplementedError):
+            ptr = None
+        if ptr is None or t.numel() == 0:
+            other.append(t)
+        else:
+            spans.append(((ptr, t.dtype, t.device), t.storage_offset(), t))
+    spans.sort(key=lambda item: (str(item[0]), item[1]))
+    out: list[torch.Tensor] = []
+    run: list[torch.Tensor] = []
+    end = None
+    for where, offset, t in spans:
+        if run and (where, offset) == end:
+            run.append(t)
+        else:
+            if run:
+                out.append(_merge(run))
+            run = [t]
+        end = (where, offset + t.numel())
+    if run:
+        out.append(_merge(run))
+    return out + other
+
+
+def _merge(run: list[torch.Tensor]) -> torch.Tensor:
+    if len(run) == 1:
+        return run[0]
+    first = run[0]
+    total = sum(t.numel() for t in run)
+    return first.as_strided((total,), (1,), first.storage_offset())
+
+
+def bind_scale(tensors: Sequence[torch.Tensor]) -> Callable[[torch.Tensor], None]:
+    """Multiplication of ``tensors`` by a 0-d float32 factor, bound once: back-to-back
+    gradients (a flat buffer) become one span, one ``_foreach_mul_`` per device and dtype.
+    The factor stays on device (no host sync)."""
+    by_kind: dict[tuple[Any, Any], list[torch.Tensor]] = {}
+    for t in coalesce(tensors):
         by_kind.setdefault((t.device, t.dtype), []).append(t)
-    for (device, _), group in by_kind.items():
-        factor = scale if scale.device == device else scale.to(device)
-        torch._foreach_mul_(group, factor)
+    kinds = [(device, group) for (device, _), group in by_kind.items()]
+
+    def run(scale: torch.Tensor) -> None:
+        for device, group in kinds:
+            torch._foreach_mul_(group, scale if scale.device == device else scale.to(device))
+
+    return run
 
 
 # --------------------------------------------------------------------------- plan
+
+
+def _noop() -> None:
+    return None
+
+
+def bind_action(
+    action: Action,
+    grads: Mapping[ParamKey, torch.Tensor],
+    routers: Mapping[ParamKey, nn.Module],
+    groups: TorchGroups,
+    stats: ExecStats,
+) -> Callable[[], None]:
+    """One planned action bound to its tensors and groups, ready to run.
+
+    Raises:
+      TypeError: a TokenScale (it needs num_tokens) or an unknown action.
+    """
+    if isinstance(action, Reduction):
+        return bind_reduction(action, grads, groups, stats)
+    if isinstance(action, StageReduction):
+        return bind_stage_reduction(action, grads, groups, stats) or _noop
+    if isinstance(action, ExpertBiasUpdate):
+        return lambda: run_expert_bias(action, routers, groups)
+    if isinstance(action, QbBetaUpdate):
+        return lambda: run_qb_beta(action, routers, groups)
+    if isinstance(action, ResetTemporaries):
+        return lambda: run_reset(action, routers)
+    if isinstance(action, TokenScale):
+        raise TypeError("TokenScale needs num_tokens: use global_token_scale and scale_grads")
+    raise TypeError(f"unknown plan action {type(action).__name__}")  # pragma: no cover
+
+
+def execute_ops(
+    ops: Iterable[tuple[Action, Callable[[], None]]], on_step: Callable[[Action], None] | None = None
+) -> None:
+    """Run bound actions in order (the one loop both execution paths go through).
+
+    A RuntimeError of an action (a collective whose peer died or stalled past the
+    process-group timeout) is re-raised as :class:`torch_impl.validate.CollectiveError`
+    naming the rank and the action: step, op, group and tensor count.
+    """
+    for index, (action, run) in enumerate(ops):
+        if on_step is not None:
+            on_step(action)
+        try:
+            run()
+        except RuntimeError as err:
+            raise action_failed(action, index, err) from err
 
 
 def run_actions(
@@ -296,8 +528,10 @@ def run_actions(
     routers: Mapping[ParamKey, nn.Module],
     groups: TorchGroups,
     on_step: Callable[[Action], None] | None = None,
+    stats: ExecStats | None = None,
 ) -> None:
-    """Run planned actions in order, under ``torch.no_grad()``.
+    """Run planned actions in order, under ``torch.no_grad()``, binding each one just
+    before it runs (DTensor gradients are unsharded on first use).
 
     Args:
       actions: the plan's actions (any subset, in order).
@@ -305,23 +539,101 @@ def run_actions(
       routers: router modules by key.
       groups: this rank's process groups.
       on_step: called before each action (hooks, timers).
+      stats: counters to add copied bytes to.
     """
-    with torch.no_grad():
+    stats = stats if stats is not None else ExecStats()
+
+    def ops() -> Iterator[tuple[Action, Callable[[], None]]]:
         for action in actions:
-            if on_step is not None:
-                on_step(action)
-            if isinstance(action, Reduction):
-                run_reduction(action, grads, groups)
-            elif isinstance(action, StageReduction):
-                run_stage_reduction(action, grads, groups)
-            elif isinstance(action, ExpertBiasUpdate):
-                run_expert_bias(action, routers, groups)
-            elif isinstance(action, QbBetaUpdate):
-                run_qb_beta(action, routers, groups)
-            elif isinstance(action, ResetTemporaries):
-                run_reset(action, routers)
-            elif isinstance(action, TokenScale):
-                raise TypeError("TokenScale needs num_tokens: use global_token_scale and scale_grads")
-            else:  # pragma: no cover
-                raise TypeError(f"unknown plan action {type(action).__name__}")
+            yield action, bind_action(action, grads, routers, groups, stats)
+
+    with torch.no_grad():
+        execute_ops(ops(), on_step)
         grads.flush()
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_MAIN_GRAD = operator.attrgetter("main_grad")
+_GRAD = operator.attrgetter("grad")
+
+
+class GradWatch:
+    """Whether the parameters still hold the gradient tensors seen at construction.
+
+    Checks ``requires_grad``, which gradient attribute each parameter uses and the
+    identity of every gradient tensor, with C-level ``map`` calls (no per-parameter
+    Python), so a step can trust a bound :class:`Program`. Replacing a gradient's storage
+    behind the same tensor object (``grad.data = ...``) is not detected.
+
+    Args:
+      params: the parameters (any order, fixed for this watch).
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.params = tuple(params)
+        self.requires = list(map(_REQUIRES_GRAD, self.params))
+        has_main = list(map(hasattr, self.params, repeat("main_grad")))
+        self.main_params = [p for p, m in zip(self.params, has_main) if m]
+        self.grad_params = [p for p, m in zip(self.params, has_main) if not m]
+        self.main_grads = list(map(_MAIN_GRAD, self.main_params))
+        self.grads = list(map(_GRAD, self.grad_params))
+
+    def same(self) -> bool:
+        """True when nothing a bound program depends on has changed."""
+        if list(map(_REQUIRES_GRAD, self.params)) != self.requires:
+            return False
+        try:
+            if not all(map(operator.is_, map(_MAIN_GRAD, self.main_params), self.main_grads)):
+                return False
+        except AttributeError:  # a main_grad was deleted
+            return False
+        if self.grad_params:
+            if any(map(hasattr, self.grad_params, repeat("main_grad"))):
+                return False
+            return all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
+        return True
+
+    def has_dtensor(self) -> bool:
+        return any(is_dtensor(g) for g in self.main_grads) or any(is_dtensor(g) for g in self.grads)
+
+
+class Program:
+    """A plan's actions bound to one set of gradient tensors.
+
+    Everything that depends only on the plan and the tensors -- flat spans, staging
+    buffers and their views, copy lists, the groups of each collective, the spans the
+    num_tokens scale multiplies -- is computed here once; :meth:`run` then does
+    O(collectives) work. Valid while the parameters hold the same gradient tensors
+    (:class:`GradWatch`); not for DTensor gradients (they are unsharded per step).
+
+    Args:
+      actions: the actions to run (TokenScale excluded).
+      grads: gradient tensor by key (plain tensors).
+      routers: router modules by key.
+      groups: this rank's process groups.
+      stats: counters (copied bytes).
+      scale_keys: the gradients :meth:`scale` multiplies.
+    """
+
+    def __init__(
+        self,
+        actions: Sequence[Action],
+        grads: Mapping[ParamKey, torch.Tensor],
+        routers: Mapping[ParamKey, nn.Module],
+        groups: TorchGroups,
+        stats: ExecStats,
+        scale_keys: Sequence[ParamKey] = (),
+    ) -> None:
+        self.ops = [(a, bind_action(a, grads, routers, groups, stats)) for a in actions]
+        self._scale = bind_scale([grads[k] for k in scale_keys])
+        stats.programs_bound += 1
+
+    def run(self, on_step: Callable[[Action], None] | None = None) -> None:
+        """Run every bound action in order, under ``torch.no_grad()``."""
+        with torch.no_grad():
+            execute_ops(self.ops, on_step)
+
+    def scale(self, factor: torch.Tensor) -> None:
+        """Multiply the bound gradients by the 0-d float32 ``factor`` (num_tokens scale)."""
+        with torch.no_grad():
+            self._scale(factor)

@@ -6,11 +6,18 @@ discovers the model (:mod:`torch_impl.discover`), plans its step with
 plan (:mod:`torch_impl.execute`). :func:`finalize_model_grads` plans all steps at once
 and caches the plan on the model, so a repeated step does O(collectives) work.
 
-Groups: helpers take Megatron's explicit groups; ``None`` in a world of more than one
-rank is an error (Megatron's ``parallel_state`` lookup is not supported yet).
-:func:`finalize_model_grads` takes a ``ProcessGroupCollection`` (or any object with its
-attribute names), a torch ``DeviceMesh`` with meshgrad dim names, a
-:class:`~torch_impl.groups.MeshGroups` or a :class:`~torch_impl.groups.TorchGroups`.
+Groups: helpers take Megatron's explicit groups; a ``None`` group that Megatron would look
+up is taken from Megatron's ``parallel_state`` when that is initialized (found in
+``sys.modules``; megatron is never imported), else it is an error in a world of more than
+one rank. :func:`finalize_model_grads` takes a ``ProcessGroupCollection`` (or any object
+with its attribute names, or a mapping), a torch ``DeviceMesh`` with meshgrad dim names, a
+:class:`~torch_impl.groups.MeshGroups`, a :class:`~torch_impl.groups.TorchGroups`, or
+``None`` (``parallel_state``, or no communication in a world of one rank).
+
+Megatron objects are duck-typed: ``TransformerConfig`` (``chunk.config``) and
+``DistributedDataParallelConfig`` (``chunk.ddp_config``), both found along the ``.module``
+chain of wrapped chunks, and Megatron DDP chunks (``finish_grad_sync`` /
+``scale_gradients``), which keep doing their own DP sync.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from torch_impl.discover import (
     Discovered,
     discover,
     find_attr,
+    get_grad,
     grad_attr,
     param_spec,
     position_embedding,
@@ -39,7 +47,10 @@ from torch_impl.discover import (
     unwrap,
 )
 from torch_impl.execute import (
+    ExecStats,
     GradAccess,
+    GradWatch,
+    Program,
     global_token_scale,
     is_dtensor,
     reshard,
@@ -47,11 +58,15 @@ from torch_impl.execute import (
     scale_grads,
     unshard,
 )
+from torch_impl import validate
 from torch_impl.groups import (
     MeshGroups,
     TorchGroups,
     is_device_mesh,
     mesh_groups,
+    parallel_state_groups,
+    parallel_state_values,
+    megatron_parallel_state,
     world_rank,
     world_size,
 )
@@ -168,11 +183,14 @@ def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Reques
       ValueError: no groups in a multi-rank world, or a DeviceMesh that does not fit.
     """
     if pg_collection is None:
+        from_megatron = parallel_state_groups()
+        if from_megatron is not None:
+            return from_megatron
         if world_size() > 1:
             raise ValueError(
-                f"rank {world_rank()}: pg_collection is None in a world of {world_size()} ranks; pass a "
-                "ProcessGroupCollection or a torch DeviceMesh (looking groups up in Megatron's "
-                "parallel_state is not supported yet)"
+                f"rank {world_rank()}: pg_collection is None in a world of {world_size()} ranks and "
+                "Megatron's parallel_state is not initialized; pass a ProcessGroupCollection (or any "
+                "object with its attribute names) or a torch DeviceMesh with meshgrad dim names"
             )
         return TorchGroups.trivial()
     if isinstance(pg_collection, TorchGroups):
@@ -188,7 +206,25 @@ def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Reques
         )
     if isinstance(pg_collection, Mapping):
         return TorchGroups.from_mapping(pg_collection, source="group mapping")
-    return TorchGroups.from_collection(pg_collection)
+    if type(pg_collection).__name__ != "ProcessGroupCollection" and not any(
+        hasattr(pg_collection, g.value) for g in Group
+    ):
+        raise TypeError(
+            f"rank {world_rank()}: pg_collection must be None, a ProcessGroupCollection (or any object "
+            f"with its attribute names tp, pp, embd, pos_embd, dp_cp, ...), a torch DeviceMesh, a "
+            f"MeshGroups or a TorchGroups; got {type(pg_collection).__name__}"
+        )
+    groups = TorchGroups.from_collection(pg_collection)
+    if Group.TP_DP_CP in groups.missing and config.moe_router_enable_expert_bias:
+        # megatron-core's expert-bias update takes this group from parallel_state whatever
+        # the collection holds: a collection without it works there, so it does here.
+        ps = megatron_parallel_state()
+        if ps is not None:
+            values = {g: getattr(pg_collection, g.value) for g in Group if hasattr(pg_collection, g.value)}
+            values[Group.TP_DP_CP] = parallel_state_values(ps).get(Group.TP_DP_CP)
+            source = f"{type(pg_collection).__name__} and Megatron parallel_state"
+            return TorchGroups.from_mapping(values, source=source)
+    return groups
 
 
 def requirements(
@@ -293,19 +329,40 @@ def build_plan(
     )
 
 
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(FinalizeConfig))
+_ABSENT = object()
+
+
+def _config_snapshot(source: Any) -> tuple[Any, ...]:
+    """The values FinalizeConfig.from_megatron reads from ``source`` (absent ones marked)."""
+    if source is None:
+        return ()
+    return tuple([getattr(source, name, _ABSENT) for name in _CONFIG_FIELDS])
+
+
 class ModelState:
     """What ``finalize_model_grads`` caches on a model (on its first chunk).
 
     Discovery is keyed on the chunk objects, resolved groups on the group source, and
     plans on everything that can change them: parameters' requires_grad / gradient
     presence and dtype, router modes, the config, the groups and the call's options.
+    Each plan is bound once to the gradient tensors (:class:`~torch_impl.execute.Program`);
+    a :class:`~torch_impl.execute.GradWatch` tells, at C speed, whether a step still sees
+    the same parameters' requires_grad, gradient attributes and gradient tensors, so a
+    repeated step neither re-discovers nor re-binds. ``stats`` counts calls, plans built,
+    bindings and the bytes coalescing had to copy.
     """
 
     def __init__(self, chunks: Sequence[Any]) -> None:
         self.chunk_ids = tuple(id(c) for c in chunks)
-        self.found: dict[bool, tuple[tuple[Any, ...], Discovered]] = {}
+        self.found: dict[bool, tuple[int, Discovered, GradWatch]] = {}
+        self.tokens: dict[tuple[Any, ...], int] = {}  # fingerprint -> token
         self.groups: dict[tuple[Any, ...], tuple[Any, TorchGroups]] = {}
         self.plans: dict[tuple[Any, ...], BoundPlan] = {}
+        self.programs: dict[int, tuple[BoundPlan, Program]] = {}
+        self.last_config: tuple[Any, Any, tuple[Any, ...], FinalizeConfig] | None = None
+        self.embedding_programs: dict[tuple[Any, ...], tuple[Any, Any, bool, Program]] = {}
+        self.stats = ExecStats()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A cache: copying or pickling the model (deepcopy, torch.save) starts it afresh
@@ -320,18 +377,56 @@ class ModelState:
             object.__setattr__(chunks[0], _STATE_ATTR, state)
         return state
 
-    def discovered(self, chunks: Sequence[Any], config: FinalizeConfig) -> tuple[tuple[Any, ...], Discovered]:
-        """(fingerprint, Discovered) with this step's gradient presence."""
+    def discovered(self, chunks: Sequence[Any], config: FinalizeConfig) -> tuple[Any, Discovered]:
+        """(fingerprint token, Discovered) with this step's gradient presence.
+
+        When the watch sees the same gradient tensors as last time, nothing is re-read;
+        otherwise the fingerprint is recomputed (the specs refreshed if it changed) and
+        every bound program is dropped. The token is a small int standing for the
+        fingerprint (cheap to hash in plan keys): equal fingerprints, equal tokens.
+        """
         cached = self.found.get(config.has_mtp)
+        if cached is not None and cached[2].same():
+            return cached[0], cached[1]
+        self.programs.clear()
         if cached is None:
             found = discover(chunks, config)
-            cached = (found.fingerprint(), found)
+            fingerprint = found.fingerprint()
         else:
-            fingerprint = cached[1].fingerprint()
-            if fingerprint != cached[0]:
-                cached = (fingerprint, cached[1].refresh())
-        self.found[config.has_mtp] = cached
-        return cached
+            found, fingerprint = cached[1], cached[1].fingerprint()
+            if self.tokens.get(fingerprint) != cached[0]:
+                found = found.refresh()
+        token = self.tokens.setdefault(fingerprint, len(self.tokens))
+        self.found[config.has_mtp] = (token, found, GradWatch(found.tensors.values()))
+        return token, found
+
+    def config(self, raw: Any, ddp_config: Any) -> FinalizeConfig:
+        """``resolve_config(raw, ddp_config)``, memoized: the same two objects with the same
+        values of every attribute FinalizeConfig reads give the last result (a config
+        mutated between steps is resolved again)."""
+        if isinstance(raw, FinalizeConfig) and ddp_config is None:
+            return raw
+        snapshot = _config_snapshot(raw) + _config_snapshot(ddp_config)
+        hit = self.last_config
+        if hit is not None and hit[0] is raw and hit[1] is ddp_config and hit[2] == snapshot:
+            return hit[3]
+        resolved = resolve_config(raw, ddp_config)
+        self.last_config = (raw, ddp_config, snapshot, resolved)
+        return resolved
+
+    def program(self, bound: BoundPlan, found: Discovered, groups: TorchGroups, config: FinalizeConfig) -> Program | None:
+        """The plan bound to this step's gradient tensors (cached until the watch fires),
+        or None when gradients are DTensors (they are unsharded per step)."""
+        hit = self.programs.get(id(bound))
+        if hit is not None and hit[0] is bound:
+            return hit[1]
+        watch = self.found[config.has_mtp][2]
+        if watch.has_dtensor():
+            return None
+        grads = GradAccess(found.tensors, config.use_megatron_fsdp)
+        program = Program(bound.plan.actions, grads, found.router_modules, groups, self.stats, bound.plain_scale_keys)
+        self.programs[id(bound)] = (bound, program)
+        return program
 
     def resolve_groups(self, source: Any, config: FinalizeConfig, requested: Requested) -> TorchGroups:
         """Resolved groups, cached per group source (DeviceMesh groups cache themselves)."""
@@ -352,47 +447,24 @@ class ModelState:
         bound = self.plans.get(key)
         if bound is None:
             bound = make()
+            self.stats.plans_built += 1
             if len(self.plans) >= _MAX_PLANS:
                 self.plans.pop(next(iter(self.plans)))
             self.plans[key] = bound
         return bound
 
 
+def execution_stats(model: Any) -> ExecStats:
+    """The counters kept on ``model``'s cached finalize state: calls, plans built, plans
+    bound to gradient tensors, and gradient bytes copied to coalesce (0 when every
+    reduced gradient lives in a meshgrad buffer, :mod:`torch_impl.buffers`)."""
+    return ModelState.of(_chunks(model)).stats
+
+
 # =========================================================================== checks
 
 
-def _check_num_tokens(num_tokens: Any, bound: BoundPlan) -> None:
-    if num_tokens is None:
-        return
-    if not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
-        raise TypeError(
-            f"rank {world_rank()}: num_tokens must be a one-element tensor, got "
-            f"{type(num_tokens).__name__}{tuple(num_tokens.shape) if isinstance(num_tokens, torch.Tensor) else ''}"
-        )
-    if num_tokens.is_floating_point() or num_tokens.is_complex() or num_tokens.dtype == torch.bool:
-        raise TypeError(f"rank {world_rank()}: num_tokens must be an integer tensor, got {num_tokens.dtype}")
-    for obj in bound.ddp:
-        if not callable(getattr(obj, "scale_gradients", None)):
-            raise TypeError(
-                f"rank {world_rank()}: {type(obj).__name__} has finish_grad_sync but no scale_gradients(); "
-                "cannot scale its gradients by num_tokens"
-            )
-
-
-def _check_finite(found: Discovered, keys: Sequence[ParamKey]) -> None:
-    """Raise when a gradient holds NaN or Inf (config.check_for_nan_in_grad)."""
-    grads = GradAccess(found.tensors, local_shards=True)
-    tensors = [grads[k] for k in keys]
-    if not tensors:
-        return
-    ok = torch.stack([torch.isfinite(t).all() for t in tensors])
-    if bool(ok.all()):
-        return
-    bad = [k for k, good in zip(keys, ok.tolist()) if not good]
-    raise ValueError(
-        f"rank {world_rank()}: NaN or Inf in the gradient of {bad[0][1]!r} (chunk {bad[0][0]})"
-        + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
-    )
+# Checks before communication live in torch_impl.validate (validate.before_communication).
 
 
 # =========================================================================== entry point
@@ -419,25 +491,45 @@ def finalize_model_grads(
 
     Raises:
       TypeError / ValueError: before any communication or mutation, naming the rank and
-        the group or parameter at fault.
+        the group or parameter at fault (:mod:`torch_impl.validate`).
+      torch_impl.validate.ConsistencyError: ranks of a group would launch different
+        collectives (``config.consistency_check``); nothing was reduced.
+      torch_impl.validate.NonFiniteGradError: NaN / Inf on some rank
+        (``config.check_for_nan_in_grad``); nothing was reduced.
+      torch_impl.validate.CollectiveError: a collective failed (a peer died or stalled
+        past the process-group timeout), naming the action.
     """
     force = bool(force_all_reduce)
     with ranked():
         bound, found, groups, config = _prepare(model, num_tokens, pg_collection, force)
+    state = ModelState.of(_chunks(model))
+    state.stats.calls += 1
     with torch.no_grad():
         for obj, kwarg in zip(bound.ddp, bound.ddp_force_kwarg):
-            if kwarg:
-                obj.finish_grad_sync(force_all_reduce=force)
-            else:
-                obj.finish_grad_sync()
-        grads = GradAccess(found.tensors, config.use_megatron_fsdp)
-        run_actions(bound.plan.actions, grads, found.router_modules, groups)
+            with validate.collective_guard(f"dp_sync: {type(obj).__name__}.finish_grad_sync()", groups):
+                if kwarg:
+                    obj.finish_grad_sync(force_all_reduce=force)
+                else:
+                    obj.finish_grad_sync()
+        program = state.program(bound, found, groups, config)
+        if program is not None:
+            program.run()
+        else:
+            grads = GradAccess(found.tensors, config.use_megatron_fsdp)
+            run_actions(bound.plan.actions, grads, found.router_modules, groups, stats=state.stats)
         if num_tokens is not None:
-            scale = global_token_scale(num_tokens, bound.plan.token_scale, groups)
+            with validate.collective_guard(
+                f"token_scale: num_tokens broadcast over 'pp' and sum over {bound.plan.token_scale.group.value!r}",
+                groups,
+            ):
+                scale = global_token_scale(num_tokens, bound.plan.token_scale, groups)
             for obj in bound.ddp:
                 obj.scale_gradients(scale)
-            grads = GradAccess(found.tensors, local_shards=True)
-            scale_grads([grads[k] for k in bound.plain_scale_keys], scale)
+            if program is not None:
+                program.scale(scale)
+            else:
+                grads = GradAccess(found.tensors, local_shards=True)
+                scale_grads([grads[k] for k in bound.plain_scale_keys], scale)
 
 
 def _prepare(
@@ -450,9 +542,12 @@ def _prepare(
     """
     chunks = _chunks(model)
     raw_config, ddp_config = chunk_configs(chunks)
-    config = resolve_config(raw_config, ddp_config)
-    requested = Requested.from_config(raw_config)
     state = ModelState.of(chunks)
+    config = state.config(raw_config, ddp_config)
+    requested = Requested.from_config(raw_config)
+    collection = validate.collection_source(pg_collection)
+    if pg_collection is None:  # Megatron's parallel_state when initialized (one stable TorchGroups)
+        pg_collection = parallel_state_groups()
     groups = state.resolve_groups(pg_collection, config, requested)
     fingerprint, found = state.discovered(chunks, config)
     ddp = tuple(_ddp_object(c) for c in chunks)
@@ -468,9 +563,9 @@ def _prepare(
 
     key = (fingerprint, config, groups, requested, force, num_tokens is not None, tuple(id(d) for d in ddp))
     bound = state.plan(key, make)
-    _check_num_tokens(num_tokens, bound)
-    if config.check_for_nan_in_grad:
-        _check_finite(found, [p.key for p in found.params if p.has_grad and ddp[p.chunk] is None])
+    validate.before_communication(
+        bound, found, groups, config, num_tokens, ddp=ddp, raw_config=raw_config, collection=collection
+    )
     return bound, found, groups, config
 
 
@@ -511,26 +606,44 @@ def _reshard_if_dtensor(tensor_to_shard: torch.Tensor, reference_tensor: torch.T
     return reshard(tensor_to_shard, reference_tensor)
 
 
-def _explicit(groups: Mapping[Group, ProcessGroup | None], needed: Mapping[Group, str]) -> TorchGroups:
-    """TorchGroups from a helper's explicit groups; None is only fine in a world of one.
+def _explicit(
+    groups: Mapping[Group, ProcessGroup | None], needed: Mapping[Group, str], *, lookup: bool = True
+) -> TorchGroups:
+    """TorchGroups from a helper's explicit groups.
+
+    As in Megatron, a group passed as None is looked up in Megatron's ``parallel_state``
+    when that is initialized (``lookup``). Otherwise None means size 1, which a needed
+    group may only be in a world of one rank. For EMBD / POS_EMBD, None on a rank of a
+    multi-stage pipeline means "not a member".
 
     Raises:
       ValueError: a needed group is None in a multi-rank world.
     """
+    values = dict(groups)
+    source = "explicit groups"
+    if lookup and any(v is None for v in values.values()):
+        ps = megatron_parallel_state()
+        if ps is not None:
+            found = parallel_state_values(ps)
+            for group, value in values.items():
+                if value is None and group in found:
+                    values[group] = found[group]
+            source = "explicit groups and Megatron parallel_state"
     if world_size() > 1:
         for group, why in needed.items():
-            if groups.get(group) is None:
+            if values.get(group) is None:
                 raise ValueError(
                     f"rank {world_rank()}: the {group.value!r} group is None in a world of {world_size()} "
-                    f"ranks ({why}); pass it explicitly (Megatron parallel_state lookup is not supported yet)"
+                    f"ranks ({why}) and Megatron's parallel_state is not initialized; pass it explicitly"
                 )
-    return TorchGroups.from_mapping(groups, source="explicit groups")
+    return TorchGroups.from_mapping(values, source=source)
 
 
 def _model_config(model: Sequence[Any], config: Any) -> FinalizeConfig:
-    if config is None:
-        config = chunk_configs(model)[0]
-    return resolve_config(config)
+    """A helper's FinalizeConfig: ``config`` (default: the chunks' ``config``) merged with
+    the chunks' ``ddp_config`` (Megatron reads ``use_megatron_fsdp`` from there)."""
+    raw, ddp_config = chunk_configs(model)
+    return ModelState.of(model).config(raw if config is None else config, ddp_config)
 
 
 def _run_steps(
@@ -540,16 +653,50 @@ def _run_steps(
     steps: Sequence[Step],
     found: Discovered | None = None,
 ) -> None:
-    """Discover, plan, and run only ``steps``."""
-    with ranked():
-        chunks = _chunks(model)
-        # No embedding step runs here: the configured embedding stage sets do not apply.
+    """Discover, plan, and run only ``steps``.
+
+    Like :func:`finalize_model_grads`, a helper plans once per model, steps, config and
+    groups (kept on the model's :class:`ModelState`) and binds the plan once to the
+    gradient tensors, so calling it every step does O(collectives) work.
+    """
+    chunks = _chunks(model)
+    # No embedding step runs here: the configured embedding stage sets do not apply.
+    if config.embedding_stages is not None or config.position_embedding_stages is not None:
         config = config.replace(embedding_stages=None, position_embedding_stages=None)
-        found = found if found is not None else discover(chunks, config)
+    if found is not None:
         plan = plan_finalize(found.params, config, groups.group_sizes(config), found.routers, dp_sync=False)
-    actions = plan.for_step(*steps)
-    if actions:
-        run_actions(actions, GradAccess(found.tensors, config.use_megatron_fsdp), found.router_modules, groups)
+        actions = plan.for_step(*steps)
+        if actions:
+            run_actions(actions, GradAccess(found.tensors, config.use_megatron_fsdp), found.router_modules, groups)
+        return
+    state = ModelState.of(chunks)
+    fingerprint, found = state.discovered(chunks, config)
+
+    def make() -> BoundPlan:
+        plan = plan_finalize(found.params, config, groups.group_sizes(config), found.routers, dp_sync=False)
+        return BoundPlan(dataclasses.replace(plan, actions=plan.for_step(*steps)), (), (), ())
+
+    bound = state.plan(("steps", tuple(steps), fingerprint, config, _groups_key(groups)), make)
+    if not bound.plan.actions:
+        return
+    program = state.program(bound, found, groups, config)
+    if program is not None:
+        program.run()
+    else:
+        grads = GradAccess(found.tensors, config.use_megatron_fsdp)
+        run_actions(bound.plan.actions, grads, found.router_modules, groups, stats=state.stats)
+
+
+def _groups_key(groups: TorchGroups) -> tuple[Any, ...]:
+    """What a helper's freshly built TorchGroups is made of (the process groups by
+    identity): equal keys may share a cached plan and its bound program."""
+    return (
+        groups.rank,
+        tuple((g, id(v), groups.size(g)) for g, v in groups.groups.items()),
+        groups.pp_ranks,
+        tuple(groups.stages.items()),
+        groups.missing,
+    )
 
 
 @ranked()
@@ -558,7 +705,7 @@ def _allreduce_conditional_embedding_grads(
 ) -> None:
     """All-reduce conditional embedding grads (params flagged ``pipeline_parallel``) over
     the pipeline stages, summing this rank's virtual-chunk copies first (SPEC 2.2)."""
-    cfg = resolve_config(config)
+    cfg = _model_config(_chunks(model), config)
     needed = {Group.PP: "config.has_cond_embedder"} if cfg.has_cond_embedder else {}
     _run_steps(model, cfg, _explicit({Group.PP: pp_group}, needed), [Step.COND_EMBEDDER])
 
@@ -575,7 +722,7 @@ def _allreduce_router_grads(
       config: transformer config (``flextron`` enables the step).
       pp_group: keyword-only extension: the pipeline group (Megatron looks it up).
     """
-    cfg = resolve_config(config)
+    cfg = _model_config(_chunks(model), config)
     needed = {Group.PP: "config.flextron"} if cfg.flextron else {}
     _run_steps(model, cfg, _explicit({Group.PP: pp_group}, needed), [Step.ROUTER])
 
@@ -586,7 +733,7 @@ def _allreduce_non_tensor_model_parallel_grads(
 ) -> None:
     """All-reduce layernorm grads (sequence parallel, qk-layernorm) and
     ``average_gradients_across_tp_domain`` grads over the tensor-parallel group (SPEC 2.4)."""
-    cfg = resolve_config(config)
+    cfg = _model_config(_chunks(model), config)
     _run_steps(model, cfg, _explicit({Group.TP: tp_group}, {Group.TP: "tensor-parallel grads"}), [Step.NON_TP])
 
 
@@ -604,8 +751,8 @@ def _allreduce_replicated_grads_over_gtp_remat_group(
     ``is_gtp_weight_remat``) params: SUM with per-token loss, else AVG (SPEC 2.5).
     No-op when both groups are None or of size 1."""
     chunks = _chunks(model)
-    raw = chunk_configs(chunks)[0]
-    base = resolve_config(raw) if raw is not None else FinalizeConfig()
+    raw, ddp_config = chunk_configs(chunks)
+    base = resolve_config(raw, ddp_config) if raw is not None or ddp_config is not None else FinalizeConfig()
     cfg = base.replace(calculate_per_token_loss=bool(calculate_per_token_loss))
     groups = TorchGroups.from_mapping(
         {Group.GTP: gtp_remat_group, Group.EGTP: egtp_remat_group}, source="explicit groups"
@@ -664,32 +811,84 @@ def _allreduce_embedding_grad(
     Raises:
       ValueError: ``skip_if_none`` is False and the parameter or its gradient is None.
     """
+    _embedding_grad(model, embd_group, pp_group, weight_getter, skip_if_none, config, None)
+
+
+def _embedding_grad(
+    model: list[nn.Module],
+    embd_group: ProcessGroup | None,
+    pp_group: ProcessGroup | None,
+    weight_getter: Callable[[nn.Module], nn.Parameter | None],
+    skip_if_none: bool,
+    config: Any,
+    lookup: Group | None,
+    mtp_rule: bool = True,
+) -> None:
+    """:func:`_allreduce_embedding_grad`.
+
+    ``mtp_rule``: a middle stage with MTP layers uses ``model[-1]`` (Megatron's
+    position-embedding helper does not apply it). As in Megatron, a None ``embd_group`` is
+    looked up in parallel_state when ``lookup`` names the group (the word-embedding
+    helper, whose group is Optional) and that is initialized; otherwise None means this
+    rank is not a member (what a ProcessGroupCollection holds there): nothing happens.
+    """
     chunks = _chunks(model)
     cfg = _model_config(chunks, config)
-    needed = {Group.EMBD: "embedding group", Group.PP: "pipeline stage detection"}
-    groups = _explicit({Group.EMBD: embd_group, Group.POS_EMBD: embd_group, Group.PP: pp_group}, needed)
+    needed = {Group.PP: "pipeline stage detection"}
+    ps = megatron_parallel_state() if embd_group is None or pp_group is None else None
+    if ps is not None:  # (parallel_state gives None where this rank is not a member)
+        found = parallel_state_values(ps)
+        if embd_group is None and lookup is not None:
+            embd_group = found.get(lookup)
+        pp_group = found.get(Group.PP) if pp_group is None else pp_group
+    elif embd_group is None and lookup is not None:
+        needed[Group.EMBD] = "embedding group"
+    groups = _explicit({Group.EMBD: embd_group, Group.POS_EMBD: embd_group, Group.PP: pp_group}, needed, lookup=False)
     stages = groups.stages.get(Group.EMBD)
     if stages is None or groups.size(Group.EMBD) <= 1:
         return
     stage, pp = groups.pp_stage, groups.pp_size
-    index = embedding_chunk(stage, pp, len(chunks), cfg.has_mtp)
+    index = embedding_chunk(stage, pp, len(chunks), cfg.has_mtp and mtp_rule)
     module = unwrap(chunks[index])
     weight = weight_getter(module)
     if weight is None:
         if skip_if_none:
             return
         raise ValueError(f"rank {groups.rank}: pp stage {stage}: chunk {index} has no embedding weight to reduce")
+    # Planned and bound once per weight, gradient tensor and groups (plan once, run many).
+    state = ModelState.of(chunks)
+    grad = get_grad(weight)
+    key = (skip_if_none, id(weight), index, _groups_key(groups), cfg.use_megatron_fsdp, cfg.mtp_num_layers)
+    hit = state.embedding_programs.get(key)
+    if hit is not None and hit[0] is weight and hit[1] is grad and hit[2] == bool(weight.requires_grad):
+        hit[3].run()
+        return
     name = next((n for n, p in module.named_parameters() if p is weight), "embedding.weight")
     role, step = (
         (Role.WORD_EMBEDDING, Step.WORD_EMBEDDING) if skip_if_none else (Role.POSITION_EMBEDDING, Step.POS_EMBEDDING)
     )
-    spec = param_spec(name, index, weight, role)
+    if not skip_if_none and not (weight.requires_grad and grad is not None):
+        raise ValueError(
+            f"rank {groups.rank}: embedding {name!r} (chunk {index}) has no gradient on pp stage {stage}; "
+            "its group requires one (skip_if_none=False)"
+        )
+    # Labelled chunk 0: this helper already chose the chunk (the plan's rule must not).
+    spec = param_spec(name, 0, weight, role)
     found = Discovered((spec,), (), {spec.key: weight}, {}, tuple(chunks))
     plan_cfg = FinalizeConfig(share_embeddings_and_output_weights=True, mtp_num_layers=cfg.mtp_num_layers)
     sizes = GroupSizes(sizes={Group.PP: pp}, embd_stages=stages, pos_embd_stages=stages)
     with ranked():
         plan = plan_finalize(found.params, plan_cfg, sizes, dp_sync=False)
-    run_actions(plan.for_step(step), GradAccess(found.tensors, cfg.use_megatron_fsdp), {}, groups)
+    actions = plan.for_step(step)
+    grads = GradAccess(found.tensors, cfg.use_megatron_fsdp)
+    if is_dtensor(grad):  # unsharded per call
+        run_actions(actions, grads, {}, groups, stats=state.stats)
+        return
+    program = Program(actions, grads, {}, groups, state.stats)
+    if len(state.embedding_programs) >= _MAX_PLANS:
+        state.embedding_programs.pop(next(iter(state.embedding_programs)))
+    state.embedding_programs[key] = (weight, grad, bool(weight.requires_grad), program)
+    program.run()
 
 
 def _allreduce_word_embedding_grads(
@@ -700,14 +899,16 @@ def _allreduce_word_embedding_grads(
 ) -> None:
     """All-reduce the tied word-embedding gradient across the first and last pipeline
     stages (and any other stage of ``embd_group``), SPEC 2.6."""
-    _allreduce_embedding_grad(
-        model,
-        embd_group,
-        pp_group,
-        lambda module: _get_shared_word_embedding_weight(module, config),
-        skip_if_none=True,
-        config=config,
-    )
+    with ranked():
+        _embedding_grad(
+            model,
+            embd_group,
+            pp_group,
+            lambda module: _get_shared_word_embedding_weight(module, config),
+            True,
+            config,
+            Group.EMBD,
+        )
 
 
 def _allreduce_position_embedding_grads(
@@ -715,9 +916,10 @@ def _allreduce_position_embedding_grads(
 ) -> None:
     """All-reduce the position-embedding gradient over ``pos_emb_group`` (SPEC 2.7); a
     missing gradient on a member stage is an error."""
-    _allreduce_embedding_grad(
-        model, pos_emb_group, pp_group, _get_position_embedding_weight, skip_if_none=False, config=config
-    )
+    with ranked():
+        _embedding_grad(
+            model, pos_emb_group, pp_group, _get_position_embedding_weight, False, config, None, mtp_rule=False
+        )
 
 
 @ranked()
@@ -725,9 +927,19 @@ def _update_router_expert_bias(
     model: list[nn.Module], config: Any, tp_dp_cp_group: ProcessGroup | None = None
 ) -> None:
     """Update trained routers' expert bias from token counts summed over tp x dp x cp
-    (one collective for all routers), SPEC 2.8."""
-    cfg = resolve_config(config)
-    needed = {Group.TP_DP_CP: "moe_router_enable_expert_bias"} if cfg.moe_router_enable_expert_bias else {}
+    (one collective for all routers), SPEC 2.8.
+
+    As in Megatron, ``config.moe_router_enable_expert_bias`` gates this step inside
+    :func:`finalize_model_grads` only: called directly, the helper always updates.
+
+    Args:
+      model: the model chunks.
+      config: transformer config (``moe_router_bias_update_rate``).
+      tp_dp_cp_group: extension: the tp x dp x cp group (None: Megatron's parallel_state,
+        as megatron-core's helper, which takes no group, always uses).
+    """
+    cfg = _model_config(_chunks(model), config).replace(moe_router_enable_expert_bias=True)
+    needed = {Group.TP_DP_CP: "expert bias update"}
     _run_steps(model, cfg, _explicit({Group.TP_DP_CP: tp_dp_cp_group}, needed), [Step.EXPERT_BIAS])
 
 
@@ -736,7 +948,7 @@ def _update_router_qb_beta(model: list[nn.Module], config: Any, dp_cp_group: Pro
     """Update the quantile-balancing bias once per global batch: AVG of
     ``qb_beta_accum / max(qb_beta_count, 1)`` over ``dp_cp_group``, EMA blend, re-centre
     (SPEC 2.9)."""
-    cfg = resolve_config(config)
+    cfg = _model_config(_chunks(model), config)
     needed = {Group.DP_CP: "quantile_balancing"} if cfg.quantile_balancing else {}
     _run_steps(model, cfg, _explicit({Group.DP_CP: dp_cp_group}, needed), [Step.QB_BETA])
 

@@ -8,9 +8,12 @@ pipeline stage and the pp stages of the embedding groups. It comes from
   (:meth:`TorchGroups.from_collection`), or a plain mapping (:meth:`TorchGroups.from_mapping`);
 * a torch ``DeviceMesh`` whose dim names are meshgrad axis names, through
   :class:`MeshGroups`, which builds the multi-axis, expert and embedding groups with
-  ``dist.new_group`` once and caches them on itself.
+  ``dist.new_group`` once and caches them on itself;
+* Megatron's initialized ``parallel_state`` (:func:`parallel_state_groups`), found in
+  ``sys.modules`` -- megatron is never imported here.
 
-Nothing here is global: the caller keeps the objects.
+Nothing here is global: the caller keeps the objects (the parallel_state view is kept on
+that module, which is Megatron's global state).
 """
 
 from __future__ import annotations
@@ -248,6 +251,11 @@ class TorchGroups:
                 stages[group] = (0,) if len(pp_ranks) == 1 and _is_none_group(named, group) else None
                 continue
             outside = [r for r in ranks if r not in pp_ranks]
+            if outside and Group.PP not in defined_set:
+                raise ValueError(
+                    f"rank {rank}: process group 'pp' is missing from the {source}; it is required "
+                    f"(the {group.value!r} group {ranks} spans several pipeline stages)"
+                )
             if outside:
                 raise ValueError(
                     f"rank {rank}: the {group.value!r} group {ranks} of the {source} has ranks "
@@ -417,3 +425,80 @@ def is_device_mesh(obj: Any) -> bool:
     """Whether ``obj`` is a torch DeviceMesh (no import: none exists before the module is)."""
     module = sys.modules.get("torch.distributed.device_mesh")
     return module is not None and isinstance(obj, getattr(module, "DeviceMesh", ()))
+
+
+# --------------------------------------------------------------------------- Megatron parallel_state
+
+#: How each named group is read from Megatron's ``parallel_state``: getter and keywords.
+#: Embedding getters are asked not to assert, so a rank outside the group gets None.
+PARALLEL_STATE_GETTERS: dict[Group, tuple[str, dict[str, Any]]] = {
+    Group.TP: ("get_tensor_model_parallel_group", {}),
+    Group.PP: ("get_pipeline_model_parallel_group", {}),
+    Group.EMBD: ("get_embedding_group", {"check_initialized": False}),
+    Group.POS_EMBD: ("get_position_embedding_group", {"check_initialized": False}),
+    Group.DP_CP: ("get_data_parallel_group", {"with_context_parallel": True}),
+    Group.EDP: ("get_expert_data_parallel_group", {}),
+    Group.TP_DP_CP: ("get_tensor_and_data_parallel_group", {"with_context_parallel": True}),
+}
+_PARALLEL_STATE_CACHE = "_meshgrad_groups"
+
+
+def megatron_parallel_state() -> Any | None:
+    """Megatron-Core's ``parallel_state`` module when its model-parallel groups are
+    initialized in this process, else None.
+
+    Nothing is imported: ``parallel_state`` can only have been initialized by a process
+    that imported it, so when it is not in ``sys.modules`` it is not initialized.
+    """
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None:
+        return None
+    try:
+        return ps if ps.model_parallel_is_initialized() else None
+    except Exception:  # an older or partial parallel_state: treat as not initialized
+        return None
+
+
+def parallel_state_values(ps: Any) -> dict[Group, ProcessGroup | None]:
+    """The groups Megatron's ``parallel_state`` defines, by meshgrad name.
+
+    A getter that is absent or raises leaves its group undefined (``check`` then names it
+    when it is required); None means size 1, or for EMBD / POS_EMBD "not a member".
+    """
+    values: dict[Group, ProcessGroup | None] = {}
+    for group, (name, kwargs) in PARALLEL_STATE_GETTERS.items():
+        getter = getattr(ps, name, None)
+        if not callable(getter):
+            continue
+        try:
+            values[group] = getter(**kwargs)
+        except (AssertionError, RuntimeError, TypeError, AttributeError):
+            if group in STAGE_GROUPS:
+                values[group] = None  # raised for a rank outside the group
+    return values
+
+
+def parallel_state_groups(ps: Any | None = None) -> TorchGroups | None:
+    """This rank's :class:`TorchGroups` from Megatron's initialized ``parallel_state``.
+
+    Resolved once and kept on the ``parallel_state`` module while its groups stay the
+    same objects (re-initializing it resolves again), so a training loop that passes
+    ``pg_collection=None`` reuses one TorchGroups -- and one cached plan -- every step.
+
+    Args:
+      ps: the module (default: :func:`megatron_parallel_state`).
+
+    Returns:
+      The groups, or None when parallel_state is not initialized.
+    """
+    ps = megatron_parallel_state() if ps is None else ps
+    if ps is None:
+        return None
+    values = parallel_state_values(ps)
+    key = tuple((g, id(v)) for g, v in values.items())
+    cached = getattr(ps, _PARALLEL_STATE_CACHE, None)
+    if isinstance(cached, tuple) and len(cached) == 2 and cached[0] == key:
+        return cached[1]
+    groups = TorchGroups.from_mapping(values, source="Megatron parallel_state")
+    setattr(ps, _PARALLEL_STATE_CACHE, (key, groups))  # the TorchGroups keeps the groups alive
+    return groups

@@ -1,0 +1,94 @@
+"""Counting collectives and copied bytes, for the benchmark only.
+
+:class:`CollectiveCounter` wraps the torch.distributed collectives (module attributes, so
+both meshgrad and megatron-core, which call ``torch.distributed.<name>`` at call time,
+are seen) while it is active. :class:`FlattenCounter` wraps megatron-core's
+``_flatten_dense_tensors`` in its finalize module to count the bytes Megatron copies to
+coalesce (in with the flatten, back with ``copy_``).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "reduce_scatter",
+    "all_gather_into_tensor",
+    "all_gather",
+    "all_reduce_coalesced",
+    "all_to_all_single",
+)
+
+
+class CollectiveCounter:
+    """Context manager: ``counts[name]`` = calls of each torch.distributed collective."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._saved: dict[str, Any] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __enter__(self) -> "CollectiveCounter":
+        for name in COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self._saved[name] = fn
+
+            def wrapper(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+                self.counts[_name] += 1
+                return _fn(*args, **kwargs)
+
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved.clear()
+
+
+def megatron_finalize_module() -> Any | None:
+    """megatron-core's ``core.distributed.finalize_model_grads`` module, or None."""
+    try:
+        return importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    except Exception:  # not installed, or it fails to import here
+        return None
+
+
+class FlattenCounter:
+    """Context manager: bytes megatron-core's finalize copies to coalesce gradients."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._module = megatron_finalize_module()
+        self._saved: Any = None
+
+    def __enter__(self) -> "FlattenCounter":
+        if self._module is not None:
+            self._saved = self._module._flatten_dense_tensors
+
+            def flatten(tensors: Any) -> torch.Tensor:
+                # Megatron copies each gradient into the flat buffer and back (copy_).
+                self.bytes += 2 * sum(t.numel() * t.element_size() for t in tensors)
+                return self._saved(tensors)
+
+            self._module._flatten_dense_tensors = flatten
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._module is not None and self._saved is not None:
+            self._module._flatten_dense_tensors = self._saved

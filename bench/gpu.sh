@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# bench/gpu.sh -- meshgrad against megatron-core on one GPU, in one go.
+#
+# For a machine with one CUDA GPU, torch preinstalled, no internet, this repository
+# copied to it (megatron-core is optional: without it, meshgrad's numbers alone).
+#
+#   1. python -m bench --device cuda --no-gloo   side by side on the fake backend
+#      (TP=8, PP=2, DP=2 layouts), gradients on the GPU: local overhead per step and per
+#      finalize, collectives and bytes copied per call.
+#   2. python -m bench.cuda --backend nccl       a world of one rank on NCCL: finalize
+#      with num_tokens, then the whole finalize captured in a CUDA graph and replayed
+#      (no host sync inside), checked by value; megatron-core tried under capture too.
+#   3. python -m bench.cuda --backend fake       the same capture / replay / check for
+#      the multi-rank layout under the fake backend.
+#
+# Usage: bash bench/gpu.sh [--quick] [--cpu-smoke]
+#   --quick      fewer rounds, the 24-layer layouts only
+#   --cpu-smoke  no GPU needed: every step on the CPU with tiny layouts (tests this script)
+# Environment: OUT (results folder; default bench/results), PYTHON (default python3),
+#   STEP_TIMEOUT (seconds per step, default 900).
+# Exit status: 0 when every step succeeded, 1 when one failed, 2 when no GPU is usable.
+
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+RESULTS="${OUT:-$ROOT/bench/results}"
+QUICK=()
+SMOKE=0
+for arg in "$@"; do
+  case "$arg" in
+    --quick) QUICK=(--quick) ;;
+    --cpu-smoke) SMOKE=1; QUICK=(--quick) ;;
+    -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "bench/gpu.sh: unknown argument: $arg (try --help)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$RESULTS"
+
+say() { printf '\n==== %s ====\n' "$*"; }
+
+say "environment"
+if ! "$PY" - <<'EOF'
+import importlib.util, platform, sys
+import torch
+print(f"python {platform.python_version()}  torch {torch.__version__}  cuda build {torch.version.cuda}")
+print(f"cuda available: {torch.cuda.is_available()}"
+      + (f"  device: {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))
+print(f"megatron-core: {'yes' if importlib.util.find_spec('megatron') else 'no (meshgrad only)'}")
+import meshgrad, torch_impl  # noqa: F401  (the repository imports)
+print(f"meshgrad {meshgrad.__version__} from {meshgrad.__file__}")
+EOF
+then
+  echo "bench/gpu.sh: python / torch / meshgrad import failed (PYTHON=$PY)" >&2
+  exit 2
+fi
+
+if [[ $SMOKE -eq 1 ]]; then
+  DEVICE=cpu
+  WORLD1=(--backend gloo --device cpu --layers 2 --hidden 128)
+  FAKE=(--backend fake --device cpu --layers 2 --hidden 128)
+  SIDE=(--layouts gpt-24L-h1024 --rounds 2)
+else
+  if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "bench/gpu.sh: no usable CUDA device (use --cpu-smoke to test the script on a CPU)" >&2
+    exit 2
+  fi
+  DEVICE=cuda
+  WORLD1=(--backend nccl --device cuda)
+  FAKE=(--backend fake --device cuda)
+  SIDE=()
+fi
+
+failed=()
+run() {  # run NAME CMD...: run a step, keep going on failure, remember it
+  local name="$1"; shift
+  say "$name"
+  echo "+ $*"
+  local start=$SECONDS
+  if timeout --kill-after=30 "${STEP_TIMEOUT:-900}" "$@"; then
+    echo "---- $name: ok ($((SECONDS - start)) s)"
+  else
+    local status=$?
+    echo "---- $name: FAILED with status $status ($((SECONDS - start)) s)" >&2
+    failed+=("$name")
+  fi
+}
+
+run "1/3 side by side, fake backend, gradients on $DEVICE" \
+  "$PY" -m bench --device "$DEVICE" --no-gloo "${QUICK[@]}" "${SIDE[@]}" --json "$RESULTS/gpu_side_by_side.json"
+run "2/3 world of one (${WORLD1[1]}), CUDA graph capture" \
+  "$PY" -m bench.cuda "${WORLD1[@]}" "${QUICK[@]}" --json "$RESULTS/gpu_world_of_one.json"
+run "3/3 fake multi-rank layout, CUDA graph capture" \
+  "$PY" -m bench.cuda "${FAKE[@]}" "${QUICK[@]}" --json "$RESULTS/gpu_fake_graph.json"
+
+say "summary"
+echo "results: $RESULTS/gpu_side_by_side.json gpu_world_of_one.json gpu_fake_graph.json"
+if [[ ${#failed[@]} -gt 0 ]]; then
+  echo "failed steps: ${failed[*]}" >&2
+  exit 1
+fi
+echo "all steps succeeded"

@@ -1,0 +1,180 @@
+"""``python -m bench``: meshgrad against megatron-core, side by side, in one run.
+
+1. Fake process-group backend (``torch.testing._internal.distributed.fake_pg``): local
+   overhead per call of each step and of the whole finalize, collectives launched and
+   gradient bytes copied per finalize call, on GPT-like layouts (TP=8, PP=2, DP=2, tied
+   embeddings; ``--moe`` adds routers with expert bias and experts).
+2. A gloo world of 4 processes: end-to-end finalize time against the floor (the same
+   collectives on pre-flattened buffers).
+
+Prints a table and writes JSON (``--json PATH``, default ``bench/results/latest.json``).
+A benchmark, never a timed test: it reports what it measures and checks the goals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+from bench.models import Layout
+
+FAKE_LAYOUTS = {
+    "gpt-24L-h1024": Layout("gpt-24L-h1024", 24, 1024, tp=8, pp=2, dp=2),
+    "gpt-24L-h1024-pp1": Layout("gpt-24L-h1024-pp1", 24, 1024, tp=8, pp=1, dp=2),
+    "gpt-48L-h4096": Layout("gpt-48L-h4096", 48, 4096, tp=8, pp=2, dp=2),
+}
+GLOO_LAYOUTS = {
+    "gloo-24L-h256-tp2dp2": Layout("gloo-24L-h256-tp2dp2", 24, 256, tp=2, pp=1, dp=2, vocab=8192),
+    "gloo-24L-h256-tp2pp2": Layout("gloo-24L-h256-tp2pp2", 24, 256, tp=2, pp=2, dp=1, vocab=8192),
+}
+GOALS = {"non_tp": 0.1, "finalize": 0.2, "gloo": 1.2}
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        from importlib.metadata import version
+
+        env["megatron_core"] = version("megatron-core")
+    except Exception:
+        env["megatron_core"] = None
+    return env
+
+
+def _ms(t: dict[str, float] | None) -> str:
+    return "-" if not t else f"{1e3 * t['median']:.4f}"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+MODELS = ("megatron", "meshgrad drop-in", "meshgrad buffers")
+
+
+def format_fake(result: dict[str, Any]) -> str:
+    lay = result["layout"]
+    lines = [
+        f"{lay['name']}  (TP{lay['tp']} PP{lay['pp']} DP{lay['dp']}{' MoE' if lay['moe_experts'] else ''}, "
+        f"rank 0 = stage 0: {result['params']} params, {result['non_tp_tensors']} non-TP grads, "
+        f"{result['grad_bytes'] / 2**20:.0f} MiB of grads, device {result['device']})",
+        f"  {'step':<18}" + "".join(f"{m:>18}" for m in MODELS) + f"{'buffers/mcore':>15}{'drop-in/mcore':>15}",
+    ]
+    t = result["time"]
+    from bench.fake import STEPS
+
+    for step in STEPS:
+        if not any(step in t.get(m, {}) for m in MODELS):
+            continue
+        cells = "".join(f"{_ms(t.get(m, {}).get(step)):>18}" for m in MODELS)
+        r = result.get("ratios", {})
+        lines.append(f"  {step + ' ms':<18}{cells}{_ratio(r.get(f'{step} (buffers)')):>15}{_ratio(r.get(f'{step} (drop-in)')):>15}")
+    lines.append(f"  {'collectives/call':<18}" + "".join(f"{result['collectives'].get(m, '-'):>18}" for m in MODELS))
+    lines.append(
+        f"  {'bytes copied/call':<18}" + "".join(f"{int(result['bytes_copied'].get(m, 0)):>18}" if m in result['bytes_copied'] else f"{'-':>18}" for m in MODELS)
+    )
+    return "\n".join(lines)
+
+
+def format_gloo(result: dict[str, Any]) -> str:
+    lay = result["layout"]
+    t = result["time"]
+    head = f"{lay['name']}  (TP{lay['tp']} PP{lay['pp']} DP{lay['dp']}, {result['grad_bytes'] / 2**20:.0f} MiB of grads per rank)"
+    cells = [f"floor {1e3 * t['floor']['median']:.3f} ms"]
+    for name in ("meshgrad buffers", "meshgrad drop-in", "megatron"):
+        if name in t:
+            cells.append(f"{name} {1e3 * t[name]['median']:.3f} ms ({result['vs_floor'][name]:.3f}x)")
+    return head + "\n  " + "   ".join(cells)
+
+
+def goals(fake: list[dict[str, Any]], gloo: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for r in fake:
+        name = r["layout"]["name"]
+        ratios = r.get("ratios", {})
+        for step, limit in (("non_tp", GOALS["non_tp"]), ("finalize", GOALS["finalize"])):
+            value = ratios.get(f"{step} (buffers)")
+            out.append(
+                dict(goal=f"{name}: {step} meshgrad/megatron <= {limit:g}", value=value, ok=None if value is None else value <= limit)
+            )
+        copied = r["bytes_copied"].get("meshgrad buffers")
+        out.append(dict(goal=f"{name}: bytes copied with meshgrad buffers == 0", value=copied, ok=copied == 0))
+    for r in gloo:
+        value = r["vs_floor"].get("meshgrad buffers")
+        out.append(dict(goal=f"{r['layout']['name']}: finalize / floor <= {GOALS['gloo']:g}", value=value, ok=value <= GOALS["gloo"]))
+        out.append(
+            dict(goal=f"{r['layout']['name']}: bytes copied with meshgrad buffers == 0", value=r["meshgrad_buffers_bytes_copied"], ok=r["meshgrad_buffers_bytes_copied"] == 0)
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, the 24-layer layouts only")
+    parser.add_argument("--json", metavar="PATH", help="write results here (default bench/results/latest.json)")
+    parser.add_argument("--layouts", nargs="*", choices=sorted(FAKE_LAYOUTS), help="fake-backend layouts to run")
+    parser.add_argument("--moe", action="store_true", help="add MoE routers (expert bias) and experts to every layout")
+    parser.add_argument("--no-fake", action="store_true", help="skip the fake-backend side by side")
+    parser.add_argument("--no-gloo", action="store_true", help="skip the gloo world of 4")
+    parser.add_argument("--no-megatron", action="store_true", help="meshgrad only (megatron-core not needed)")
+    parser.add_argument("--device", default="cpu", help="device of the fake-backend gradients (cpu, cuda)")
+    parser.add_argument("--rounds", type=int, help="timed rounds per candidate")
+    args = parser.parse_args(argv)
+
+    quick = args.quick
+    rounds = args.rounds or (5 if quick else 15)
+    names = args.layouts or (["gpt-24L-h1024", "gpt-24L-h1024-pp1"] if quick else list(FAKE_LAYOUTS))
+    started = time.time()
+    report: dict[str, Any] = {"env": environment(), "args": vars(args), "fake": [], "gloo": []}
+    if not args.no_fake:
+        from bench.fake import measure_layout
+
+        print("== fake backend: local overhead per call (median ms of interleaved rounds) ==", flush=True)
+        for name in names:
+            lay = FAKE_LAYOUTS[name]
+            if args.moe:
+                lay = dataclasses.replace(lay, name=lay.name + "-moe", moe_experts=8)
+            batch = 5 if lay.hidden >= 4096 else 20
+            result = measure_layout(lay, rounds=rounds, batch=batch, device=args.device, with_megatron=not args.no_megatron)
+            report["fake"].append(result)
+            print(format_fake(result), flush=True)
+    if not args.no_gloo:
+        from bench.gloo import run_gloo
+
+        print("\n== gloo world of 4: end-to-end finalize per call (median of rounds, slowest rank) ==", flush=True)
+        for name in ["gloo-24L-h256-tp2dp2"] if quick else list(GLOO_LAYOUTS):
+            lay = GLOO_LAYOUTS[name]
+            result = run_gloo(lay, rounds=5 if quick else 9, batch=3, megatron=not args.no_megatron)
+            report["gloo"].append(result)
+            print(format_gloo(result), flush=True)
+    report["goals"] = goals(report["fake"], report["gloo"])
+    report["seconds"] = time.time() - started
+    print("\n== goals ==")
+    for g in report["goals"]:
+        verdict = "n/a" if g["ok"] is None else ("met" if g["ok"] else "MISSED")
+        value = g["value"] if not isinstance(g["value"], float) else f"{g['value']:.4f}"
+        print(f"  [{verdict:>6}] {g['goal']}  (measured {value})")
+    path = args.json or os.path.join(os.path.dirname(__file__), "results", "latest.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    print(f"\nJSON: {path}  ({report['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The benchmark's CPU-runnable parts, checked by value (no timing is asserted).
+
+``bench/gpu.sh --cpu-smoke`` runs every step of the GPU script on the CPU with tiny
+layouts; the collective counter and the DDP-like chunk are checked directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_collective_counter_restores_torch_distributed():
+    import torch.distributed as dist
+
+    from bench.counting import CollectiveCounter
+
+    original = dist.all_reduce
+    with CollectiveCounter() as counter:
+        assert dist.all_reduce is not original
+    assert dist.all_reduce is original and counter.total == 0
+
+
+def test_mini_ddp_buffers_hold_main_grads_in_reverse_order():
+    from bench.ddp import MiniDDP
+    from bench.models import Layout, build_chunk, count_non_tp
+
+    lay = Layout("t", 2, 64, tp=2, pp=1, dp=1, vocab=128)
+    chunk = build_chunk(lay, 0)
+    assert count_non_tp(chunk) == 2 * 8 + 1  # 8 per layer + the final layernorm
+    ddp = MiniDDP(chunk, None, lazy=False)
+    (flat, group), = ddp.grad_buffers
+    params = [p for p in chunk.parameters() if p.requires_grad]
+    assert group is None and flat.numel() == sum(p.numel() for p in params)
+    assert params[-1].main_grad.storage_offset() == 0
+    flat.fill_(3.0)
+    ddp.scale_gradients(torch.tensor(0.5))
+    assert all(torch.equal(p.main_grad, torch.full(p.shape, 1.5)) for p in params)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+def test_gpu_script_cpu_smoke(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu.sh"), "--cpu-smoke"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    side = json.loads((tmp_path / "gpu_side_by_side.json").read_text())
+    (layout,) = side["fake"]
+    assert layout["bytes_copied"]["meshgrad buffers"] == 0
+    # Same collectives as Megatron (DP, non-TP, embedding), never more.
+    if "megatron" in layout["collectives"]:
+        assert layout["collectives"]["meshgrad buffers"] <= layout["collectives"]["megatron"]
+    world1 = json.loads((tmp_path / "gpu_world_of_one.json").read_text())
+    assert world1["bytes_copied_meshgrad_buffers"] == 0 and world1["eager values_ok"] is True
+    assert world1["graph meshgrad buffers"] == {"skipped": "no CUDA device"}
+    fake = json.loads((tmp_path / "gpu_fake_graph.json").read_text())
+    assert fake["graph meshgrad buffers"] == {"skipped": "no CUDA device"} and fake["eager values_ok"] is True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_gpu_script_refuses_without_a_gpu(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "no usable CUDA device" in proc.stderr
+
+
+_COUNTS = r"""
+import dataclasses, json
+from bench.fake import launch_counts
+from bench.models import Layout
+lay = Layout("t", 4, 256, tp=8, pp=2, dp=2, vocab=1024)
+cases = {
+    "base": (lay, {}),
+    "mixed-dtypes": (lay, dict(mixed=True)),
+    "tp-avg": (lay, dict(tp_avg=True)),
+    "tokens": (lay, dict(tokens=True)),
+    "all": (lay, dict(mixed=True, tp_avg=True, tokens=True)),
+    "moe": (dataclasses.replace(lay, moe_experts=4), dict(mixed=True, tokens=True)),
+    "pp1": (dataclasses.replace(lay, pp=1), dict(mixed=True, tp_avg=True, tokens=True)),
+}
+print("COUNTS" + json.dumps({k: launch_counts(l, **kw) for k, (l, kw) in cases.items()}))
+"""
+
+
+def test_never_more_collectives_than_megatron_core():
+    pytest.importorskip("megatron.core")
+    proc = subprocess.run([sys.executable, "-c", _COUNTS], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("COUNTS"))
+    counts = json.loads(line[len("COUNTS"):])
+    for case, got in counts.items():
+        for ours in ("meshgrad buffers", "meshgrad drop-in"):
+            assert got[ours] <= got["megatron"], (case, got)
+    # Mixed dtypes: Megatron flattens the non-TP grads into one collective; so does the
+    # fused plan (DP sync: one per dtype on both sides).
+    assert counts["mixed-dtypes"]["meshgrad buffers"] == counts["mixed-dtypes"]["megatron"] == 4

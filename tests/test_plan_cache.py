@@ -1,0 +1,200 @@
+"""Plan once, run many: what finalize_model_grads caches per model and when it replans.
+
+World of one rank (no process group): num_tokens scaling makes every gradient the plan
+touches observable, so each test checks values after each step, plus the counters of
+the model's cached state (plans built, programs bound).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from meshgrad import FinalizeConfig  # noqa: E402
+from torch_impl import finalize_model_grads, reset_model_temporary_tensors  # noqa: E402
+discover_module = importlib.import_module("torch_impl.discover")
+finalize_module = importlib.import_module("torch_impl.finalize")
+from torch_impl.execute import GradWatch  # noqa: E402
+from torch_impl.finalize import ModelState, execution_stats  # noqa: E402
+
+CONFIG = FinalizeConfig(calculate_per_token_loss=True, sequence_parallel=True)
+
+
+class Chunk(nn.Module):
+    def __init__(self, main_grad: bool = True) -> None:
+        super().__init__()
+        self.config = CONFIG
+        self.a = nn.Parameter(torch.zeros(3))
+        self.b = nn.Parameter(torch.zeros(2, 2))
+        self.c = nn.Parameter(torch.zeros(4))
+        for i, p in enumerate(self.parameters()):
+            value = torch.full(p.shape, float(i + 1))
+            if main_grad:
+                p.main_grad = value
+            else:
+                p.grad = value
+
+
+def grads(model) -> dict[tuple[int, str], torch.Tensor | None]:
+    out = {}
+    for i, chunk in enumerate(model):
+        for name, p in chunk.named_parameters():
+            g = getattr(p, "main_grad", p.grad)
+            out[(i, name)] = None if g is None else g.clone()
+    return out
+
+
+def step(model, n: int = 2) -> dict:
+    before = grads(model)
+    finalize_model_grads(model, num_tokens=torch.tensor(n))
+    return before
+
+
+def assert_scaled(model, before, n, skipped=()):
+    after = grads(model)
+    for key, value in before.items():
+        if value is None or key in skipped:
+            assert (after[key] is None and value is None) or torch.equal(after[key], value), key
+        else:
+            assert torch.equal(after[key], value / n), key
+
+
+def test_repeated_steps_plan_and_bind_once():
+    model = [Chunk(), Chunk()]
+    for n in (2, 4, 8):
+        before = step(model, n)
+        assert_scaled(model, before, n)
+    stats = execution_stats(model)
+    assert (stats.calls, stats.plans_built, stats.programs_bound, stats.bytes_copied) == (3, 1, 1, 0)
+
+
+def test_a_repeated_step_does_no_per_parameter_python(monkeypatch):
+    model = [Chunk(), Chunk()]
+    step(model)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("O(parameters) work in a repeated step")
+
+    monkeypatch.setattr(finalize_module, "discover", boom)
+    monkeypatch.setattr(finalize_module, "plan_finalize", boom)
+    monkeypatch.setattr(discover_module, "param_spec", boom)
+    monkeypatch.setattr(discover_module.Discovered, "fingerprint", boom)
+    monkeypatch.setattr(finalize_module, "Program", boom)
+    before = step(model, 4)
+    assert_scaled(model, before, 4)
+
+
+def test_freezing_and_unfreezing_replans_and_skips_the_frozen_grad():
+    model = [Chunk()]
+    step(model)
+    param = model[0].b
+    param.requires_grad_(False)
+    before = step(model, 2)
+    assert_scaled(model, before, 2, skipped={(0, "b")})
+    assert execution_stats(model).plans_built == 2
+    param.requires_grad_(True)
+    before = step(model, 2)
+    assert_scaled(model, before, 2)
+    stats = execution_stats(model)
+    assert stats.plans_built == 2  # the first plan is still cached
+    assert stats.programs_bound == 3
+
+
+@pytest.mark.parametrize("attr", ["main_grad", "grad"])
+def test_a_gradient_disappearing_and_reappearing_replans(attr):
+    model = [Chunk(main_grad=attr == "main_grad")]
+    step(model)
+    param = model[0].c
+    if attr == "main_grad":
+        del param.main_grad  # falls back to .grad, which is None
+    else:
+        param.grad = None
+    before = step(model, 2)
+    assert_scaled(model, before, 2)
+    assert before[(0, "c")] is None
+    assert execution_stats(model).plans_built == 2
+    setattr(param, attr, torch.full((4,), 6.0))
+    before = step(model, 3)
+    assert_scaled(model, before, 3)
+    assert torch.equal(getattr(param, attr), torch.full((4,), 2.0))
+
+
+def test_new_gradient_tensors_rebind_without_replanning():
+    model = [Chunk(main_grad=False)]
+    step(model)
+    old = model[0].a.grad
+    model[0].a.grad = torch.full((3,), 9.0)  # e.g. zero_grad(set_to_none=True) + backward
+    before = step(model, 3)
+    assert_scaled(model, before, 3)
+    assert torch.equal(old, torch.full((3,), 0.5))  # the stale tensor is left alone
+    stats = execution_stats(model)
+    assert (stats.plans_built, stats.programs_bound) == (1, 2)
+
+
+def test_a_dtype_change_replans():
+    model = [Chunk()]
+    step(model)
+    model[0].a.main_grad = torch.full((3,), 4.0, dtype=torch.bfloat16)
+    before = step(model, 2)
+    assert_scaled(model, before, 2)
+    assert model[0].a.main_grad.dtype == torch.bfloat16
+    assert execution_stats(model).plans_built == 2
+
+
+def test_a_changed_chunk_list_gets_its_own_state():
+    first, second = Chunk(), Chunk()
+    step([first])
+    before = step([first, second], 2)
+    assert_scaled([first, second], before, 2)
+    assert ModelState.of([first, second]).stats.plans_built == 1
+    assert ModelState.of([first]).stats.calls == 0  # replaced: one state per chunk list
+    before = step([first], 2)
+    assert_scaled([first], before, 2)
+
+
+def test_grad_watch_detects_each_change():
+    p, q = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    p.main_grad = torch.zeros(2)
+    q.grad = torch.zeros(2)
+    watch = GradWatch([p, q])
+    assert watch.same()
+    q.main_grad = torch.zeros(2)
+    assert not watch.same()
+    del q.main_grad
+    assert watch.same()
+    q.grad = torch.zeros(2)
+    assert not watch.same()
+    watch = GradWatch([p, q])
+    p.main_grad = torch.zeros(2)
+    assert not watch.same()
+    watch = GradWatch([p, q])
+    del p.main_grad
+    assert not watch.same()
+    watch = GradWatch([p, q])
+    q.requires_grad_(False)
+    assert not watch.same()
+
+
+class Router(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("qb_beta", torch.zeros(4))
+        self.register_buffer("qb_beta_accum", torch.ones(4))
+        self.register_buffer("qb_beta_count", torch.ones(()))
+
+
+def test_helpers_plan_once_per_model_and_steps():
+    model = [Chunk()]
+    model[0].router = Router()
+    for _ in range(3):
+        model[0].router.qb_beta_accum.fill_(5.0)
+        model[0].router.qb_beta_count.fill_(2.0)
+        reset_model_temporary_tensors(CONFIG, model)
+        assert float(model[0].router.qb_beta_accum.abs().sum()) == 0.0
+        assert float(model[0].router.qb_beta_count) == 0.0
+    stats = execution_stats(model)
+    assert (stats.plans_built, stats.programs_bound) == (1, 1)
