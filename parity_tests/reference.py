@@ -521,15 +521,20 @@ def _stage_set(ctx: Context, stages: Sequence[int] | None, default: Sequence[int
     return chosen
 
 
-def _embedding_chunk(ctx: Context, stage: int) -> int:
+def _embedding_chunk(ctx: Context, stage: int, role: str) -> int:
     """Chunk holding the embedding on ``stage`` (SPEC 2.6): first stage -> first chunk,
-    last stage -> last chunk, other stages -> last chunk with MTP, else first chunk."""
+    last stage -> last chunk, other stages -> last chunk with MTP, else first chunk.
+
+    DECISION (megatron-core 0.16.1 wins over SPEC 2.7's "same"): the MTP rule applies to
+    the word embedding only; a middle stage's position embedding comes from the first
+    chunk even with MTP layers.
+    """
     last = ctx.scenario.num_chunks - 1
     if stage == 0:
         return 0
     if stage == ctx.mesh.pp - 1:
         return last
-    return last if ctx.cfg.mtp_num_layers else 0
+    return last if ctx.cfg.mtp_num_layers and role == "word_embedding" else 0
 
 
 def _role_param(ctx: Context, role: str) -> ParamLayout | None:
@@ -564,7 +569,7 @@ def _embedding_sync(ctx: Context, role: str, stages: list[int], *, none_is_error
             stage = ctx.mesh.coords(r, "dense")["pp"]
             if stage not in stages:
                 continue
-            key = (_embedding_chunk(ctx, stage), param.name)
+            key = (_embedding_chunk(ctx, stage, role), param.name)
             if ctx.grad(r, key) is None:
                 if none_is_error:
                     raise ValueError(f"rank {r}: {role} grad {key} is None (SPEC 2.7: an error)")

@@ -355,6 +355,16 @@ def dense_scenarios() -> Iterator[Scenario]:
                 config=dict(mtp_num_layers=1, embedding_stages=(0, pp - 2, pp - 1)),
             )
             yield Scenario(
+                _name(mesh, "mtp-middle-pos-embd"),
+                **base,
+                num_chunks=2,
+                config=dict(
+                    mtp_num_layers=1,
+                    embedding_stages=(0, pp - 2, pp - 1),
+                    position_embedding_stages=(0, 1, pp - 2),
+                ),
+            )
+            yield Scenario(
                 _name(mesh, "no-mtp-middle"),
                 **base,
                 num_chunks=2,

@@ -312,7 +312,8 @@ def test_frozen_word_embedding_is_skipped():
     "config, total, chunks",
     [
         (dict(position_embedding_stages=(0, 1, 2, 3)), 1 + 11 + 21 + 32, [0, 0, 0, 1]),
-        (dict(position_embedding_stages=(0, 1, 2, 3), mtp_num_layers=1), 1 + 12 + 22 + 32, [0, 1, 1, 1]),
+        # megatron-core 0.16.1: the MTP chunk rule does not apply to the position embedding
+        (dict(position_embedding_stages=(0, 1, 2, 3), mtp_num_layers=1), 1 + 11 + 21 + 32, [0, 0, 0, 1]),
     ],
 )
 def test_position_embedding_stages(config, total, chunks):
