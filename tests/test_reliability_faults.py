@@ -98,8 +98,9 @@ FAULTS = [
      "token", None, PG_TIMEOUT),
     ("rank 0 stalls 8 s before finalize",
      dict(scenario="dp_tp", rank=0, where="before", kind="stall"), "check", None, 3 * PG_TIMEOUT),
+    # The failing rank joins the status round before raising: the others raise at once.
     ("rank 3 alone raises (float num_tokens) before communicating",
-     dict(scenario="dp_tp", rank=3, where="bad_num_tokens", num_tokens=True), "check", None, 3 * PG_TIMEOUT),
+     dict(scenario="dp_tp", rank=3, where="bad_num_tokens", num_tokens=True), "shared", None, 3.0),
 ]
 
 
@@ -119,6 +120,12 @@ def test_a_broken_rank_makes_the_others_raise_naming_the_collective(reliability,
         if rank not in payload.get("affected", range(WORLD)):
             assert kind == "ok", (rank, kind, message)
             continue
+        if expect == "shared":
+            assert kind == "ConsistencyError", (rank, kind, message)
+            assert f"rank {bad} failed its own checks: TypeError" in message, message
+            assert elapsed < bound, (rank, elapsed)
+            slowest = max(slowest, elapsed)
+            continue
         assert kind == "CollectiveError", (rank, kind, message)
         assert message.startswith(f"rank {rank}: "), message
         if expect == "action":
@@ -135,10 +142,10 @@ def test_a_broken_rank_makes_the_others_raise_naming_the_collective(reliability,
         assert elapsed < bound + 3.0, (rank, elapsed)
         slowest = max(slowest, elapsed)
     where = {"action": "the action (step, op, group, tensors)", "token": "the num_tokens collective",
-             "check": "the consistency-check collective"}[expect]
+             "check": "the consistency-check collective", "shared": "the failing rank and its error"}[expect]
     who = "others" if "affected" not in payload else f"ranks {payload['affected']} (the rest finish)"
     reliability(
         "fault",
         f"{label} [4 ranks, {PG_TIMEOUT:g} s timeout]",
-        f"{who}: CollectiveError naming {where} after <= {slowest:.1f} s; all exited in {seconds:.0f} s; no hang",
+        f"{who}: {'ConsistencyError' if expect == 'shared' else 'CollectiveError'} naming {where} after <= {slowest:.1f} s; all exited in {seconds:.0f} s; no hang",
     )

@@ -297,6 +297,7 @@ class BoundPlan:
     ddp: tuple[Any, ...]
     ddp_force_kwarg: tuple[bool, ...]
     plain_scale_keys: tuple[ParamKey, ...]
+    checks: dict[str, Any] = dataclasses.field(default_factory=dict)  # validate's once-per-plan record
 
 
 def build_plan(
@@ -562,7 +563,11 @@ def _prepare(
         return build_plan(found, config, groups.group_sizes(config), ddp, force)
 
     key = (fingerprint, config, groups, requested, force, num_tokens is not None, tuple(id(d) for d in ddp))
-    bound = state.plan(key, make)
+    try:
+        bound = state.plan(key, make)
+    except (TypeError, ValueError) as err:
+        validate.share_local_error(err, groups, config, first_call=True)
+        raise
     validate.before_communication(
         bound, found, groups, config, num_tokens, ddp=ddp, raw_config=raw_config, collection=collection
     )

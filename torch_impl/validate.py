@@ -42,7 +42,6 @@ import contextlib
 import dataclasses
 import hashlib
 import re
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -521,7 +520,27 @@ class _PlanRecord:
     consistent: bool = False
 
 
-_RECORDS: "weakref.WeakKeyDictionary[Any, _PlanRecord]" = weakref.WeakKeyDictionary()
+def share_local_error(err: BaseException, groups: TorchGroups, config: FinalizeConfig, *, first_call: bool) -> None:
+    """Join the status rounds the other ranks run before their first collective, so that
+    a check that failed on this rank alone makes every rank raise instead of hang.
+
+    Mirrors :func:`before_communication`: the signature exchange (when a consistency
+    check is due) with one line naming this rank's error, then the status agreement.
+    The caller re-raises ``err`` afterwards.
+
+    Args:
+      err: the local error.
+      groups: this rank's groups.
+      config: the finalize config.
+      first_call: the plan has not passed a consistency check yet on this rank.
+    """
+    compare = config.consistency_check != "off" and (config.consistency_check == "every_step" or first_call)
+    if not (compare or config.check_for_nan_in_grad):
+        return
+    if compare:
+        line = f"rank {groups.rank} failed its own checks: {type(err).__name__}: {_first_line(err)}"
+        exchange_signatures({g: (line,) for g in Group}, groups)
+    agree([_BIG - groups.rank, 0], groups, "finalize status check")
 
 
 def before_communication(
@@ -554,17 +573,21 @@ def before_communication(
       CollectiveError: a check's collective failed.
     """
     every = config.consistency_check == "every_step"
-    record = _RECORDS.get(bound)
-    if record is None or every:
-        device = check_gradients(found, groups, config)
-        check_layout(
-            groups, raw_config, experts=any(p.expert and p.has_grad for p in found.params), collection=collection
-        )
-        if record is None:
-            record = _PlanRecord(device, _uses_nccl(groups))
-            _RECORDS[bound] = record
-        record.device = device
-    check_num_tokens(num_tokens, record.device, groups, bound.ddp, record.nccl)
+    record: _PlanRecord | None = bound.checks.get("record")
+    try:
+        if record is None or every:
+            device = check_gradients(found, groups, config)
+            check_layout(
+                groups, raw_config, experts=any(p.expert and p.has_grad for p in found.params), collection=collection
+            )
+            if record is None:
+                record = _PlanRecord(device, _uses_nccl(groups))
+                bound.checks["record"] = record
+            record.device = device
+        check_num_tokens(num_tokens, record.device, groups, bound.ddp, record.nccl)
+    except (TypeError, ValueError) as err:
+        share_local_error(err, groups, config, first_call=record is None or not record.consistent)
+        raise
     bad: list[ParamKey] = []
     if config.check_for_nan_in_grad:
         keys = [p.key for p in found.params if p.has_grad and ddp[p.chunk] is None]
