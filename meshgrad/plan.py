@@ -438,6 +438,7 @@ def _stage_reduction(
     params: Sequence[ParamSpec],
     config: FinalizeConfig,
     pp: int,
+    own_stage: int | None,
 ) -> list[StageReduction]:
     if len(stages) <= 1:
         return []
@@ -452,7 +453,8 @@ def _stage_reduction(
     has_mtp = config.has_mtp and step is Step.WORD_EMBEDDING
     for stage in range(pp):
         spec = by_chunk.get(embedding_chunk(stage, pp, num_chunks, has_mtp))
-        if spec is not None and not spec.has_grad and step is Step.POS_EMBEDDING and stage in stages:
+        checked = own_stage is None or stage == own_stage
+        if spec is not None and not spec.has_grad and step is Step.POS_EMBEDDING and stage in stages and checked:
             raise ValueError(
                 f"position embedding {spec.name!r} (chunk {spec.chunk}) has no gradient on pp "
                 f"stage {stage}; pos_embd group requires one (skip_if_none=False)"
@@ -682,6 +684,7 @@ def plan_finalize(
     force_all_reduce: bool = False,
     dp_sync: bool = True,
     merge: bool = True,
+    stage: int | None = None,
 ) -> FinalizePlan:
     """Plan one finalize call (SPEC.md section 2, steps 1 to 11, in order).
 
@@ -693,6 +696,9 @@ def plan_finalize(
       force_all_reduce: turn a distributed optimizer's reduce-scatter into an all-reduce.
       dp_sync: include step 1 (False when the backend delegates it to DDP chunks).
       merge: fuse reductions that can share a collective (:func:`merge_reductions`).
+      stage: this rank's pp stage, when the params are one rank's (torch): stage-specific
+        checks (a position embedding without gradient) apply to it alone. None (SPMD
+        backends, uniform layouts): they apply to every member stage.
 
     Returns:
       A FinalizePlan; its ``token_scale`` is used only when num_tokens is given.
@@ -717,10 +723,10 @@ def plan_finalize(
         actions += _non_tp(params, config)
     actions += _gtp(params, config, sizes)
     actions += _stage_reduction(
-        Step.WORD_EMBEDDING, Group.EMBD, Role.WORD_EMBEDDING, sizes.embd_stages, params, config, pp
+        Step.WORD_EMBEDDING, Group.EMBD, Role.WORD_EMBEDDING, sizes.embd_stages, params, config, pp, stage
     )
     actions += _stage_reduction(
-        Step.POS_EMBEDDING, Group.POS_EMBD, Role.POSITION_EMBEDDING, sizes.pos_embd_stages, params, config, pp
+        Step.POS_EMBEDDING, Group.POS_EMBD, Role.POSITION_EMBEDDING, sizes.pos_embd_stages, params, config, pp, stage
     )
     trained = [r for r in routers if r.training]
     if config.moe_router_enable_expert_bias:

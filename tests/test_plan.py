@@ -200,3 +200,13 @@ def test_scatter_shard_layout(total, size, want):
     assert [scatter_shard(total, size, i) for i in range(size)] == want
     with pytest.raises(ValueError, match="outside a group"):
         scatter_shard(total, size, size)
+
+
+def test_position_embedding_check_is_for_own_stage_only():
+    params = [spec("pos", 0, role="position_embedding", has_grad=False)]
+    config = FinalizeConfig(position_embedding_stages=(0, 1))
+    dims = ParallelDims(pp=4)
+    # A rank of stage 2 (not a member) holding a frozen position embedding plans fine.
+    assert reductions(plan_finalize(params, config, dims, stage=2), Step.POS_EMBEDDING) == []
+    with pytest.raises(ValueError, match="pp stage 1"):
+        plan_finalize(params, config, dims, stage=1)

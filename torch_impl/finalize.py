@@ -306,13 +306,16 @@ def build_plan(
     sizes: GroupSizes,
     ddp: Sequence[Any],
     force_all_reduce: bool,
+    stage: int | None = None,
 ) -> BoundPlan:
     """Plan every step; step 1 only for chunks without a DDP wrapper."""
     plain = {i for i, obj in enumerate(ddp) if obj is None}
     if len(plain) == len(ddp):
-        plan = plan_finalize(found.params, config, sizes, found.routers, force_all_reduce=force_all_reduce)
+        plan = plan_finalize(
+            found.params, config, sizes, found.routers, force_all_reduce=force_all_reduce, stage=stage
+        )
     else:
-        plan = plan_finalize(found.params, config, sizes, found.routers, dp_sync=False)
+        plan = plan_finalize(found.params, config, sizes, found.routers, dp_sync=False, stage=stage)
         if plain:
             dp = plan_finalize(
                 [p for p in found.params if p.chunk in plain], config, sizes, force_all_reduce=force_all_reduce
@@ -560,7 +563,7 @@ def _prepare(
             config, plain_params, groups, requested, plain_dp_sync=bool(plain), num_tokens=num_tokens is not None
         )
         groups.check(required, expected)
-        return build_plan(found, config, groups.group_sizes(config), ddp, force)
+        return build_plan(found, config, groups.group_sizes(config), ddp, force, groups.pp_stage)
 
     key = (fingerprint, config, groups, requested, force, num_tokens is not None, tuple(id(d) for d in ddp))
     try:
