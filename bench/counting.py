@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import warnings
 from typing import Any
 
 import torch
@@ -64,7 +65,9 @@ class CollectiveCounter:
 def megatron_finalize_module() -> Any | None:
     """megatron-core's ``core.distributed.finalize_model_grads`` module, or None."""
     try:
-        return importlib.import_module("megatron.core.distributed.finalize_model_grads")
+        with warnings.catch_warnings():  # its CPU-only import warns about TE / Apex
+            warnings.simplefilter("ignore", UserWarning)
+            return importlib.import_module("megatron.core.distributed.finalize_model_grads")
     except Exception:  # not installed, or it fails to import here
         return None
 
