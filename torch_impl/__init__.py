@@ -4,6 +4,7 @@ The public entry point mirrors Megatron-Core's ``core.distributed.finalize_model
 module (same function names and signatures), so Megatron users can swap it in.
 """
 
+from torch_impl.buffers import GradBuffers, attach_grad_buffers
 from torch_impl.discover import Discovered, discover
 from torch_impl.finalize import (
     _allreduce_conditional_embedding_grads,
@@ -21,6 +22,7 @@ from torch_impl.finalize import (
     _unshard_if_dtensor,
     _update_router_expert_bias,
     _update_router_qb_beta,
+    execution_stats,
     finalize_model_grads,
     reset_model_temporary_tensors,
 )
@@ -28,9 +30,12 @@ from torch_impl.groups import MeshGroups, TorchGroups, mesh_groups
 
 __all__ = [
     "Discovered",
+    "GradBuffers",
     "MeshGroups",
     "TorchGroups",
+    "attach_grad_buffers",
     "discover",
+    "execution_stats",
     "finalize_model_grads",
     "mesh_groups",
     "reset_model_temporary_tensors",
