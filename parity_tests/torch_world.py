@@ -522,3 +522,13 @@ def run_cases(
     return {
         name: [outcome.results[r].get(name, ("missing", why)) for r in range(world_size)] for name in names
     }
+
+
+def case_values(world: dict[str, list[tuple[str, Any]]], name: str) -> list[Any]:
+    """Per-rank values of case ``name`` from :func:`run_cases`; fails (pytest) naming every
+    rank whose case did not return "ok"."""
+    results = world[name]
+    problems = [f"rank {r}: {s}: {v}" for r, (s, v) in enumerate(results) if s != "ok"]
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return [v for _, v in results]

@@ -22,7 +22,7 @@ from meshgrad import FinalizeConfig, Reduction  # noqa: E402
 from parity_tests.compare import compare_ranks  # noqa: E402
 from parity_tests.reference import reference_finalize  # noqa: E402
 from parity_tests.scenarios import RankData, Scenario, gpt_params, make_rank_inputs  # noqa: E402
-from parity_tests.torch_world import build_model, collection, load_inputs, read_outputs, run_cases  # noqa: E402
+from parity_tests.torch_world import build_model, case_values, collection, load_inputs, read_outputs, run_cases  # noqa: E402
 from torch_impl import finalize_model_grads  # noqa: E402
 from torch_impl.buffers import attach_grad_buffers  # noqa: E402
 from torch_impl.finalize import ModelState, execution_stats  # noqa: E402
@@ -270,11 +270,7 @@ def test_mixed_dtype_non_tp_grads_share_one_float32_collective(world):
         assert out["ln16"] == [want16, want16] and out["dtype"] == "torch.bfloat16"
 
 
-def _ok(world: dict[str, list[tuple[str, Any]]], name: str) -> list[Any]:
-    results = world[name]
-    problems = [f"rank {r}: {s}: {v}" for r, (s, v) in enumerate(results) if s != "ok"]
-    assert not problems, "\n".join(problems)
-    return [v for _, v in results]
+_ok = case_values
 
 
 def _reference(scenario: Scenario) -> list[RankData]:

@@ -19,6 +19,7 @@ from meshgrad import Group, ParallelDims, stage_set  # noqa: E402
 from parity_tests.scenarios import Scenario, gpt_params, make_rank_inputs, moe_routers  # noqa: E402
 from parity_tests.torch_world import (  # noqa: E402
     build_model,
+    case_values,
     collection,
     load_inputs,
     read_outputs,
@@ -251,11 +252,7 @@ def world() -> dict[str, list[tuple[str, Any]]]:
     return run_cases(__name__, CASES, WORLD, timeout=300)
 
 
-def _ok(world: dict[str, list[tuple[str, Any]]], name: str) -> list[Any]:
-    results = world[name]
-    problems = [f"rank {r}: {s}: {v}" for r, (s, v) in enumerate(results) if s != "ok"]
-    assert not problems, "\n".join(problems)
-    return [v for _, v in results]
+_ok = case_values
 
 
 def _expected(dims: ParallelDims, rank: int, embd=None, pos=None) -> dict[str, Any]:

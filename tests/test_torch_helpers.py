@@ -27,7 +27,7 @@ from parity_tests.scenarios import (  # noqa: E402
     make_rank_inputs,
     moe_routers,
 )
-from parity_tests.torch_world import build_model, collection, load_inputs, read_outputs, run_cases  # noqa: E402
+from parity_tests.torch_world import build_model, case_values, collection, load_inputs, read_outputs, run_cases  # noqa: E402
 
 WORLD = 4
 _GROUPS: dict[Any, Any] = {}  # per worker process: groups per mesh (tests only)
@@ -323,11 +323,7 @@ def world() -> dict[str, list[tuple[str, Any]]]:
     return run_cases(__name__, CASES, WORLD, timeout=300)
 
 
-def _ok(world: dict[str, list[tuple[str, Any]]], name: str) -> list[Any]:
-    results = world[name]
-    problems = [f"rank {r}: {s}: {v}" for r, (s, v) in enumerate(results) if s != "ok"]
-    assert not problems, "\n".join(problems)
-    return [v for _, v in results]
+_ok = case_values
 
 
 def _check(scenario: Scenario, got: list[RankData], expected: dict[tuple[int, Any], np.ndarray]) -> None:
