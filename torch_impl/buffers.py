@@ -29,9 +29,9 @@ from torch import nn
 
 from meshgrad.params import ParamKey
 from torch_impl.discover import dtype_name
+from torch_impl.execute import TORCH_DTYPES
 from torch_impl.groups import parallel_state_groups
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 @dataclasses.dataclass(eq=False)
@@ -138,7 +138,7 @@ def allocate(
     for (dtype, where), keys in groups.items():
         total = sum(params[k].numel() for k in keys)
         make = torch.empty if lazy else torch.zeros
-        flat = make(total, dtype=_DTYPES[dtype], device=where)
+        flat = make(total, dtype=TORCH_DTYPES[dtype], device=where)
         buffers.append(flat)
         offset = 0
         for key in keys:

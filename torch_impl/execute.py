@@ -117,7 +117,7 @@ class GradAccess:
 
 # --------------------------------------------------------------------------- collectives
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def _native_avg(group: Any) -> bool:
@@ -244,7 +244,7 @@ def bind_reduction(
     """
     tensors = [grads[k] for k in action.keys]
     pairs = [(tensor, grads[k]) for tensor, keys in zip(tensors, action.copies or ()) for k in keys]
-    work = _DTYPES[action.work_dtype]
+    work = TORCH_DTYPES[action.work_dtype]
     group, size = groups.group(action.group), groups.size(action.group)
     scatter = action.scatter and group is not None
     pre_scale, op, rank = action.pre_scale, action.op, groups.rank
