@@ -23,11 +23,12 @@ def _hang_after_emit(rank: int, world_size: int, payload: object, sink) -> None:
 
 
 def _crash(rank: int, world_size: int, payload: object, sink) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank is connected before one dies (else rank 0 fails in init)
     sink.put("before", rank)
     if rank == 1:
         os._exit(3)
-    import torch.distributed as dist
-
     dist.barrier()
 
 
