@@ -366,6 +366,7 @@ class ModelState:
         self.programs: dict[int, tuple[BoundPlan, Program]] = {}
         self.last_config: tuple[Any, Any, tuple[Any, ...], FinalizeConfig] | None = None
         self.embedding_programs: dict[tuple[Any, ...], tuple[Any, Any, bool, Program]] = {}
+        self.explicit_groups: dict[tuple[Any, ...], tuple[dict[Group, Any], TorchGroups]] = {}
         self.stats = ExecStats()
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -615,7 +616,11 @@ def _reshard_if_dtensor(tensor_to_shard: torch.Tensor, reference_tensor: torch.T
 
 
 def _explicit(
-    groups: Mapping[Group, ProcessGroup | None], needed: Mapping[Group, str], *, lookup: bool = True
+    groups: Mapping[Group, ProcessGroup | None],
+    needed: Mapping[Group, str],
+    *,
+    lookup: bool = True,
+    model: Any = None,
 ) -> TorchGroups:
     """TorchGroups from a helper's explicit groups.
 
@@ -623,6 +628,13 @@ def _explicit(
     when that is initialized (``lookup``). Otherwise None means size 1, which a needed
     group may only be in a world of one rank. For EMBD / POS_EMBD, None on a rank of a
     multi-stage pipeline means "not a member".
+
+    Args:
+      groups: the helper's group arguments.
+      needed: groups that must not be None in a multi-rank world, with why.
+      lookup: fill None groups from an initialized Megatron parallel_state.
+      model: the helper's model: the resolved groups are memoized on its cached state
+        (keyed on the group objects' identity), so a repeated call does not rebuild them.
 
     Raises:
       ValueError: a needed group is None in a multi-rank world.
@@ -644,7 +656,16 @@ def _explicit(
                     f"rank {world_rank()}: the {group.value!r} group is None in a world of {world_size()} "
                     f"ranks ({why}) and Megatron's parallel_state is not initialized; pass it explicitly"
                 )
-    return TorchGroups.from_mapping(values, source=source)
+    if model is None:
+        return TorchGroups.from_mapping(values, source=source)
+    memo = ModelState.of(_chunks(model)).explicit_groups
+    key = tuple(sorted((g.value, id(v)) for g, v in values.items())) + (source,)
+    hit = memo.get(key)
+    if hit is not None and all(hit[0][g] is v for g, v in values.items()):
+        return hit[1]
+    resolved = TorchGroups.from_mapping(values, source=source)
+    memo[key] = (values, resolved)  # holds the groups: their ids stay theirs
+    return resolved
 
 
 def _model_config(model: Sequence[Any], config: Any) -> FinalizeConfig:
@@ -715,7 +736,7 @@ def _allreduce_conditional_embedding_grads(
     the pipeline stages, summing this rank's virtual-chunk copies first (SPEC 2.2)."""
     cfg = _model_config(_chunks(model), config)
     needed = {Group.PP: "config.has_cond_embedder"} if cfg.has_cond_embedder else {}
-    _run_steps(model, cfg, _explicit({Group.PP: pp_group}, needed), [Step.COND_EMBEDDER])
+    _run_steps(model, cfg, _explicit({Group.PP: pp_group}, needed, model=model), [Step.COND_EMBEDDER])
 
 
 @ranked()
@@ -732,7 +753,7 @@ def _allreduce_router_grads(
     """
     cfg = _model_config(_chunks(model), config)
     needed = {Group.PP: "config.flextron"} if cfg.flextron else {}
-    _run_steps(model, cfg, _explicit({Group.PP: pp_group}, needed), [Step.ROUTER])
+    _run_steps(model, cfg, _explicit({Group.PP: pp_group}, needed, model=model), [Step.ROUTER])
 
 
 @ranked()
@@ -742,7 +763,8 @@ def _allreduce_non_tensor_model_parallel_grads(
     """All-reduce layernorm grads (sequence parallel, qk-layernorm) and
     ``average_gradients_across_tp_domain`` grads over the tensor-parallel group (SPEC 2.4)."""
     cfg = _model_config(_chunks(model), config)
-    _run_steps(model, cfg, _explicit({Group.TP: tp_group}, {Group.TP: "tensor-parallel grads"}), [Step.NON_TP])
+    groups = _explicit({Group.TP: tp_group}, {Group.TP: "tensor-parallel grads"}, model=model)
+    _run_steps(model, cfg, groups, [Step.NON_TP])
 
 
 _allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
@@ -851,7 +873,9 @@ def _embedding_grad(
         pp_group = found.get(Group.PP) if pp_group is None else pp_group
     elif embd_group is None and lookup is not None:
         needed[Group.EMBD] = "embedding group"
-    groups = _explicit({Group.EMBD: embd_group, Group.POS_EMBD: embd_group, Group.PP: pp_group}, needed, lookup=False)
+    groups = _explicit(
+        {Group.EMBD: embd_group, Group.POS_EMBD: embd_group, Group.PP: pp_group}, needed, lookup=False, model=chunks
+    )
     stages = groups.stages.get(Group.EMBD)
     if stages is None or groups.size(Group.EMBD) <= 1:
         return
@@ -948,7 +972,7 @@ def _update_router_expert_bias(
     """
     cfg = _model_config(_chunks(model), config).replace(moe_router_enable_expert_bias=True)
     needed = {Group.TP_DP_CP: "expert bias update"}
-    _run_steps(model, cfg, _explicit({Group.TP_DP_CP: tp_dp_cp_group}, needed), [Step.EXPERT_BIAS])
+    _run_steps(model, cfg, _explicit({Group.TP_DP_CP: tp_dp_cp_group}, needed, model=model), [Step.EXPERT_BIAS])
 
 
 @ranked()
@@ -958,7 +982,7 @@ def _update_router_qb_beta(model: list[nn.Module], config: Any, dp_cp_group: Pro
     (SPEC 2.9)."""
     cfg = _model_config(_chunks(model), config)
     needed = {Group.DP_CP: "quantile_balancing"} if cfg.quantile_balancing else {}
-    _run_steps(model, cfg, _explicit({Group.DP_CP: dp_cp_group}, needed), [Step.QB_BETA])
+    _run_steps(model, cfg, _explicit({Group.DP_CP: dp_cp_group}, needed, model=model), [Step.QB_BETA])
 
 
 @ranked()
