@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 
+from parity_tests.results import ScenarioResult
 from parity_tests.scenarios import RankData, RouterState, Scenario
 
 ROUTER_FIELDS = tuple(f.name for f in dataclasses.fields(RouterState) if f.name != "aux_loss_resets")
@@ -151,3 +152,30 @@ def diff_by_step(
             ok, worst = ok and e_ok, max(worst, diff)
         out[step] = (ok, worst)
     return out
+
+
+def check_against_reference(scenario: Scenario, result: ScenarioResult, backend: str) -> None:
+    """Raise AssertionError unless ``result`` matches the numpy reference.
+
+    A scenario the reference rejects must be rejected by the backend too.
+
+    Args:
+      scenario: the scenario.
+      result: the backend's outcome.
+      backend: its name, for messages.
+    """
+    from parity_tests.reference import reference_finalize
+    from parity_tests.scenarios import make_rank_inputs
+
+    inputs = [make_rank_inputs(scenario, rank) for rank in range(scenario.world_size)]
+    try:
+        want = reference_finalize(scenario, inputs)
+    except Exception as exc:  # the reference rejects the scenario: the backend must too
+        if result.error is None:
+            raise AssertionError(f"reference raised {exc!r}; {backend} returned outputs") from exc
+        return
+    if result.error is not None:
+        raise AssertionError(f"{backend} raised: {result.error}")
+    comparison = compare_ranks(scenario, result.outputs, want.outputs)
+    if not comparison.ok:
+        raise AssertionError("\n".join(comparison.failures[:20]))

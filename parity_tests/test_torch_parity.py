@@ -10,11 +10,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from parity_tests.compare import compare_ranks  # noqa: E402
-from parity_tests.scenarios import all_scenarios, by_world_size, make_rank_inputs  # noqa: E402
+from parity_tests.compare import check_against_reference  # noqa: E402
+from parity_tests.scenarios import all_scenarios, by_world_size  # noqa: E402
 from parity_tests.torch_world import run_torch_world  # noqa: E402
-
-reference = pytest.importorskip("parity_tests.reference")
 
 SCENARIOS = all_scenarios()
 
@@ -29,13 +27,4 @@ def torch_results():
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_torch_matches_reference(scenario, torch_results):
-    result = torch_results[scenario.name]
-    inputs = [make_rank_inputs(scenario, rank) for rank in range(scenario.world_size)]
-    try:
-        want = reference.reference_finalize(scenario, inputs)
-    except Exception as exc:  # the reference rejects the scenario: torch must too
-        assert result.error is not None, f"reference raised {exc!r}; torch returned outputs"
-        return
-    assert result.error is None, result.error
-    comparison = compare_ranks(scenario, result.outputs, want.outputs)
-    assert comparison.ok, "\n".join(comparison.failures[:20])
+    check_against_reference(scenario, torch_results[scenario.name], "torch")
