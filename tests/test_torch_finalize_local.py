@@ -78,10 +78,16 @@ def test_default_config_world_of_one_only_resets_qb_accumulators():
     assert not after.routers[(0, "layer.router")].qb_beta_count.any()
 
 
-@pytest.mark.parametrize("dtype,grad_attr", [("float32", "main_grad"), ("bfloat16", "grad")])
-def test_num_tokens_scales_every_grad_exactly(dtype, grad_attr):
+@pytest.mark.parametrize(
+    "dtype,grad_attr,n",
+    [
+        ("float32", "main_grad", torch.tensor(4, dtype=torch.int64)),
+        ("bfloat16", "grad", torch.tensor(4, dtype=torch.int64)),
+        ("float32", "main_grad", torch.tensor([4], dtype=torch.int32)),  # one element, 1-d
+    ],
+)
+def test_num_tokens_scales_every_grad_exactly(dtype, grad_attr, n):
     scenario, model, data = _setup({"calculate_per_token_loss": True}, dtype=dtype, grad_attr=grad_attr)
-    n = torch.tensor(4, dtype=torch.int64)
     finalize_model_grads(model, num_tokens=n)
     out = _snapshot(model, scenario, data)
     assert int(n) == 4  # the caller's tensor is not mutated

@@ -407,7 +407,7 @@ def global_token_scale(num_tokens: torch.Tensor, action: TokenScale, groups: Tor
     if pp is not None:
         dist.broadcast(total, src=groups.pp_last_rank, group=pp)
     all_reduce(total, groups.group(action.group), ReduceOp.SUM, groups.size(action.group))
-    return rules.token_scale(total, torch).to(torch.float32)
+    return rules.token_scale(total, torch).to(torch.float32).reshape(())  # one element: 0-d
 
 
 def scale_grads(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
