@@ -392,12 +392,10 @@ def collection(scenario: Scenario, cache: dict[Any, Any]) -> Any:
     """A ProcessGroupCollection-like namespace built with dist.new_group (cached)."""
     import torch.distributed as dist
 
-    from meshgrad.axes import Group, ParallelDims
+    from meshgrad.axes import Group
+    from parity_tests.specs import scenario_dims
 
-    dims = ParallelDims(
-        pp=scenario.pp, dp=scenario.dp, cp=scenario.cp, tp=scenario.tp, gtp=scenario.gtp,
-        ep=scenario.ep, etp=scenario.expert_tp, egtp=scenario.egtp,
-    )
+    dims = scenario_dims(scenario)
     embd, pos = _stages(scenario)
     key = ("pgc", dims, embd, pos)
     if key in cache:

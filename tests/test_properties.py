@@ -46,7 +46,8 @@ from hypothesis import strategies as st  # noqa: E402
 from jax_impl.finalize import finalize_stacked  # noqa: E402
 from meshgrad import FinalizeConfig, Group, ParallelDims, ResetTemporaries, plan_finalize  # noqa: E402
 from parity_tests.compare import compare_ranks  # noqa: E402
-from parity_tests.jax_world import _outputs, scenario_dims, scenario_specs, stack_inputs  # noqa: E402
+from parity_tests.jax_world import _outputs, stack_inputs  # noqa: E402
+from parity_tests.specs import scenario_dims, scenario_specs  # noqa: E402
 from parity_tests.reference import reference_finalize  # noqa: E402
 from parity_tests.scenarios import RankData, Scenario, gpt_params, make_rank_inputs, moe_routers, to_dtype  # noqa: E402
 
@@ -218,13 +219,6 @@ def without_tokens(inputs: Sequence[RankData]) -> list[RankData]:
     return [dataclasses.replace(d, num_tokens=None) for d in inputs]
 
 
-def _dims(scenario: Scenario) -> ParallelDims:
-    return ParallelDims(
-        pp=scenario.pp, dp=scenario.dp, cp=scenario.cp, gtp=scenario.gtp, tp=scenario.tp,
-        ep=scenario.ep, etp=scenario.expert_tp, egtp=scenario.egtp,
-    )
-
-
 def _same(a: Any, b: Any) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b, equal_nan=True))
 
@@ -232,7 +226,7 @@ def _same(a: Any, b: Any) -> bool:
 def invariant_failures(scenario: Scenario, inputs: Sequence[RankData], outputs: Sequence[RankData]) -> list[str]:
     """Replication across groups and preserved sums (see the module docstring)."""
     cfg = scenario.config
-    dims = _dims(scenario)
+    dims = scenario_dims(scenario)
     layout = {p.name: p for p in scenario.params}
     scatter = bool(cfg.get("use_distributed_optimizer")) and not scenario.force_all_reduce
     failures: list[str] = []
@@ -272,7 +266,7 @@ def token_scale_failures(
     scenario: Scenario, inputs: Sequence[RankData], with_tokens: Sequence[RankData], without: Sequence[RankData]
 ) -> list[str]:
     """Every gradient with num_tokens == to_dtype(without * float32(1 / max(n, 1)))."""
-    dims = _dims(scenario)
+    dims = scenario_dims(scenario)
     group = Group.DP_CP_GTP if dims.gtp > 1 else Group.DP_CP
     failures = []
     for rank in range(dims.world_size):

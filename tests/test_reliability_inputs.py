@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from meshgrad import FinalizeConfig, Group, ParallelDims, stage_set  # noqa: E402
+from parity_tests.specs import scenario_dims  # noqa: E402
 from parity_tests.scenarios import (  # noqa: E402
     POS_EMB,
     WORD_EMB,
@@ -61,13 +62,6 @@ PP_TP = Scenario(
 # =========================================================================== shared helpers
 
 
-def dims_of(scenario: Scenario) -> ParallelDims:
-    return ParallelDims(
-        pp=scenario.pp, dp=scenario.dp, cp=scenario.cp, tp=scenario.tp, gtp=scenario.gtp,
-        ep=scenario.ep, etp=scenario.expert_tp, egtp=scenario.egtp,
-    )
-
-
 def timed_collection(
     scenario: Scenario,
     *,
@@ -90,7 +84,7 @@ def timed_collection(
     import torch.distributed as dist
 
     cache = _CACHE if cache is None else cache
-    dims = dims or dims_of(scenario)
+    dims = dims or scenario_dims(scenario)
     embd = stage_set(scenario.cfg("embedding_stages", None), dims.pp, "first_last")
     pos = stage_set(scenario.cfg("position_embedding_stages", None), dims.pp, "first")
     key = ("timed", dims, embd, pos, timeout, repr(sorted((override or {}).items())), tuple(drop))

@@ -25,7 +25,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from meshgrad import ParallelDims  # noqa: E402
+from parity_tests.specs import scenario_dims  # noqa: E402
 from parity_tests.scenarios import RankData, Scenario, gpt_params, make_rank_inputs, moe_routers  # noqa: E402
 from parity_tests.torch_world import build_model, read_outputs, run_cases  # noqa: E402
 
@@ -86,10 +86,6 @@ def _dtype_cases(world: int) -> list[Scenario]:
 _MESHES: dict[Any, Any] = {}
 
 
-def _dims(s: Scenario) -> ParallelDims:
-    return ParallelDims(pp=s.pp, dp=s.dp, cp=s.cp, tp=s.tp, ep=s.ep, etp=s.expert_tp)
-
-
 def _mesh(s: Scenario) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -133,7 +129,7 @@ def _run_dtensor_case(case: Case, rank: int) -> dict[str, Any]:
     mesh = _mesh(s)
     sub = mesh[case.dim]
     size = sub.size()
-    dims = _dims(s)
+    dims = scenario_dims(s)
     # Whole tensors: the inputs of this rank's peer at coordinate 0 along the DTensor's dim,
     # so every rank of one DTensor holds the same whole tensor (its shards differ).
     root = dims.rank_of({**{str(k): v for k, v in dims.coords(rank).items() if k.value in ("pp", "dp", "cp", "tp")},

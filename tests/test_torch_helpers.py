@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from meshgrad import FinalizeConfig  # noqa: E402
+from parity_tests.specs import scenario_dims  # noqa: E402
 from parity_tests.scenarios import (  # noqa: E402
     POS_EMB,
     WORD_EMB,
@@ -62,19 +63,11 @@ def _inputs(scenario: Scenario) -> list[RankData]:
 
 
 def _coords(scenario: Scenario, rank: int) -> dict[str, int]:
-    from meshgrad import ParallelDims
-
-    dims = ParallelDims(pp=scenario.pp, dp=scenario.dp, cp=scenario.cp, gtp=scenario.gtp, tp=scenario.tp,
-                        ep=scenario.ep, etp=scenario.expert_tp, egtp=scenario.egtp)
-    return {str(k): v for k, v in dims.coords(rank).items()}
+    return {str(k): v for k, v in scenario_dims(scenario).coords(rank).items()}
 
 
 def _peers(scenario: Scenario, rank: int, axes: tuple[str, ...]) -> list[int]:
-    from meshgrad import ParallelDims
-
-    dims = ParallelDims(pp=scenario.pp, dp=scenario.dp, cp=scenario.cp, gtp=scenario.gtp, tp=scenario.tp,
-                        ep=scenario.ep, etp=scenario.expert_tp, egtp=scenario.egtp)
-    return dims.axis_ranks(rank, axes)
+    return scenario_dims(scenario).axis_ranks(rank, axes)
 
 
 # =========================================================================== cases (run on every rank)

@@ -322,22 +322,6 @@ def bind_stage_reduction(
     return run
 
 
-def run_reduction(
-    action: Reduction, grads: Mapping[ParamKey, torch.Tensor], groups: TorchGroups, stats: ExecStats | None = None
-) -> None:
-    """Bind and run one reduction (see :func:`bind_reduction`)."""
-    bind_reduction(action, grads, groups, stats or ExecStats())()
-
-
-def run_stage_reduction(
-    action: StageReduction, grads: Mapping[ParamKey, torch.Tensor], groups: TorchGroups, stats: ExecStats | None = None
-) -> None:
-    """Bind and run one embedding reduction (see :func:`bind_stage_reduction`)."""
-    run = bind_stage_reduction(action, grads, groups, stats or ExecStats())
-    if run is not None:
-        run()
-
-
 def _split(flat: torch.Tensor, lengths: Iterable[int]) -> list[torch.Tensor]:
     return list(torch.split(flat, list(lengths)))
 
