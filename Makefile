@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshgrad-installed
+# megatron-core 0.19.2 sources for tests/test_megatron019_oracle.py (git-ignored cache)
+MEGATRON019 := .cache/megatron-core-0.19.2/src/megatron/core/distributed/finalize_model_grads.py
 
 .PHONY: demo test bench setup clean
 
@@ -11,12 +13,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[torch,jax,test,megatron]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+# Downloaded once (pip download, unpacked; never installed); quiet when offline: the
+# oracle tests then skip with the reason.
+$(MEGATRON019): | $(STAMP)
+	-$(PY) -m parity_tests.megatron019 fetch
+
+setup: $(STAMP) $(MEGATRON019)
 
 demo: $(STAMP)
 	$(PY) -m parity_tests
 
-test: $(STAMP)
+test: $(STAMP) $(MEGATRON019)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -32,8 +32,8 @@ from torch import nn
 
 from bench.counting import CollectiveCounter, FlattenCounter, megatron_finalize_module
 from bench.ddp import MiniDDP
-from bench.models import Layout, build_chunk, count_non_tp
-from bench.timing import interleaved
+from bench.models import Layout, build_chunk, count_non_tp, non_tp_params
+from bench.timing import interleaved, paired_ratio
 
 STEPS = ("dp_sync", "non_tp", "embedding", "expert_bias", "reset", "finalize")
 
@@ -113,6 +113,27 @@ def _per_call(
             fn()
     moved = copied() - before if copied is not None else flat.bytes
     return counter.total / calls, moved / calls
+
+
+def copy_floor(grads: list[torch.Tensor], group: Any) -> Callable[[], None]:
+    """The drop-in non-TP step's floor: the gradients staged into one flat buffer per dtype
+    (``torch._foreach_copy_``), one collective on it, copied back (buffers made here, once)."""
+    staged: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, members in by_dtype.items():
+        flat = torch.empty(sum(g.numel() for g in members), dtype=dtype, device=members[0].device)
+        views = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in members]), members)]
+        staged.append((flat, views, members))
+
+    def run() -> None:
+        for flat, views, members in staged:
+            torch._foreach_copy_(views, members)
+            dist.all_reduce(flat, group=group)
+            torch._foreach_copy_(members, views)
+
+    return run
 
 
 def inside_finalize(model: list[Any], *, rounds: int, batch: int, sync: Callable[[], object] | None) -> dict[str, float]:
@@ -218,9 +239,12 @@ def measure_layout(
         "collectives": {},
         "bytes_copied": {},
     }
+    floor = copy_floor([p.main_grad for p in non_tp_params(dropin[0].module)], pgc.tp)
     with megatron_tp_dp_cp(pgc.tp_dp_cp) if (fmg is not None and moe) else contextlib.nullcontext():
         for step in STEPS:
             cands = {f"{m}/{step}": fns[step] for m, fns in models.items() if step in fns}
+            if step == "non_tp":
+                cands["floor/non_tp"] = floor
             if cands:
                 timed = interleaved(cands, rounds=rounds, batch=batch, sync=sync)
                 for name, t in timed.items():
@@ -234,6 +258,8 @@ def measure_layout(
         "median": inside_finalize(own, rounds=rounds, batch=batch, sync=sync).get("dp_sync", 0.0)
     }
     out["ratios"] = ratios(out)
+    # Paired per round (same round, same machine phase), then the median.
+    out["ratios"]["non_tp drop-in / floor"] = paired_ratio(out["time"]["meshgrad drop-in"]["non_tp"], out["time"]["floor"]["non_tp"])
     del bufs, own, dropin, mc
     return out
 

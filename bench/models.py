@@ -205,10 +205,67 @@ def build_chunk(lay: Layout, stage: int, *, meta: bool = True, dtype: torch.dtyp
     return GPTChunk(lay, stage, megatron_config(bool(lay.moe_experts)), ddp_config(), "meta" if meta else "cpu", dtype)
 
 
-def count_non_tp(chunk: nn.Module) -> int:
-    """Gradients Megatron's non-TP step reduces (sequence parallel + qk-layernorm)."""
-    return sum(
-        1
+def non_tp_params(chunk: nn.Module) -> list[nn.Parameter]:
+    """Parameters whose gradients Megatron's non-TP step reduces (sequence parallel +
+    qk-layernorm), in ``named_parameters`` order."""
+    return [
+        p
         for name, p in chunk.named_parameters()
         if p.requires_grad and (getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name)
-    )
+    ]
+
+
+def count_non_tp(chunk: nn.Module) -> int:
+    """Gradients Megatron's non-TP step reduces (sequence parallel + qk-layernorm)."""
+    return len(non_tp_params(chunk))
+
+
+class _ScaleLayer(nn.Module):
+    """A GPT layer reduced to what finalization touches at MoE scale: two SP layernorms
+    (weight, bias), a router (SP weight, expert-bias buffers) and ``experts`` local
+    experts of two ``allreduce=False`` weights each, held as TEGroupedMLP holds them (one
+    module per projection, ``linear_fc1.weight{e}`` / ``linear_fc2.weight{e}``)."""
+
+    def __init__(self, lay: Layout, device: Any, dtype: torch.dtype, sp: bool) -> None:
+        super().__init__()
+        h, f = lay.hidden, lay.ffn * lay.hidden // lay.tp
+        self.input_layernorm = _Norm(h, device, dtype, sp)
+        self.pre_mlp_layernorm = _Norm(h, device, dtype, sp)
+        self.mlp = nn.Module()
+        self.mlp.router = _Router(lay.moe_experts, h, device, dtype, sp)
+        self.mlp.experts = nn.Module()
+        for proj, shape in (("linear_fc1", (f, h)), ("linear_fc2", (h, f))):
+            module = nn.Module()
+            for e in range(lay.moe_experts):
+                module.register_parameter(f"weight{e}", _param(shape, device, dtype, tensor_model_parallel=True, allreduce=False))
+            setattr(self.mlp.experts, proj, module)
+
+
+class MoEStack(nn.Module):
+    """A whole decoder (pp = 1, no embedding) of ``lay.layers`` :class:`_ScaleLayer` s and a
+    final SP layernorm, every expert local (expert parallelism 1): ``layers * (5 + 2 *
+    experts) + 1`` parameters, ``5 * layers + 1`` of them non-TP gradients."""
+
+    def __init__(self, lay: Layout, config: Any, ddp_config: Any, device: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        sp = bool(config.sequence_parallel)
+        self.config = config
+        self.ddp_config = ddp_config
+        self.pre_process = self.post_process = True
+        self.share_embeddings_and_output_weights = False
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList(_ScaleLayer(lay, device, dtype, sp) for _ in range(lay.layers))
+        self.decoder.final_layernorm = _Norm(lay.hidden, device, dtype, sp, bias=False)
+
+    def shared_embedding_or_output_weight(self) -> nn.Parameter | None:
+        return None
+
+
+def build_moe_stack(lay: Layout, *, expert_bias: bool = False, meta: bool = True, dtype: torch.dtype = torch.float32) -> MoEStack:
+    """The MoE scale model of ``lay`` (``layers`` x ``moe_experts``).
+
+    Args:
+      expert_bias: ``moe_router_enable_expert_bias`` (the expert-bias update runs).
+      meta: parameters on ``meta`` (default) or the CPU.
+    """
+    return MoEStack(lay, megatron_config(expert_bias), ddp_config(), "meta" if meta else "cpu", dtype)

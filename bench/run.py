@@ -4,7 +4,11 @@
    overhead per call of each step and of the whole finalize, collectives launched and
    gradient bytes copied per finalize call, on GPT-like layouts (TP=8, PP=2, DP=2, tied
    embeddings; ``--moe`` adds routers with expert bias and experts).
-2. A gloo world of 4 processes: end-to-end finalize time against the floor (the same
+   The drop-in non-TP step is also timed against its floor (the staging copies in and
+   out with ``torch._foreach_copy_`` + one collective, in the same run).
+2. MoE scale rows (``bench.scale``): layers x experts up to 64 x 128 (16,705 parameters),
+   Megatron-DDP and plain chunks, first call and steady-state step, all rows in one run.
+3. A gloo world of 4 processes: end-to-end finalize time against the floor (the same
    collectives on pre-flattened buffers).
 
 Prints a table and writes JSON (``--json PATH``, default ``bench/results/latest.json``).
@@ -33,7 +37,7 @@ GLOO_LAYOUTS = {
     "gloo-24L-h256-tp2dp2": Layout("gloo-24L-h256-tp2dp2", 24, 256, tp=2, pp=1, dp=2, vocab=8192),
     "gloo-24L-h256-tp2pp2": Layout("gloo-24L-h256-tp2pp2", 24, 256, tp=2, pp=2, dp=1, vocab=8192),
 }
-GOALS = {"non_tp": 0.1, "finalize": 0.2, "gloo": 1.2}
+GOALS = {"non_tp": 0.1, "finalize": 0.2, "gloo": 1.2, "drop_in_floor": 1.3}
 
 
 def environment() -> dict[str, Any]:
@@ -83,6 +87,12 @@ def format_fake(result: dict[str, Any]) -> str:
         cells = "".join(f"{_ms(t.get(m, {}).get(step)):>18}" for m in MODELS)
         r = result.get("ratios", {})
         lines.append(f"  {step + ' ms':<18}{cells}{_ratio(r.get(f'{step} (buffers)')):>15}{_ratio(r.get(f'{step} (drop-in)')):>15}")
+    floor = t.get("floor", {}).get("non_tp")
+    if floor:
+        lines.append(
+            f"  {'non_tp floor ms':<18}{_ms(floor):>18}   (staging copies in + out, one collective: "
+            f"drop-in / floor {_ratio(result['ratios'].get('non_tp drop-in / floor'))})"
+        )
     lines.append(f"  {'collectives/call':<18}" + "".join(f"{result['collectives'].get(m, '-'):>18}" for m in MODELS))
     lines.append(
         f"  {'bytes copied/call':<18}" + "".join(f"{int(result['bytes_copied'].get(m, 0)):>18}" if m in result['bytes_copied'] else f"{'-':>18}" for m in MODELS)
@@ -101,7 +111,7 @@ def format_gloo(result: dict[str, Any]) -> str:
     return head + "\n  " + "   ".join(cells)
 
 
-def goals(fake: list[dict[str, Any]], gloo: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def goals(fake: list[dict[str, Any]], gloo: list[dict[str, Any]], scale: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     out = []
     for r in fake:
         name = r["layout"]["name"]
@@ -113,12 +123,22 @@ def goals(fake: list[dict[str, Any]], gloo: list[dict[str, Any]]) -> list[dict[s
             )
         copied = r["bytes_copied"].get("meshgrad buffers")
         out.append(dict(goal=f"{name}: bytes copied with meshgrad buffers == 0", value=copied, ok=copied == 0))
+        floor = ratios.get("non_tp drop-in / floor")
+        limit = GOALS["drop_in_floor"]
+        out.append(
+            dict(goal=f"{name}: drop-in non_tp / copy floor <= {limit:g} (floor {_ms(r['time'].get('floor', {}).get('non_tp'))} ms)",
+                 value=floor, ok=None if floor is None else floor <= limit)
+        )
     for r in gloo:
         value = r["vs_floor"].get("meshgrad buffers")
         out.append(dict(goal=f"{r['layout']['name']}: finalize / floor <= {GOALS['gloo']:g}", value=value, ok=value <= GOALS["gloo"]))
         out.append(
             dict(goal=f"{r['layout']['name']}: bytes copied with meshgrad buffers == 0", value=r["meshgrad_buffers_bytes_copied"], ok=r["meshgrad_buffers_bytes_copied"] == 0)
         )
+    if scale:
+        from bench.scale import scale_goals
+
+        out.extend(scale_goals(scale))
     return out
 
 
@@ -130,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe", action="store_true", help="add MoE routers (expert bias) and experts to every layout")
     parser.add_argument("--no-fake", action="store_true", help="skip the fake-backend side by side")
     parser.add_argument("--no-gloo", action="store_true", help="skip the gloo world of 4")
+    parser.add_argument("--no-scale", action="store_true", help="skip the MoE scale rows")
+    parser.add_argument(
+        "--scale-rows", nargs="+", metavar="LxE", help="MoE scale rows to run (default 8x8 32x8 32x64 64x128)"
+    )
     parser.add_argument("--no-megatron", action="store_true", help="meshgrad only (megatron-core not needed)")
     parser.add_argument("--device", default="cpu", help="device of the fake-backend gradients (cpu, cuda)")
     parser.add_argument("--rounds", type=int, help="timed rounds per candidate")
@@ -139,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (5 if quick else 15)
     names = args.layouts or (["gpt-24L-h1024", "gpt-24L-h1024-pp1"] if quick else list(FAKE_LAYOUTS))
     started = time.time()
-    report: dict[str, Any] = {"env": environment(), "args": vars(args), "fake": [], "gloo": []}
+    report: dict[str, Any] = {"env": environment(), "args": vars(args), "fake": [], "scale": None, "gloo": []}
     if not args.no_fake:
         from bench.fake import measure_layout
 
@@ -152,6 +176,23 @@ def main(argv: list[str] | None = None) -> int:
             result = measure_layout(lay, rounds=rounds, batch=batch, device=args.device, with_megatron=not args.no_megatron)
             report["fake"].append(result)
             print(format_fake(result), flush=True)
+    if not args.no_scale:
+        from bench.scale import ROWS, format_scale, measure_scale, parse_rows
+
+        rows = parse_rows(args.scale_rows) if args.scale_rows else list(ROWS)
+        print(
+            "\n== MoE scale: first call and steady-state step (fake backend, TP8 DP2 PP1, median ms of "
+            "interleaved rounds, every row in one run) ==",
+            flush=True,
+        )
+        report["scale"] = measure_scale(
+            rows,
+            rounds=args.rounds or (7 if quick else 15),
+            target_s=0.005 if quick else 0.01,
+            repeats=2 if quick else 3,
+            with_megatron=not args.no_megatron,
+        )
+        print(format_scale(report["scale"]), flush=True)
     if not args.no_gloo:
         from bench.gloo import run_gloo
 
@@ -161,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_gloo(lay, rounds=5 if quick else 9, batch=3, megatron=not args.no_megatron)
             report["gloo"].append(result)
             print(format_gloo(result), flush=True)
-    report["goals"] = goals(report["fake"], report["gloo"])
+    report["goals"] = goals(report["fake"], report["gloo"], report["scale"])
     report["seconds"] = time.time() - started
     print("\n== goals ==")
     for g in report["goals"]:

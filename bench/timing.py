@@ -17,7 +17,7 @@ def interleaved(
     candidates: Mapping[str, Callable[[], object]],
     *,
     rounds: int = 15,
-    batch: int = 20,
+    batch: int | Mapping[str, int] = 20,
     warmup: int = 3,
     sync: Callable[[], object] | None = None,
 ) -> dict[str, dict[str, float]]:
@@ -26,12 +26,13 @@ def interleaved(
     Args:
       candidates: name -> zero-argument callable.
       rounds: timed rounds.
-      batch: calls per round.
+      batch: calls per round (one count for all, or one per candidate name).
       warmup: untimed calls of each candidate first (plans, caches).
       sync: called before reading the clock (e.g. ``torch.cuda.synchronize``).
 
     Returns:
-      name -> {"median", "min", "max"} in seconds per call.
+      name -> {"median", "min", "max"} in seconds per call, and "samples" (one per round,
+      in round order: see :func:`paired_ratio`).
     """
     for fn in candidates.values():
         for _ in range(warmup):
@@ -39,6 +40,7 @@ def interleaved(
     if sync is not None:
         sync()
     samples: dict[str, list[float]] = {name: [] for name in candidates}
+    calls = {name: batch if isinstance(batch, int) else batch[name] for name in candidates}
     names = list(candidates)
     enabled = gc.isenabled()
     gc.disable()
@@ -48,14 +50,23 @@ def interleaved(
             for name in order:
                 fn = candidates[name]
                 start = time.perf_counter()
-                for _ in range(batch):
+                for _ in range(calls[name]):
                     fn()
                 if sync is not None:
                     sync()
-                samples[name].append((time.perf_counter() - start) / batch)
+                samples[name].append((time.perf_counter() - start) / calls[name])
     finally:
         if enabled:
             gc.enable()
     return {
-        name: {"median": statistics.median(s), "min": min(s), "max": max(s)} for name, s in samples.items()
+        name: {"median": statistics.median(s), "min": min(s), "max": max(s), "samples": s} for name, s in samples.items()
     }
+
+
+def paired_ratio(a: Mapping[str, object], b: Mapping[str, object]) -> float | None:
+    """Median over rounds of ``a``'s time / ``b``'s time in the same round (two results of
+    one :func:`interleaved` run): a slow phase of the machine cancels out of each pair."""
+    sa, sb = a.get("samples"), b.get("samples")
+    if not isinstance(sa, list) or not isinstance(sb, list) or len(sa) != len(sb) or not sa:
+        return None
+    return statistics.median(x / y for x, y in zip(sa, sb) if y)

@@ -486,7 +486,7 @@ def single_step(sizes: Sizes, lr: float) -> Callable[..., Any]:
 
         (loss, counts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         flat_b = to_flat(biases)
-        for router, tokens in counts.items():  # SPEC 2.8 on one device
+        for router, tokens in counts.items():  # the expert_bias step (docs/semantics.md) on one device
             key = f"{router}.expert_bias"
             flat_b[key] = flat_b[key] + sizes.bias_rate * jnp.sign(tokens.mean() - tokens)
         params = jax.tree.map(lambda p, g: p - lr * g, params, grads)

@@ -696,7 +696,8 @@ def pipeline_step(chunk: GPTChunk, micro: list[Batch]) -> torch.Tensor:
 
 
 def expert_bias_reference(router: TopKRouter, rate: float) -> None:
-    """SPEC 2.8 / 2.10 on one device: sign update of the bias, then zero the counts."""
+    """The expert_bias and reset steps (docs/semantics.md) on one device: sign update of the
+    bias, then zero the counts."""
     tokens = router.local_tokens_per_expert
     router.expert_bias += rate * torch.sign(tokens.mean() - tokens)
     tokens.zero_()
@@ -791,7 +792,13 @@ def run_distributed(args: argparse.Namespace, config: TransformerConfig) -> dict
             p.main_grad.zero_()
         loss_sum = pipeline_step(chunk, micro)
         num_tokens = torch.stack([mb.mask.sum() for mb in micro]).sum().to(torch.int64)
-        finalize_model_grads([chunk], num_tokens=num_tokens, pg_collection=mesh)
+        if args.audit is not None and step == 0:  # record this step for `python -m parity_tests audit DIR`
+            from torch_impl import audit
+
+            with audit.record(args.audit, sample=64, finalize=finalize_model_grads) as audited:
+                audited([chunk], num_tokens=num_tokens, pg_collection=mesh)
+        else:
+            finalize_model_grads([chunk], num_tokens=num_tokens, pg_collection=mesh)
 
         # The step's loss: each last-stage (dp, cp) shard's sum once (tp rank 0), / all tokens.
         counted = loss_sum if par.last_stage and par.coord("tp") == 0 else torch.zeros_like(loss_sum)
@@ -860,6 +867,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="model dtype")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--dump", type=Path, help="write losses, finalized grads, expert biases here")
+    parser.add_argument("--audit", type=Path, help="record step 0's finalize on every rank into this directory")
     return parser.parse_args(argv)
 
 

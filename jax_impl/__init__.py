@@ -6,8 +6,10 @@ pure function per plan action), ``finalize`` (pure, jittable finalize and a stac
 helper).
 
 Names are imported lazily so that ``jax_impl.mesh.ensure_host_devices`` can run before
-jax itself is imported. ``jax_impl.finalize`` is always the submodule; the function is
-``jax_impl.finalize.finalize``.
+jax itself is imported; ``dir(jax_impl)`` lists them (``__all__``) without importing jax.
+``jax_impl.finalize`` is always the submodule; the function is
+``jax_impl.finalize.finalize``. Gradients and router buffers are keyed by
+``(chunk, name)`` tuples (:attr:`meshgrad.ParamSpec.key`). See docs/jax.md.
 """
 
 from __future__ import annotations
@@ -26,12 +28,24 @@ _EXPORTS = {
     "execute_stacked": "jax_impl.execute",
     "Collectives": "jax_impl.execute",
     "finalize_stacked": "jax_impl.finalize",
+    "check_keys": "jax_impl.finalize",
 }
+
+#: Submodules, listed by ``dir(jax_impl)`` too.
+SUBMODULES = ("discover", "execute", "finalize", "mesh")
 
 __all__ = sorted(_EXPORTS)
 
 
+def __dir__() -> list[str]:
+    """The public names (``__all__``) and the submodules, without importing jax."""
+    return sorted(set(__all__) | set(SUBMODULES))
+
+
 def __getattr__(name: str) -> Any:
+    """Import a public name (or a submodule) on first use."""
+    if name in SUBMODULES:
+        return importlib.import_module(f"jax_impl.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jax_impl' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

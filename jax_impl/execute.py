@@ -251,7 +251,8 @@ def _with(routers: RouterStates, key: ParamKey, **fields: Array) -> RouterStates
 
 
 def apply_expert_bias(action: ExpertBiasUpdate, routers: RouterStates, comm: Collectives) -> RouterStates:
-    """SPEC 2.8: one SUM of every router's token counts over tp_dp_cp, sign-update biases."""
+    """Expert bias step (docs/semantics.md): one SUM of every router's token counts over
+    tp_dp_cp, then the sign update of each bias."""
     counts = [_router_field(routers, k, TOKENS, e) for k, e in zip(action.routers, action.num_experts)]
     totals = comm.sum(counts, action.group)
     out = routers
@@ -262,7 +263,8 @@ def apply_expert_bias(action: ExpertBiasUpdate, routers: RouterStates, comm: Col
 
 
 def apply_qb_beta(action: QbBetaUpdate, routers: RouterStates, comm: Collectives) -> RouterStates:
-    """SPEC 2.9: AVG of accum/max(count, 1) over the group (one collective), EMA, re-centre."""
+    """Quantile-balancing step: AVG of accum/max(count, 1) over the group (one
+    collective), EMA, re-centre."""
     local = [
         rules.qb_local(_router_field(routers, k, QB_ACCUM, e), _router_field(routers, k, QB_COUNT, None), jnp)
         for k, e in zip(action.routers, action.num_experts)
@@ -278,7 +280,7 @@ def apply_qb_beta(action: QbBetaUpdate, routers: RouterStates, comm: Collectives
 
 
 def apply_reset(action: ResetTemporaries, routers: RouterStates) -> RouterStates:
-    """SPEC 2.10: zero token counts and qb accumulators; zero ``aux_loss_tracker`` if present."""
+    """Reset step: zero token counts and qb accumulators; zero ``aux_loss_tracker`` if present."""
     out = routers
     for key in action.zero_tokens:
         out = _with(out, key, **{TOKENS: jnp.zeros_like(_router_field(out, key, TOKENS, None))})
@@ -292,7 +294,8 @@ def apply_reset(action: ResetTemporaries, routers: RouterStates) -> RouterStates
 
 
 def apply_token_scale(action: TokenScale, grads: Grads, num_tokens: Array, comm: Collectives) -> Grads:
-    """SPEC 2.11: num_tokens from the last pp stage, SUM over the group, scale by 1/max(n,1).
+    """Per-token scaling step: num_tokens from the last pp stage, SUM over the group,
+    scale by 1/max(n,1).
 
     The scale is float32; gradients are scaled as ``(g.astype(f32) * scale).astype(g.dtype)``.
     """

@@ -51,11 +51,40 @@ def check_plan(plan: FinalizePlan, dims: ParallelDims) -> None:
         if plan.sizes[group] != dims.group_size(group):
             raise ValueError(
                 f"plan was made for {group} of size {plan.sizes[group]}, "
-                f"but the mesh has {dims.group_size(group)} ({dims})"
+                f"but the mesh has {dims.group_size(group)} ({dims}); plan again with "
+                "meshgrad.plan_finalize(specs, config, dims) for these dims"
             )
     for stages in (plan.sizes.embd_stages, plan.sizes.pos_embd_stages):
         if any(not 0 <= s < dims.pp for s in stages):
-            raise ValueError(f"plan embedding stages {stages} outside pp = {dims.pp}")
+            raise ValueError(
+                f"plan embedding stages {stages} outside pp = {dims.pp}; set "
+                "FinalizeConfig.embedding_stages / position_embedding_stages within range(pp)"
+            )
+
+
+def check_keys(grads: Mapping[Any, Any], routers: Mapping[Any, Any]) -> None:
+    """Raise TypeError unless every key of ``grads`` and ``routers`` is ``(chunk, name)``.
+
+    Args:
+      grads: gradients by key.
+      routers: router buffers by key.
+
+    Raises:
+      TypeError: a key that is not a ``(int chunk, str name)`` tuple, e.g. a bare
+        parameter name; the message shows the key to use instead.
+    """
+    for what, mapping in (("gradient", grads), ("router", routers)):
+        for key in mapping:
+            ok = (
+                isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], int)
+                and not isinstance(key[0], bool) and isinstance(key[1], str)
+            )
+            if not ok:
+                hint = f" (use (0, {key!r}) for chunk 0)" if isinstance(key, str) else ""
+                raise TypeError(
+                    f"{what} key {key!r} is not (chunk, name): key {what}s by a tuple of the "
+                    f"chunk index and the parameter name, as ParamSpec.key does{hint}"
+                )
 
 
 def _leading(plan: FinalizePlan, grads: Mapping[ParamKey, Array], routers: Mapping[ParamKey, Any],
@@ -66,7 +95,10 @@ def _leading(plan: FinalizePlan, grads: Mapping[ParamKey, Array], routers: Mappi
     found: dict[tuple[int, ...], str] = {}
     for key, value in grads.items():
         if key not in shapes:
-            raise ValueError(f"gradient {key[1]!r} (chunk {key[0]}) is not in the plan")
+            raise ValueError(
+                f"gradient {key[1]!r} (chunk {key[0]}) is not in the plan; add a ParamSpec for it "
+                "to plan_finalize, or leave it out of grads"
+            )
         base = shapes[key]
         shape = tuple(jnp.shape(value))
         if len(shape) < len(base) or shape[len(shape) - len(base):] != base:
@@ -79,7 +111,10 @@ def _leading(plan: FinalizePlan, grads: Mapping[ParamKey, Array], routers: Mappi
     if num_tokens is not None:
         found.setdefault(tuple(jnp.shape(num_tokens)), "num_tokens")
     if len(found) > 1:
-        raise ValueError(f"inputs disagree on their leading (rank) dims: {found}")
+        raise ValueError(
+            f"inputs disagree on their leading (rank) dims: {found}; stack every gradient, router "
+            "buffer and num_tokens along the same leading dims ([W] or a mesh shape)"
+        )
     return next(iter(found), None)
 
 
@@ -128,7 +163,7 @@ def finalize(
     dims: ParallelDims,
     devices: Sequence[Any] | None = None,
 ) -> tuple[dict[ParamKey, Array], dict[ParamKey, dict[str, Array]]]:
-    """Finalize gradients as planned (SPEC.md section 2). Pure and jittable.
+    """Finalize gradients as planned (docs/semantics.md). Pure and jittable.
 
     Local mode (arrays have exactly their ParamSpec shapes): call inside a
     ``jax.shard_map`` over the dense mesh (axes pp, dp, cp, gtp, tp); expert groups are
@@ -156,6 +191,7 @@ def finalize(
     """
     check_plan(plan, dims)
     routers = {} if routers is None else routers
+    check_keys(grads, routers)
     actions = plan_actions(plan, num_tokens is not None)
     leading = _leading(plan, grads, routers, num_tokens)
     check_inputs(plan, grads, num_tokens, leading)
@@ -241,7 +277,8 @@ def finalize_stacked(
       params, routers, config: planned with ``meshgrad.plan_finalize``.
       dims: the parallel dimensions.
       devices: W devices in rank order (default: the first W).
-      force_all_reduce: all-reduce even under a distributed optimizer (SPEC 2.1).
+      force_all_reduce: all-reduce even under a distributed optimizer (docs/semantics.md,
+        "DP sync").
 
     Returns:
       (grads, routers) with the inputs' leading dims: what the plan touches as new jax
@@ -250,17 +287,24 @@ def finalize_stacked(
     Raises:
       ValueError / KeyError: as :func:`finalize`, before anything runs.
     """
-    plan = plan_finalize(params, config, dims, routers, force_all_reduce=force_all_reduce)
     routers_stacked = {} if routers_stacked is None else routers_stacked
+    check_keys(grads_stacked, routers_stacked)
+    plan = plan_finalize(params, config, dims, routers, force_all_reduce=force_all_reduce)
     actions = plan_actions(plan, num_tokens_stacked is not None)
     leading = _leading(plan, grads_stacked, routers_stacked, num_tokens_stacked)
     world = dims.world_size
     leading = (world,) if leading is None else leading
     if leading not in ((world,), dims.dense_shape(), dims.expert_shape()):
-        raise ValueError(f"stacked inputs have leading dims {leading}, expected ({world},) or a mesh shape")
+        raise ValueError(
+            f"stacked inputs have leading dims {leading}, expected ({world},) or a mesh shape "
+            f"({dims.dense_shape()} / {dims.expert_shape()}): stack one row per rank, in rank order"
+        )
     for spec in plan.params:
         if spec.has_grad and spec.key not in grads_stacked:
-            raise KeyError(f"gradient of {spec.name!r} (chunk {spec.chunk}) is missing")
+            raise KeyError(
+                f"gradient of {spec.name!r} (chunk {spec.chunk}) is missing: pass it under key "
+                f"{spec.key!r}, or plan it with ParamSpec(..., has_grad=False)"
+            )
     check_inputs(plan, grads_stacked, num_tokens_stacked, leading)
     grads, rstate, uses_tokens = select(grads_stacked, routers_stacked, actions)
     meshes = make_meshes(dims, devices)
@@ -276,5 +320,5 @@ def finalize_stacked(
     return {**grads_stacked, **out_grads}, merge(routers_stacked, out_routers)
 
 
-__all__ = ["Program", "check_inputs", "check_plan", "finalize", "finalize_stacked", "plan_actions", "run_stacked"]
+__all__ = ["Program", "check_inputs", "check_keys", "check_plan", "finalize", "finalize_stacked", "plan_actions", "run_stacked"]
 

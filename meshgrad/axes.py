@@ -60,7 +60,7 @@ GROUP_AXES: dict[Group, tuple[Axis, ...]] = {
     Group.PP: (Axis.PP,),
     Group.DP_CP: (Axis.DP, Axis.CP),
     Group.EDP: (Axis.EDP,),
-    Group.TP_DP_CP: (Axis.DP, Axis.CP, Axis.TP),
+    Group.TP_DP_CP: (Axis.DP, Axis.CP, Axis.GTP, Axis.TP),  # spans gtp, as Megatron builds it
     Group.EMBD: (Axis.PP,),
     Group.POS_EMBD: (Axis.PP,),
     Group.GTP: (Axis.GTP,),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -36,13 +37,19 @@ class FinalizeConfig:
       position_embedding_stages: pp stages of the pos_embd group (None = first).
       moe_router_enable_expert_bias: update router expert bias (2.8).
       moe_router_bias_update_rate: its rate.
-      moe_router_load_balancing_type: e.g. ``"aux_loss"``, ``"quantile_balancing"``.
-      moe_router_quantile_balancing_ema: EMA factor of 2.9.
+      moe_router_load_balancing_type: a string (e.g. ``"aux_loss"``,
+        ``"quantile_balancing"``) or a tuple of strings, as Megatron accepts; a list is
+        stored as a tuple. Only the string ``"quantile_balancing"`` enables the qb_beta
+        step inside finalize (Megatron compares with ``==``).
+      moe_router_quantile_balancing_ema: EMA factor of 2.9 (Megatron's default 0.0).
       check_for_nan_in_grad: raise on NaN/Inf before any collective.
       use_megatron_fsdp: reduce local shards of DTensor grads (2.12).
       consistency_check: cross-rank check that the members of every group would launch
         the same collectives (torch_impl): ``"off"``, ``"once"`` per plan (default) or
         ``"every_step"``. Must be the same on every rank.
+      strict_groups: raise (instead of warning once) when the groups disagree with the
+        config's ``*_parallel_size`` or with meshgrad's rank order; Megatron takes the
+        groups as the truth, so the default only warns.
     """
 
     sequence_parallel: bool = False
@@ -59,11 +66,12 @@ class FinalizeConfig:
     position_embedding_stages: tuple[int, ...] | None = None
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_router_quantile_balancing_ema: float = 0.9
+    moe_router_load_balancing_type: str | tuple[str, ...] = "aux_loss"
+    moe_router_quantile_balancing_ema: float = 0.0
     check_for_nan_in_grad: bool = False
     use_megatron_fsdp: bool = False
     consistency_check: str = "once"
+    strict_groups: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -99,15 +107,26 @@ class FinalizeConfig:
                 f"got {self.consistency_check!r}"
             )
         lbt = self.moe_router_load_balancing_type
-        if not isinstance(lbt, str) or lbt not in LOAD_BALANCING_TYPES:
-            raise ValueError(
-                "FinalizeConfig.moe_router_load_balancing_type must be one of "
-                f"{sorted(LOAD_BALANCING_TYPES)}, got {self.moe_router_load_balancing_type!r}"
+        if isinstance(lbt, (list, tuple)) and all(isinstance(t, str) for t in lbt):
+            lbt = tuple(lbt)
+            object.__setattr__(self, "moe_router_load_balancing_type", lbt)
+        elif not isinstance(lbt, str):
+            raise TypeError(
+                "FinalizeConfig.moe_router_load_balancing_type must be a string or a list of strings, "
+                f"got {lbt!r}"
             )
         if not 0.0 <= float(self.moe_router_quantile_balancing_ema) <= 1.0:
-            raise ValueError(
-                "FinalizeConfig.moe_router_quantile_balancing_ema must lie in [0, 1], "
-                f"got {self.moe_router_quantile_balancing_ema!r}"
+            warnings.warn(
+                "FinalizeConfig.moe_router_quantile_balancing_ema should lie in [0, 1], "
+                f"got {self.moe_router_quantile_balancing_ema!r} (used as given, as Megatron-Core does)",
+                stacklevel=3,
+            )
+        unknown = sorted({lbt} - LOAD_BALANCING_TYPES if isinstance(lbt, str) else set(lbt) - LOAD_BALANCING_TYPES)
+        if unknown:
+            warnings.warn(
+                f"FinalizeConfig.moe_router_load_balancing_type: {unknown} not among the types Megatron-Core "
+                f"knows ({sorted(LOAD_BALANCING_TYPES)}); finalize treats it as a type without a step",
+                stacklevel=3,
             )
 
     @property
@@ -116,10 +135,14 @@ class FinalizeConfig:
 
     @property
     def quantile_balancing(self) -> bool:
+        """Whether finalize runs the qb_beta step: the type is the string
+        ``"quantile_balancing"`` (a list never is, as in Megatron's ``==``)."""
         return self.moe_router_load_balancing_type == "quantile_balancing"
 
     @property
     def global_aux_loss(self) -> bool:
+        """Whether the reset step resets the global aux-loss tracker: ``"global_aux_loss"``
+        is a substring of the type string, or an element of the list."""
         return "global_aux_loss" in self.moe_router_load_balancing_type
 
     def replace(self, **changes: Any) -> "FinalizeConfig":
@@ -132,24 +155,35 @@ class FinalizeConfig:
         """Build from a Megatron ``TransformerConfig`` (and DDP config), duck-typed.
 
         Args:
-          config: any object with TransformerConfig attribute names; missing ones take
-            the defaults above.
-          ddp_config: any object with DistributedDataParallelConfig attribute names.
+          config: any object with TransformerConfig attribute names, or a mapping with
+            those keys (other keys are ignored, as other attributes are); missing ones
+            take the defaults above. numpy scalars count as the Python ones.
+          ddp_config: the same for DistributedDataParallelConfig names.
           overrides: explicit values that win over both.
 
         Returns:
           A validated FinalizeConfig.
+
+        Raises:
+          TypeError: a source is neither an object nor a mapping (a str, a number, a
+            list), or a flag is not a bool (None counts as False).
         """
         values: dict[str, Any] = {}
-        names = {f.name for f in dataclasses.fields(cls)}
-        for source in (config, ddp_config):
+        names = [f.name for f in dataclasses.fields(cls)]
+        for label, source in (("config", config), ("ddp_config", ddp_config)):
             if source is None:
                 continue
+            if isinstance(source, (str, bytes, numbers.Number, list, tuple, set)):
+                raise TypeError(
+                    f"FinalizeConfig.from_megatron: {label} must be a config object or a mapping, "
+                    f"got {type(source).__name__}"
+                )
             for name in names:
-                if hasattr(source, name):
-                    values[name] = getattr(source, name)
-        if ddp_config is not None and hasattr(ddp_config, "average_in_collective"):
-            values["average_in_collective"] = ddp_config.average_in_collective
+                value = config_get(source, name, _MISSING)
+                if value is not _MISSING:
+                    values[name] = value
+        if ddp_config is not None and config_get(ddp_config, "average_in_collective", _MISSING) is not _MISSING:
+            values["average_in_collective"] = config_get(ddp_config, "average_in_collective")
         values.update(overrides)
         return cls(**_normalize(values))
 
@@ -161,9 +195,38 @@ class FinalizeConfig:
         return cls(**dict(values))
 
 
+_MISSING = object()
+
+
+def config_get(source: Any, name: str, default: Any = None) -> Any:
+    """``source[name]`` for a mapping, else ``getattr(source, name)``; ``default`` when
+    absent. numpy scalars come back as Python scalars (``np.int64(2)`` -> ``2``)."""
+    if isinstance(source, Mapping):
+        value = source.get(name, default)
+    else:
+        value = getattr(source, name, default)
+    return _python_scalar(value)
+
+
+def _python_scalar(value: Any) -> Any:
+    """numpy (and other) scalars as Python bool / int / float / str; anything else as is."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "shape", None) == () and type(value).__module__.startswith("numpy"):
+        return item()
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    return value
+
+
 def _normalize(values: dict[str, Any]) -> dict[str, Any]:
-    """Coerce Megatron's loosely typed fields (None for False, numpy bools, ...)."""
-    out = dict(values)
+    """Coerce Megatron's loosely typed fields (None for False, numpy scalars, ...).
+
+    Raises:
+      TypeError: a flag that is not a bool, None, or the int 0 / 1.
+    """
+    out = {k: _python_scalar(v) for k, v in values.items()}
     for name in ("moe_router_load_balancing_type",):
         if name in out and out[name] is None:
             out[name] = "none"
@@ -174,5 +237,10 @@ def _normalize(values: dict[str, Any]) -> dict[str, Any]:
     for field in dataclasses.fields(FinalizeConfig):
         if field.type == "bool" and field.name in out:
             value = out[field.name]
-            out[field.name] = False if value is None else bool(value)
+            if value is None or value is False or value is True:
+                out[field.name] = bool(value)
+            elif isinstance(value, int) and value in (0, 1):
+                out[field.name] = bool(value)
+            else:
+                raise TypeError(f"FinalizeConfig.{field.name} must be a bool, got {value!r}")
     return out

@@ -484,7 +484,7 @@ def _check_unique(params: Sequence[ParamSpec], routers: Sequence[RouterSpec]) ->
 
 #: Steps whose gradients Megatron coalesces with ``_flatten_dense_tensors``: one collective
 #: over gradients of every dtype, run in their promoted dtype.
-FLATTENED_STEPS = frozenset({Step.COND_EMBEDDER, Step.ROUTER, Step.NON_TP})
+FLATTENED_STEPS = frozenset({Step.COND_EMBEDDER, Step.ROUTER, Step.NON_TP, Step.GTP})
 
 #: Groups whose members all sit on one pp stage and so plan identically: a reduction over
 #: them may order its keys for the buffer layout. Reductions over pp-spanning groups keep
@@ -739,7 +739,9 @@ def plan_finalize(
                     float(config.moe_router_bias_update_rate),
                 )
             )
-    qb_group = Group.DP_CP_GTP if sizes[Group.GTP] > 1 else Group.DP_CP
+    # num_tokens and qb_beta reduce over every distinct-data rank: dp x cp x gtp (dp_cp
+    # when GTP is inactive), as Megatron's dp_cp_gtp_remat group.
+    qb_group = Group.DP_CP_GTP
     if config.quantile_balancing:
         chosen = [r for r in trained if r.has_qb_beta and r.qb_accum_present]
         if chosen:

@@ -131,7 +131,8 @@ def _entry_diff(scenario: Scenario, got: RankData, want: RankData, kind: str, ke
 def diff_by_step(
     scenario: Scenario, got: list[RankData], want: list[RankData], touched: dict[str, set]
 ) -> dict[str, tuple[bool, float]]:
-    """Per SPEC step: (within tolerance, max abs diff) over the values that step touched.
+    """Per step (docs/semantics.md): (within tolerance, max abs diff) over the values that
+    step touched.
 
     Args:
       scenario: the scenario.

@@ -70,7 +70,7 @@ CONFIG_DEFAULTS: Mapping[str, Any] = {
     "moe_router_enable_expert_bias": False,
     "moe_router_bias_update_rate": 1e-3,
     "moe_router_load_balancing_type": "aux_loss",
-    "moe_router_quantile_balancing_ema": 0.9,
+    "moe_router_quantile_balancing_ema": 0.0,
     "check_for_nan_in_grad": False,
     "use_megatron_fsdp": False,
 }
@@ -605,7 +605,7 @@ def _router_keys(ctx: Context, pred: Any) -> list[tuple[RouterLayout, Key]]:
 
 
 def step_expert_bias(ctx: Context) -> set[Touch]:
-    """SPEC 2.8: tokens SUM over tp_dp_cp, ``bias += rate * sign(mean - tokens)``.
+    """SPEC 2.8: tokens SUM over tp_dp_cp (tp x gtp x dp x cp), ``bias += rate * sign(mean - tokens)``.
 
     Each router is updated separately (layers may have different expert counts). All
     arithmetic after the reduction is float32; sign(0) = 0. ``local_tokens_per_expert``
@@ -618,7 +618,7 @@ def step_expert_bias(ctx: Context) -> set[Touch]:
     if not cfg.moe_router_enable_expert_bias:
         return set()
     rate = np.float32(cfg.moe_router_bias_update_rate)
-    groups = ctx.mesh.groups(("tp", "dp", "cp"), "dense")
+    groups = ctx.mesh.groups(("tp", "gtp", "dp", "cp"), "dense")  # tp_dp_cp spans gtp
     touched: set[Touch] = set()
     for _, key in _router_keys(ctx, lambda r: r.has_expert_bias and r.training and not r.frozen_expert_bias):
         for group in groups:

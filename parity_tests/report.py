@@ -1,6 +1,7 @@
 """The parity report: every scenario through torch_impl, jax_impl and the numpy reference.
 
-Used by ``python -m parity_tests``; returns data so tests and tools can reuse it.
+Used by ``python -m parity_tests``; returns data so tests and tools can reuse it. The
+steps are those of docs/semantics.md, in execution order.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from parity_tests.compare import compare_ranks, diff_by_step
 from parity_tests.reference import reference_finalize
@@ -38,26 +39,58 @@ class ScenarioReport:
 
 
 class Progress:
-    """A one-line progress bar on a stream (a no-op when disabled)."""
+    """Progress of a parity run on a stream.
 
-    def __init__(self, total: int, stream: TextIO | None, width: int = 30) -> None:
-        self.total, self.done, self.stream, self.width = max(total, 1), 0, stream, width
+    On a terminal: a tqdm bar redrawn in place. Elsewhere (a CI log, a pipe, a file): a
+    plain line at every tenth of the work and at every torch world, so the log stays
+    readable. ``stream=None`` writes nothing.
+
+    Args:
+      total: units of work (scenario x backend runs).
+      stream: where to write, or None.
+    """
+
+    def __init__(self, total: int, stream: TextIO | None) -> None:
+        self.total, self.done, self.stream = max(total, 1), 0, stream
         self.start = time.perf_counter()
+        self._every = max(1, -(-self.total // 10))
+        self._bar: Any = None
+        self._logged = 0
+        if stream is not None and _is_terminal(stream):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, file=stream, unit="run", dynamic_ncols=True, leave=False)
 
     def advance(self, n: int, label: str) -> None:
+        """Record ``n`` finished runs; ``label`` says what finished."""
         self.done += n
         if self.stream is None:
             return
-        filled = int(self.width * self.done / self.total)
-        bar = "#" * filled + "." * (self.width - filled)
-        elapsed = time.perf_counter() - self.start
-        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {elapsed:6.1f}s {label[:40]:<40}")
-        self.stream.flush()
+        if self._bar is not None:
+            self._bar.set_description_str(label[:40], refresh=False)
+            self._bar.update(n)
+            return
+        if label.startswith("torch") or self.done // self._every > self._logged // self._every or self.done >= self.total:
+            elapsed = time.perf_counter() - self.start
+            self.stream.write(f"parity: {self.done}/{self.total} runs done, {elapsed:.1f}s: {label}\n")
+            self.stream.flush()
+            self._logged = self.done
 
     def close(self) -> None:
-        if self.stream is not None:
-            self.stream.write("\n")
+        """Remove the bar (a terminal) or write the closing line (a log)."""
+        if self._bar is not None:
+            self._bar.close()
+        elif self.stream is not None and self._logged < self.done:
+            elapsed = time.perf_counter() - self.start
+            self.stream.write(f"parity: {self.done}/{self.total} runs done, {elapsed:.1f}s\n")
             self.stream.flush()
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def run_backends(
@@ -200,3 +233,124 @@ def select(
 ) -> list[Scenario]:
     out = [s for s in scenarios if (mesh is None or mesh(s)) and (pattern is None or pattern in s.name)]
     return out
+
+
+# --------------------------------------------------------------------------- html
+
+#: Cell colours: exact (0), well within tolerance, near it, beyond it, not touched.
+HTML_COLOURS = {"exact": "#1a7f37", "small": "#8fd19e", "near": "#f2cc60", "fail": "#d1242f", "none": "#eeeeee"}
+
+
+def cell_class(cell: tuple[bool, float] | None, atol: float) -> str:
+    """Colour class of one step x scenario cell from its difference and tolerance.
+
+    Args:
+      cell: (within tolerance, max abs difference), or None when the step touched nothing.
+      atol: the absolute tolerance of that step in that scenario (:func:`step_tolerance`).
+
+    Returns:
+      "none" (not touched), "exact" (difference 0), "small" (at most 1% of the
+      tolerance), "near" (within tolerance) or "fail".
+    """
+    if cell is None:
+        return "none"
+    ok, diff = cell
+    if not ok:
+        return "fail"
+    if diff == 0.0:
+        return "exact"
+    return "small" if atol > 0 and diff <= 0.01 * atol else "near"
+
+
+#: Steps whose values are router buffers (float32 whatever the gradient dtype).
+ROUTER_STEPS = ("expert_bias", "qb_beta", "reset")
+
+
+def step_tolerance(scenario: Scenario, step: str) -> float:
+    """The absolute tolerance a step's values are held to in ``scenario``.
+
+    Gradients: :func:`parity_tests.compare.tolerance`. Router buffers: 1e-6 x world size
+    (the quantile-balancing EMA is not exact in binary even on integer data).
+    """
+    from parity_tests.compare import tolerance
+
+    if step in ROUTER_STEPS:
+        return 1e-6 * scenario.world_size
+    return tolerance(scenario)[1]
+
+
+def _worst(classes: Sequence[str]) -> str:
+    order = ("none", "exact", "small", "near", "fail")
+    return max(classes, key=order.index)
+
+
+def format_html(reports: Sequence[ScenarioReport], backends: Sequence[str]) -> str:
+    """A self-contained HTML page: the scenario x step grid coloured by difference / tolerance.
+
+    Each cell shows every backend's max abs difference from the numpy reference for that
+    step; its colour is the worse backend's class (:func:`cell_class`). The page also
+    holds the verdict, the colour key and each failing scenario's first mismatches.
+
+    Args:
+      reports: from :func:`build_report`.
+      backends: the backends that ran, in column order.
+
+    Returns:
+      The HTML text (no external resources).
+    """
+    from html import escape
+
+    steps = [s for s in STEPS if any(s in r.steps.get(b, {}) for r in reports for b in backends)]
+    style = "".join(f".{k}{{background:{v}}}" for k, v in HTML_COLOURS.items())
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8"><title>meshgrad parity report</title>',
+        "<style>body{font-family:sans-serif;font-size:13px}table{border-collapse:collapse}"
+        "td,th{border:1px solid #999;padding:2px 6px;text-align:right;white-space:nowrap}"
+        "th.name,td.name{text-align:left}.exact{color:#fff}.fail{color:#fff}" + style + "</style></head><body>",
+        "<h1>meshgrad parity report</h1>",
+        f'<p id="verdict">{escape(verdict(reports))}</p>',
+        "<p>Each cell: the largest absolute difference from the numpy reference over every value "
+        "that step touched, on every rank, per backend (" + escape(" / ".join(backends)) + "). "
+        "Tolerance (hover a cell): gradients 0 in exact and wide scenarios, else float32 1e-6 x "
+        "world size and bf16 / fp16 2^-7 x world size; router buffers 1e-6 x world size. Steps are described in docs/semantics.md.</p>",
+        '<table class="key"><tr>'
+        + "".join(
+            f'<td class="{k}">{escape(t)}</td>'
+            for k, t in (
+                ("exact", "0 (bit-identical)"),
+                ("small", "<= 1% of tolerance"),
+                ("near", "within tolerance"),
+                ("fail", "beyond tolerance or error"),
+                ("none", "step touched nothing"),
+            )
+        )
+        + "</tr></table><br>",
+        '<table id="grid"><tr><th class="name">scenario</th><th>world</th>'
+        + "".join(f"<th>{escape(s)}</th>" for s in steps)
+        + "<th>verdict</th></tr>",
+    ]
+    for rep in reports:
+        cells = []
+        for step in steps:
+            atol = step_tolerance(rep.scenario, step)
+            per = [rep.steps.get(b, {}).get(step) for b in backends]
+            klass = _worst([cell_class(c, atol) for c in per])
+            text = " / ".join(_fmt(c) for c in per) if klass != "none" else "-"
+            title = f"{rep.scenario.name} {step}: tolerance {atol:g}"
+            cells.append(f'<td class="{klass}" title="{escape(title)}">{escape(text)}</td>')
+        status = '<td class="exact">ok</td>' if rep.ok else '<td class="fail">FAIL</td>'
+        out.append(
+            f'<tr><td class="name">{escape(rep.scenario.name)}</td>'
+            f"<td>{rep.scenario.world_size}</td>" + "".join(cells) + status + "</tr>"
+        )
+    out.append("</table>")
+    failed = [r for r in reports if not r.ok]
+    if failed:
+        out.append("<h2>Failures</h2><ul>")
+        for rep in failed:
+            lines = [f"{b}: {line}" for b, ls in rep.failures.items() for line in ls[:3]]
+            out.append(f"<li>{escape(rep.scenario.name)}<pre>{escape(chr(10).join(lines))}</pre></li>")
+        out.append("</ul>")
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"

@@ -32,7 +32,7 @@ POS_EMB = "embedding.position_embeddings.weight"
 
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
-    """One parameter present in every chunk; flags as in SPEC.md section 2."""
+    """One parameter present in every chunk; flags as in docs/semantics.md."""
 
     name: str
     shape: tuple[int, ...]

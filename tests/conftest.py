@@ -26,7 +26,7 @@ def reliability(request):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    order = {"bad input": 0, "check cost": 1, "fault": 2, "concurrency": 3, "property": 4}
+    order = {"bad input": 0, "check cost": 1, "fault": 2, "concurrency": 3, "soak": 4, "property": 5}
     rows = sorted(config.stash.get(_ROWS, []), key=lambda r: order.get(r[0], 5))  # stable: run order within a kind
     if not rows:
         return

@@ -107,3 +107,36 @@ def test_never_more_collectives_than_megatron_core():
     # Mixed dtypes: Megatron flattens the non-TP grads into one collective; so does the
     # fused plan (DP sync: one per dtype on both sides).
     assert counts["mixed-dtypes"]["meshgrad buffers"] == counts["mixed-dtypes"]["megatron"] == 4
+
+
+_NUMBER = r"[0-9]+(?:\.[0-9]+)?"
+
+
+def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
+    """The MoE scale rows and the drop-in copy floor are printed with numbers and goals
+    (no timing threshold is asserted)."""
+    import re
+
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "bench", "--quick", "--no-gloo", "--layouts", "gpt-24L-h1024", "--rounds", "2",
+           "--scale-rows", "8x8", "32x8", "16x32", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = proc.stdout
+    assert re.search(rf"non_tp floor ms\s+{_NUMBER}\s.*drop-in / floor {_NUMBER}", text), text
+    for row, params in (("8x8", 169), ("32x8", 673), ("16x32", 16 * (5 + 2 * 32) + 1)):
+        lines = [x for x in text.splitlines() if re.match(rf"\s+{row}\s+{params}\s", x)]
+        assert len(lines) == 3, (row, text)  # DDP chunks, meshgrad buffers, user grads
+        for line in lines:
+            assert len(re.findall(_NUMBER, line)) >= 7, line
+    for goal in ("drop-in non_tp / copy floor <= 1.3", "DDP chunks: step / megatron-core <= 0.1",
+                 "DDP chunks: step / step at 32x8 <= 1.5", "DDP chunks: first call <= 100 ms"):
+        assert re.search(rf"\[\s*(met|MISSED|n/a)\] .*{re.escape(goal)}", text), (goal, text)
+    report = json.loads(out.read_text())
+    rows = {r["row"]: r for r in report["scale"]["rows"]}
+    assert rows["16x32"]["params"] == 1105 and rows["16x32"]["non_tp_tensors"] == 5 * 16 + 1
+    for r in rows.values():
+        assert r["bytes_copied"]["buffers"] == 0
+        assert r["first_call"]["DDP chunks"] > 0 and r["step"]["DDP chunks"]["median"] > 0
+    (layout,) = report["fake"]
+    assert layout["time"]["floor"]["non_tp"]["median"] > 0

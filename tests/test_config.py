@@ -31,13 +31,38 @@ def test_from_megatron_reads_transformer_and_ddp_configs():
     [
         (dict(sequence_parallel=1), TypeError, "sequence_parallel must be a bool"),
         (dict(mtp_num_layers=-1), ValueError, "mtp_num_layers"),
-        (dict(moe_router_load_balancing_type="quantile"), ValueError, "moe_router_load_balancing_type"),
-        (dict(moe_router_quantile_balancing_ema=1.5), ValueError, "quantile_balancing_ema"),
+        (dict(moe_router_load_balancing_type=3), TypeError, "moe_router_load_balancing_type"),
     ],
 )
 def test_bad_values_raise(kwargs, error, message):
     with pytest.raises(error, match=message):
         FinalizeConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(moe_router_load_balancing_type="quantile"), "moe_router_load_balancing_type"),
+        (dict(moe_router_quantile_balancing_ema=1.5), "quantile_balancing_ema"),
+    ],
+)
+def test_values_megatron_accepts_only_warn(kwargs, message):
+    # Megatron-Core runs with these; meshgrad warns and keeps the value.
+    with pytest.warns(UserWarning, match=message):
+        config = FinalizeConfig(**kwargs)
+    assert all(getattr(config, k) == v for k, v in kwargs.items())
+
+
+def test_load_balancing_type_list_and_megatron_defaults():
+    config = FinalizeConfig.from_megatron(
+        types.SimpleNamespace(moe_router_load_balancing_type=["quantile_balancing", "global_aux_loss"])
+    )
+    assert config.moe_router_load_balancing_type == ("quantile_balancing", "global_aux_loss")
+    # Megatron compares the type with == "quantile_balancing": a list never runs the qb step,
+    # but "global_aux_loss" in the list resets the tracker.
+    assert not config.quantile_balancing and config.global_aux_loss
+    assert FinalizeConfig.from_megatron(types.SimpleNamespace()).moe_router_quantile_balancing_ema == 0.0
+    assert FinalizeConfig.from_megatron(types.SimpleNamespace(moe_router_load_balancing_type="quantile_balancing")).quantile_balancing
 
 
 def test_from_mapping_rejects_unknown_keys():

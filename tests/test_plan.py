@@ -156,7 +156,7 @@ def test_router_steps():
     plan = plan_finalize([], qb, DIMS, routers)
     (update,) = reductions(plan, Step.QB_BETA)
     assert isinstance(update, QbBetaUpdate)
-    assert (update.routers, update.ema, update.group) == (((0, "r0"), (0, "r1")), 0.0, Group.DP_CP)
+    assert (update.routers, update.ema, update.group) == (((0, "r0"), (0, "r1")), 0.0, Group.DP_CP_GTP)
     (reset,) = reductions(plan, Step.RESET)
     assert reset.zero_qb == ((0, "r0"), (0, "r1"), (0, "eval")) and reset.zero_tokens == ()
 

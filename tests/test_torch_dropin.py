@@ -236,7 +236,7 @@ def _megatron_sources(rank: int) -> Any:
         out["pgc"] = _run(DROPIN, rank, ProcessGroupCollection.use_mpu_process_groups(), model)
         model = build_model(DROPIN, rank, config)
         out["none"] = _run(DROPIN, rank, None, model)
-        from torch_impl.groups import parallel_state_groups
+        from torch_impl.megatron import parallel_state_groups
 
         out["stable"] = parallel_state_groups() is parallel_state_groups()
         return out
@@ -337,10 +337,10 @@ def test_no_groups_in_a_multi_rank_world_is_a_clear_error(world) -> None:
     inputs = [make_rank_inputs(DROPIN, r) for r in range(WORLD)]
     for rank, out in enumerate(world["case_sources"]):
         kind, message = out["none-error"]
-        assert kind == "ValueError" and f"rank {rank}" in message and "parallel_state" in message, message
+        assert kind == "MegatronAssertionError" and f"rank {rank}" in message and "parallel_state" in message, message
         _assert_equal([out["none-untouched"]], [inputs[rank]])
         kind, message = out["helper-none-error"]
-        assert kind == "ValueError" and "'tp'" in message, message
+        assert kind == "MegatronAssertionError" and "'tp'" in message, message
 
 
 def test_wrapped_chunks_read_config_and_ddp_config(world) -> None:

@@ -171,9 +171,9 @@ def case_finalize_validation(rank: int, world: int) -> list[tuple[str, bool]]:
     calls = [
         ("tp_dp_cp", {}, lambda m: finalize_model_grads(m, pg_collection=_with(pgc, tp_dp_cp=_DROP))),
         ("expt_dp", {}, lambda m: finalize_model_grads(m, pg_collection=_with(pgc, expt_dp=_DROP))),
-        ("gtp_remat", {"gtp_weight_remat_size": 2}, lambda m: finalize_model_grads(m, pg_collection=pgc)),
-        ("expt_gtp_remat", {"expert_gtp_weight_remat_size": 2}, lambda m: finalize_model_grads(m, pg_collection=pgc)),
-        ("gtp_remat", {"gtp_weight_remat_size": 2}, lambda m: finalize_model_grads(m, pg_collection=mesh_no_gtp)),
+        ("gtp_remat", {"gtp_weight_remat_size": 2, "strict_groups": True}, lambda m: finalize_model_grads(m, pg_collection=pgc)),
+        ("expt_gtp_remat", {"expert_gtp_weight_remat_size": 2, "strict_groups": True}, lambda m: finalize_model_grads(m, pg_collection=pgc)),
+        ("gtp_remat", {"gtp_weight_remat_size": 2, "strict_groups": True}, lambda m: finalize_model_grads(m, pg_collection=mesh_no_gtp)),
         ("pg_collection", {}, lambda m: finalize_model_grads(m)),
         ("embd", {"embedding_stages": (0,)}, lambda m: finalize_model_grads(m, pg_collection=pgc)),
         ("ep", {"expert_model_parallel_size": 3}, lambda m: finalize_model_grads(m, pg_collection=mesh_no_gtp)),

@@ -30,7 +30,7 @@ from torch import nn
 from meshgrad.params import ParamKey
 from torch_impl.discover import dtype_name
 from torch_impl.execute import TORCH_DTYPES
-from torch_impl.groups import parallel_state_groups
+from torch_impl.megatron import parallel_state_groups
 
 
 

@@ -229,3 +229,43 @@ def discover(model: Sequence[Any], config: FinalizeConfig) -> Discovered:
                 routers.append(spec)
                 router_modules[spec.key] = sub
     return Discovered(tuple(params), tuple(routers), tensors, router_modules, tuple(chunks))
+
+
+#: Name parts of the q / k layernorms that ``qk_layernorm`` reduces over tp (SPEC 2.4).
+_QK_NAMES = ("q_layernorm", "k_layernorm")
+
+
+def candidate(spec: ParamSpec) -> bool:
+    """Whether a step other than the DP sync may touch this parameter (given a
+    gradient): a flag, an embedding role or a q / k layernorm name."""
+    return (
+        spec.role is not Role.NONE
+        or spec.sequence_parallel
+        or spec.average_gradients_across_tp_domain
+        or spec.pipeline_parallel
+        or spec.flextron_router_pp_sync
+        or spec.is_gtp_weight_remat
+        or any(n in spec.name for n in _QK_NAMES)
+    )
+
+
+def watched_keys(found: Discovered, plain: Sequence[bool]) -> list[ParamKey]:
+    """The parameters whose per-step state a cached plan depends on: all of a plain
+    chunk (meshgrad's DP sync reads them), the :func:`candidate` ones of a DDP chunk."""
+    return [s.key for s in found.params if plain[s.chunk] or candidate(s)]
+
+
+def chunk_facts(model: Sequence[Any], found: Discovered, has_mtp: bool, ddp_object: Any) -> tuple[Any, ...]:
+    """Per chunk, what decides discovery beyond the parameters: the unwrapped module, its
+    DDP object, the tied-embedding flag and weight, the position-embedding weight."""
+    out: list[Any] = []
+    for chunk in model:
+        module = unwrap(chunk)
+        out += (
+            module,
+            ddp_object(chunk),
+            getattr(module, "share_embeddings_and_output_weights", None),
+            shared_word_embedding(module, has_mtp),
+            position_embedding(module),
+        )
+    return tuple(out)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from typing import Any
@@ -384,14 +385,24 @@ def run_reset(action: ResetTemporaries, routers: Mapping[ParamKey, nn.Module]) -
 
 
 def global_token_scale(num_tokens: torch.Tensor, action: TokenScale, groups: TorchGroups) -> torch.Tensor:
-    """SPEC 2.11: broadcast num_tokens from the last pp stage, SUM over the planned group,
-    return ``1 / max(n, 1)`` as a float32 tensor on num_tokens' device (no host sync)."""
-    total = num_tokens.detach().clone()
+    """Per-token scaling: broadcast num_tokens from the last pp stage, SUM it over the
+    planned group, and return the factor that divides every gradient (no host sync).
+
+    The count is reduced in int64 (float64 for floating input), so int8..int32 counts do
+    not overflow, and written back into ``num_tokens``, which holds the global count
+    afterwards, as in Megatron (wrapped to its dtype if it cannot hold it). The factor is
+    Megatron's ``1.0 / clamp(n, min=1)``: in ``num_tokens``' floating dtype, or the default
+    float dtype (float32) for integer counts, with ``num_tokens``' shape.
+    """
+    wide = torch.float64 if num_tokens.is_floating_point() else torch.int64
+    total = num_tokens.detach().to(wide, copy=True)
     pp = groups.group(Group.PP)
     if pp is not None:
         dist.broadcast(total, src=groups.pp_last_rank, group=pp)
     all_reduce(total, groups.group(action.group), ReduceOp.SUM, groups.size(action.group))
-    return rules.token_scale(total, torch).to(torch.float32).reshape(())  # one element: 0-d
+    num_tokens.detach().copy_(total)
+    counted = num_tokens.detach() if num_tokens.is_floating_point() else total
+    return torch.clamp(counted, min=1).reciprocal()
 
 
 def scale_grads(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
@@ -449,7 +460,12 @@ def bind_scale(tensors: Sequence[torch.Tensor]) -> Callable[[torch.Tensor], None
 
     def run(scale: torch.Tensor) -> None:
         for device, group in kinds:
-            torch._foreach_mul_(group, scale if scale.device == device else scale.to(device))
+            factor = scale if scale.device == device else scale.to(device)
+            if factor.dim() == 0 or torch.result_type(group[0], factor) == group[0].dtype:
+                torch._foreach_mul_(group, factor.reshape(()))
+            else:  # a wider one-element factor (float64 num_tokens): multiply as Megatron's `*=`
+                for t in group:
+                    t.copy_((t * factor).reshape(t.shape))
 
     return run
 
@@ -537,17 +553,27 @@ def run_actions(
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_MAIN_GRAD = operator.attrgetter("main_grad")
 _GRAD = operator.attrgetter("grad")
+_MODULES = operator.itemgetter("_modules")
+_PARAMETERS = operator.itemgetter("_parameters")
+_BUFFERS = operator.itemgetter("_buffers")
+
+
+def _value_ids(dicts: Sequence[dict[str, Any]]) -> list[tuple[int, ...]]:
+    """Per dict, the ids of its values (C-level maps, no per-item Python)."""
+    return list(map(tuple, map(map, repeat(id), map(dict.values, dicts))))
 
 
 class GradWatch:
-    """Whether the parameters still hold the gradient tensors seen at construction.
+    """Whether parameters still look as they did at construction, at C speed.
 
-    Checks ``requires_grad``, which gradient attribute each parameter uses and the
-    identity of every gradient tensor, with C-level ``map`` calls (no per-parameter
-    Python), so a step can trust a bound :class:`Program`. Replacing a gradient's storage
-    behind the same tensor object (``grad.data = ...``) is not detected.
+    Per parameter: ``requires_grad``, the ``.grad`` tensor object (where there is no
+    ``main_grad``), every attribute set on
+    the parameter (its ``__dict__``: ``main_grad``, ``allreduce``, ``sequence_parallel``
+    and the other flags, by key and value identity), and, for each plain gradient
+    tensor, its data pointer and size (so ``grad.data = ...`` or ``resize_`` is seen
+    too). Everything runs as C-level ``map`` calls over the fixed list: a few tens of
+    nanoseconds per parameter and attribute.
 
     Args:
       params: the parameters (any order, fixed for this watch).
@@ -556,29 +582,203 @@ class GradWatch:
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self.params = tuple(params)
         self.requires = list(map(_REQUIRES_GRAD, self.params))
-        has_main = list(map(hasattr, self.params, repeat("main_grad")))
-        self.main_params = [p for p, m in zip(self.params, has_main) if m]
-        self.grad_params = [p for p, m in zip(self.params, has_main) if not m]
-        self.main_grads = list(map(_MAIN_GRAD, self.main_params))
+        self.dicts = list(map(vars, self.params))
+        # .grad matters where main_grad is absent (its appearing changes the dict keys).
+        self.grad_params = [p for p, d in zip(self.params, self.dicts) if "main_grad" not in d]
         self.grads = list(map(_GRAD, self.grad_params))
+        self._values = list(map(tuple, map(dict.values, self.dicts)))  # keeps ids from being reused
+        self.ids = list(map(tuple, map(map, repeat(id), self._values)))
+        self.keys = list(map(tuple, self.dicts))
+        tensors = []
+        for p in self.params:
+            g = get_grad(p)
+            if isinstance(g, torch.Tensor) and g.layout is torch.strided and not is_dtensor(g) and g.device.type != "meta":
+                tensors.append(g)
+        self.tensors = tensors
+        self.ptrs = list(map(torch.Tensor.data_ptr, tensors))
+        self.sizes = list(map(torch.Tensor.size, tensors))
 
     def same(self) -> bool:
-        """True when nothing a bound program depends on has changed."""
-        if list(map(_REQUIRES_GRAD, self.params)) != self.requires:
-            return False
-        try:
-            if not all(map(operator.is_, map(_MAIN_GRAD, self.main_params), self.main_grads)):
-                return False
-        except AttributeError:  # a main_grad was deleted
-            return False
-        if self.grad_params:
-            if any(map(hasattr, self.grad_params, repeat("main_grad"))):
-                return False
-            return all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
-        return True
+        """True when nothing a bound program or the plan depends on has changed."""
+        params = self.params
+        return (
+            list(map(_REQUIRES_GRAD, params)) == self.requires
+            and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
+            and _value_ids(self.dicts) == self.ids
+            and list(map(tuple, self.dicts)) == self.keys
+            and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
+            and list(map(torch.Tensor.size, self.tensors)) == self.sizes
+        )
 
     def has_dtensor(self) -> bool:
-        return any(is_dtensor(g) for g in self.main_grads) or any(is_dtensor(g) for g in self.grads)
+        return any(is_dtensor(g) for g in map(get_grad, self.params))
+
+
+def _remove_hooks(handles: Sequence[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+class ModelWatch:
+    """Whether a model still is what its cached plan was made for.
+
+    Structure -- parameters, buffers or submodules registered, replaced or removed
+    anywhere in the chunks -- is seen without visiting the parameters: torch's module
+    registration hooks (filtered to this model's modules) set a dirty flag, and the
+    module-tree edges leading to the watched parameters and routers are compared by
+    identity (which also sees removals, which no hook reports). Per step, then, the cost
+    is that of the watched parameters' :class:`GradWatch`, the routers' attributes and
+    buffers, and a few calls per chunk (wrapper chain, DDP object, embedding getters).
+
+    Watched parameters: every parameter of a plain chunk (meshgrad reads every gradient
+    for the DP sync), and of a Megatron-DDP chunk those a step of meshgrad may touch: a
+    flag set (sequence_parallel, average_gradients_across_tp_domain, pipeline_parallel,
+    flextron_router_pp_sync, is_gtp_weight_remat), an embedding role or a q/k layernorm
+    name, plus whatever the bound plan reads (:meth:`cover`). Flags and requires_grad of
+    the other parameters of a DDP chunk are read once per plan
+    (``torch_impl.invalidate_plans(model)`` forces a re-read).
+
+    Args:
+      found: the discovered model.
+      chunks: the chunks as given (wrappers included).
+      facts: per chunk, the facts that decide discovery (:func:`chunk_facts`).
+      watched: the keys of the parameters to watch.
+    """
+
+    def __init__(
+        self,
+        found: Any,
+        chunks: Sequence[Any],
+        facts: Callable[[], tuple[Any, ...]],
+        watched: Iterable[ParamKey],
+    ) -> None:
+        self.found = found
+        self.facts = facts
+        self.chunk_facts = facts()  # held: their ids cannot be reused while watched
+        self.fact_ids = tuple(map(id, self.chunk_facts))
+        self.keys = set(watched)
+        self.grads = GradWatch(found.tensors[k] for k in found.tensors if k in self.keys)
+        routers = list(found.router_modules.values())
+        self.router_dicts = list(map(vars, routers))
+        self.router_buffers = list(map(_BUFFERS, self.router_dicts))
+        self._router_values = [tuple(d.values()) for d in self.router_dicts + self.router_buffers]
+        self.router_ids = _value_ids(self.router_dicts + self.router_buffers)
+        self.router_keys = list(map(tuple, self.router_dicts + self.router_buffers))
+        self._edges(chunks, found)
+        self.dirty = [False]
+        ids = set(self.module_ids)
+
+        def hook(kind: str) -> Callable[[Any, str, Any], None]:
+            def seen(module: Any, name: str, value: Any) -> None:
+                if id(module) in ids and not self_dirty[0]:
+                    store = module.__dict__.get(kind)
+                    if store is None or store.get(name) is not value:
+                        self_dirty[0] = True
+
+            return seen
+
+        self_dirty = self.dirty
+        from torch.nn.modules import module as torch_module
+
+        handles = [
+            torch_module.register_module_parameter_registration_hook(hook("_parameters")),
+            torch_module.register_module_buffer_registration_hook(hook("_buffers")),
+            torch_module.register_module_module_registration_hook(hook("_modules")),
+        ]
+        self._finalizer = weakref.finalize(self, _remove_hooks, handles)
+
+    def _edges(self, chunks: Sequence[Any], found: Any) -> None:
+        """Module-tree edges (holder dict, name, object) down to watched params / routers."""
+        roots = found.chunks
+        self.module_ids: list[int] = []
+        for chunk in chunks:  # the wrapper chain
+            self.module_ids.append(id(chunk))
+            inner = chunk
+            for _ in range(64):
+                inner = getattr(inner, "module", None)
+                if not isinstance(inner, nn.Module):
+                    break
+                self.module_ids.append(id(inner))
+        for root in roots:
+            if isinstance(root, nn.Module):
+                self.module_ids.extend(id(m) for m in root.modules())
+        owners: list[Any] = []
+        kinds: list[Any] = []
+        holders: list[dict[str, Any]] = []
+        names: list[str] = []
+        objects: list[Any] = []
+        seen: set[tuple[int, str]] = set()
+
+        def add(owner: Any, kind: Any, name: str, obj: Any) -> None:
+            if (id(owner), name) in seen:
+                return
+            seen.add((id(owner), name))
+            store = kind(vars(owner))
+            owners.append(owner)
+            kinds.append(kind)
+            holders.append(store)
+            names.append(name)
+            objects.append(obj)
+
+        def walk(chunk: int, path: str, leaf_kind: Any | None, obj: Any) -> None:
+            module = roots[chunk]
+            if not isinstance(module, nn.Module):
+                return
+            parts = path.split(".") if path else []
+            last = parts[:-1] if leaf_kind is not None else parts
+            for part in last:
+                child = module._modules.get(part)
+                if child is None:
+                    return
+                add(module, _MODULES, part, child)
+                module = child
+            if leaf_kind is not None and parts:
+                add(module, leaf_kind, parts[-1], obj)
+
+        for key in self.keys:
+            walk(key[0], key[1], _PARAMETERS, found.tensors[key])
+        for key, module in found.router_modules.items():
+            walk(key[0], key[1], None, module)
+        self.owner_dicts = list(map(vars, owners))
+        self.kinds = kinds
+        self.holders = holders
+        self.names = names
+        self.objects = objects
+
+    def structure_same(self) -> bool:
+        """No registration in the model since construction, the same module-tree edges to
+        the watched objects, and the same per-chunk facts."""
+        if self.dirty[0]:
+            return False
+        if not all(map(operator.is_, map(operator.call, self.kinds, self.owner_dicts), self.holders)):
+            return False
+        if not all(map(operator.is_, map(dict.get, self.holders, self.names), self.objects)):
+            return False
+        return tuple(map(id, self.facts())) == self.fact_ids
+
+    def same(self) -> bool:
+        """True when the cached discovery (and every plan made from it) still holds."""
+        dicts = self.router_dicts + self.router_buffers
+        return (
+            self.structure_same()
+            and _value_ids(dicts) == self.router_ids
+            and list(map(tuple, dicts)) == self.router_keys
+            and self.grads.same()
+        )
+
+    def cover(self, keys: Iterable[ParamKey]) -> None:
+        """Also watch ``keys`` (what a bound plan reads or writes)."""
+        extra = set(keys) - self.keys
+        if extra:
+            self.keys |= extra
+            self.grads = GradWatch(self.found.tensors[k] for k in self.found.tensors if k in self.keys)
+
+    def has_dtensor(self) -> bool:
+        return self.grads.has_dtensor()
+
+    def close(self) -> None:
+        """Remove the registration hooks now (they also go when the watch is collected)."""
+        self._finalizer()
 
 
 class Program:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +37,7 @@ from meshgrad.params import ParamKey, Role
 from meshgrad.plan import FinalizePlan, GroupSizes, Step, embedding_chunk, plan_finalize
 from torch_impl.discover import (
     Discovered,
+    chunk_facts,
     discover,
     find_attr,
     get_grad,
@@ -45,11 +46,12 @@ from torch_impl.discover import (
     position_embedding,
     shared_word_embedding,
     unwrap,
+    watched_keys,
 )
 from torch_impl.execute import (
     ExecStats,
     GradAccess,
-    GradWatch,
+    ModelWatch,
     Program,
     global_token_scale,
     is_dtensor,
@@ -59,16 +61,26 @@ from torch_impl.execute import (
     unshard,
 )
 from torch_impl import validate
+from torch_impl.errors import MegatronAssertionError
 from torch_impl.groups import (
     MeshGroups,
     TorchGroups,
+    group_ranks,
     is_device_mesh,
     mesh_groups,
-    parallel_state_groups,
-    parallel_state_values,
-    megatron_parallel_state,
     world_rank,
     world_size,
+)
+from torch_impl.megatron import (
+    Requested,
+    accepts,
+    chunk_configs,
+    collection_groups,
+    ddp_object,
+    gtp_fence as megatron_gtp_fence,
+    helper_group,
+    is_process_group_collection,
+    parallel_state_groups,
 )
 
 ProcessGroup = Any
@@ -105,17 +117,11 @@ def resolve_config(config: Any, ddp_config: Any = None) -> FinalizeConfig:
     if isinstance(config, FinalizeConfig) and ddp_config is None:
         return config
     if config is None and ddp_config is None:
-        raise TypeError(f"rank {world_rank()}: no config: pass one or set `config` on the model chunk")
+        raise TypeError(
+            f"rank {world_rank()}: no config found: set `config` (a Megatron TransformerConfig or a "
+            "meshgrad.FinalizeConfig) on the first model chunk (or on a module along its `.module` chain)"
+        )
     return FinalizeConfig.from_megatron(config, ddp_config)
-
-
-def chunk_configs(model: Sequence[Any]) -> tuple[Any, Any]:
-    """The ``config`` and ``ddp_config`` found along the ``.module`` chain of the chunks."""
-    config = ddp_config = None
-    for chunk in model:
-        config = config if config is not None else find_attr(chunk, "config")
-        ddp_config = ddp_config if ddp_config is not None else find_attr(chunk, "ddp_config")
-    return config, ddp_config
 
 
 def _chunks(model: Any) -> list[Any]:
@@ -136,61 +142,32 @@ def _chunks(model: Any) -> list[Any]:
     return list(model)
 
 
-def _int_attr(config: Any, name: str, default: int | None) -> int | None:
-    value = getattr(config, name, None)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"rank {world_rank()}: config.{name} must be a positive int, got {value!r}")
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class Requested:
-    """Parallel sizes the (Megatron) config asks for, beyond what FinalizeConfig holds.
-
-    Args:
-      ep: ``expert_model_parallel_size``.
-      etp: ``expert_tensor_parallel_size`` (None = tp).
-      gtp: ``gtp_weight_remat_size`` (1 = GTP inactive).
-      egtp: ``expert_gtp_weight_remat_size``.
-    """
-
-    ep: int = 1
-    etp: int | None = None
-    gtp: int = 1
-    egtp: int = 1
-
-    @classmethod
-    def from_config(cls, config: Any) -> "Requested":
-        if config is None or isinstance(config, FinalizeConfig):
-            return cls()
-        return cls(
-            ep=_int_attr(config, "expert_model_parallel_size", 1),
-            etp=_int_attr(config, "expert_tensor_parallel_size", None),
-            gtp=_int_attr(config, "gtp_weight_remat_size", 1),
-            egtp=_int_attr(config, "expert_gtp_weight_remat_size", 1),
-        )
-
-
 # =========================================================================== groups
 
 
 def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Requested) -> TorchGroups:
     """This rank's TorchGroups from whatever ``finalize_model_grads`` was given.
 
+    A Megatron ``ProcessGroupCollection`` and ``None`` (Megatron's ``parallel_state``) are
+    read as Megatron reads them (:mod:`torch_impl.megatron`); meshgrad's own sources (a
+    DeviceMesh, MeshGroups, TorchGroups, a mapping or any object with the collection's
+    attribute names) name every group they mean, None being size 1.
+
     Raises:
+      MegatronAssertionError: where Megatron asserts (a field it needs is None or unset).
       ValueError: no groups in a multi-rank world, or a DeviceMesh that does not fit.
+      TypeError: an object that is no group source.
     """
     if pg_collection is None:
         from_megatron = parallel_state_groups()
         if from_megatron is not None:
             return from_megatron
         if world_size() > 1:
-            raise ValueError(
+            raise MegatronAssertionError(
                 f"rank {world_rank()}: pg_collection is None in a world of {world_size()} ranks and "
                 "Megatron's parallel_state is not initialized; pass a ProcessGroupCollection (or any "
-                "object with its attribute names) or a torch DeviceMesh with meshgrad dim names"
+                "object with its attribute names) or a torch DeviceMesh with meshgrad dim names "
+                "(pp, dp, cp, gtp, tp)"
             )
         return TorchGroups.trivial()
     if isinstance(pg_collection, TorchGroups):
@@ -204,27 +181,19 @@ def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Reques
             embedding_stages=config.embedding_stages,
             position_embedding_stages=config.position_embedding_stages,
         )
+    if is_process_group_collection(pg_collection):
+        return collection_groups(
+            pg_collection, expert_bias=config.moe_router_enable_expert_bias, flextron=config.flextron
+        )
     if isinstance(pg_collection, Mapping):
         return TorchGroups.from_mapping(pg_collection, source="group mapping")
-    if type(pg_collection).__name__ != "ProcessGroupCollection" and not any(
-        hasattr(pg_collection, g.value) for g in Group
-    ):
+    if not any(hasattr(pg_collection, g.value) for g in Group):
         raise TypeError(
             f"rank {world_rank()}: pg_collection must be None, a ProcessGroupCollection (or any object "
             f"with its attribute names tp, pp, embd, pos_embd, dp_cp, ...), a torch DeviceMesh, a "
             f"MeshGroups or a TorchGroups; got {type(pg_collection).__name__}"
         )
-    groups = TorchGroups.from_collection(pg_collection)
-    if Group.TP_DP_CP in groups.missing and config.moe_router_enable_expert_bias:
-        # megatron-core's expert-bias update takes this group from parallel_state whatever
-        # the collection holds: a collection without it works there, so it does here.
-        ps = megatron_parallel_state()
-        if ps is not None:
-            values = {g: getattr(pg_collection, g.value) for g in Group if hasattr(pg_collection, g.value)}
-            values[Group.TP_DP_CP] = parallel_state_values(ps).get(Group.TP_DP_CP)
-            source = f"{type(pg_collection).__name__} and Megatron parallel_state"
-            return TorchGroups.from_mapping(values, source=source)
-    return groups
+    return TorchGroups.from_collection(pg_collection)
 
 
 def requirements(
@@ -235,27 +204,38 @@ def requirements(
     *,
     plain_dp_sync: bool,
     num_tokens: bool,
+    megatron_groups: bool,
 ) -> tuple[dict[Group, str], dict[Group, tuple[int, str]]]:
     """The groups ``finalize_model_grads`` needs, for :meth:`TorchGroups.check`.
+
+    Groups read the Megatron way (``megatron_groups``) were already resolved or refused
+    by Megatron's rules; meshgrad's own sources must name every group a step reads. Sizes
+    the config states are expectations: a mismatch warns (raises with
+    ``config.strict_groups``), since Megatron takes the groups as the truth.
 
     Returns:
       (required groups with reasons, expected sizes with reasons).
     """
-    always = (Group.TP, Group.PP, Group.EMBD, Group.POS_EMBD, Group.DP_CP)
-    required = {g: "finalize_model_grads always needs it" for g in always}
+    required: dict[Group, str] = {}
+    if not megatron_groups:
+        for g in (Group.TP, Group.PP, Group.EMBD, Group.POS_EMBD, Group.DP_CP):
+            required[g] = "finalize_model_grads always needs it"
+        if config.moe_router_enable_expert_bias:
+            required[Group.TP_DP_CP] = "moe_router_enable_expert_bias is set"
+        if groups.size(Group.GTP) > 1 and (num_tokens or config.quantile_balancing):
+            required[Group.DP_CP_GTP] = "GTP-remat is active and num_tokens / qb_beta reduce over dp_cp x gtp"
+    if plain_dp_sync:
+        required[Group.DP_CP] = "meshgrad runs the DP sync of chunks without a DDP wrapper"
+        if any(p.expert and p.has_grad for p in params):
+            required[Group.EDP] = "expert parameters (allreduce=False) are synced over expert data parallel"
     expected: dict[Group, tuple[int, str]] = {}
-    if config.moe_router_enable_expert_bias:
-        required[Group.TP_DP_CP] = "moe_router_enable_expert_bias is set"
-    if plain_dp_sync and any(p.expert and p.has_grad for p in params):
-        required[Group.EDP] = "expert parameters (allreduce=False) are synced over expert data parallel"
     if requested.gtp > 1:
         expected[Group.GTP] = (requested.gtp, "config.gtp_weight_remat_size")
     if requested.egtp > 1:
         expected[Group.EGTP] = (requested.egtp, "config.expert_gtp_weight_remat_size")
-    gtp = max(groups.size(Group.GTP), requested.gtp)
+    gtp = groups.size(Group.GTP)
     if gtp > 1 and (num_tokens or config.quantile_balancing):
-        why = "GTP-remat is active and num_tokens / qb_beta are reduced over dp_cp x gtp"
-        required[Group.DP_CP_GTP] = why
+        why = "GTP-remat is active and num_tokens / qb_beta reduce over dp_cp x gtp"
         expected[Group.DP_CP_GTP] = (groups.size(Group.DP_CP) * gtp, why)
     return required, expected
 
@@ -263,23 +243,7 @@ def requirements(
 # =========================================================================== plan cache
 
 
-def _ddp_object(chunk: Any) -> Any:
-    """The object in the ``.module`` chain that does Megatron DDP's grad sync, or None."""
-    for _ in range(64):
-        if callable(getattr(chunk, "finish_grad_sync", None)):
-            return chunk
-        if not hasattr(chunk, "module"):
-            return None
-        chunk = chunk.module
-    return None
-
-
-def _accepts(fn: Callable[..., Any], name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+_ddp_object = ddp_object  # kept for torch_impl.buffers
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -328,7 +292,7 @@ def build_plan(
     return BoundPlan(
         plan=plan,
         ddp=tuple(objects),
-        ddp_force_kwarg=tuple(_accepts(o.finish_grad_sync, "force_all_reduce") for o in objects),
+        ddp_force_kwarg=tuple(accepts(o.finish_grad_sync, "force_all_reduce") for o in objects),
         plain_scale_keys=tuple(k for k in plan.token_scale.keys if k[0] in plain),
     )
 
@@ -341,6 +305,8 @@ def _config_snapshot(source: Any) -> tuple[Any, ...]:
     """The values FinalizeConfig.from_megatron reads from ``source`` (absent ones marked)."""
     if source is None:
         return ()
+    if isinstance(source, Mapping):
+        return tuple([source.get(name, _ABSENT) for name in _CONFIG_FIELDS])
     return tuple([getattr(source, name, _ABSENT) for name in _CONFIG_FIELDS])
 
 
@@ -351,16 +317,17 @@ class ModelState:
     plans on everything that can change them: parameters' requires_grad / gradient
     presence and dtype, router modes, the config, the groups and the call's options.
     Each plan is bound once to the gradient tensors (:class:`~torch_impl.execute.Program`);
-    a :class:`~torch_impl.execute.GradWatch` tells, at C speed, whether a step still sees
-    the same parameters' requires_grad, gradient attributes and gradient tensors, so a
+    a :class:`~torch_impl.execute.ModelWatch` tells, at C speed, whether a step still sees
+    the same model (structure, flags, requires_grad, gradient tensors, routers), so a
     repeated step neither re-discovers nor re-binds. ``stats`` counts calls, plans built,
     bindings and the bytes coalescing had to copy.
     """
 
     def __init__(self, chunks: Sequence[Any]) -> None:
         self.chunk_ids = tuple(id(c) for c in chunks)
-        self.found: dict[bool, tuple[int, Discovered, GradWatch]] = {}
-        self.tokens: dict[tuple[Any, ...], int] = {}  # fingerprint -> token
+        self.found: dict[bool, tuple[int, Discovered, ModelWatch]] = {}
+        self.tokens: dict[tuple[Any, ...], int] = {}  # specs -> token
+        self.next_token = 0
         self.groups: dict[tuple[Any, ...], tuple[Any, TorchGroups]] = {}
         self.plans: dict[tuple[Any, ...], BoundPlan] = {}
         self.programs: dict[int, tuple[BoundPlan, Program]] = {}
@@ -383,27 +350,48 @@ class ModelState:
         return state
 
     def discovered(self, chunks: Sequence[Any], config: FinalizeConfig) -> tuple[Any, Discovered]:
-        """(fingerprint token, Discovered) with this step's gradient presence.
+        """(fingerprint token, Discovered) for this step.
 
-        When the watch sees the same gradient tensors as last time, nothing is re-read;
-        otherwise the fingerprint is recomputed (the specs refreshed if it changed) and
-        every bound program is dropped. The token is a small int standing for the
-        fingerprint (cheap to hash in plan keys): equal fingerprints, equal tokens.
+        While the :class:`~torch_impl.execute.ModelWatch` sees the same model (structure,
+        watched parameters' flags, requires_grad and gradient tensors, routers, chunk
+        facts), nothing is re-read. Otherwise every bound program is dropped and the
+        model is discovered again (structure changed) or its specs re-read; the token is
+        a small int standing for the specs (cheap to hash in plan keys): equal specs,
+        equal tokens, so an unchanged plan is found again in the cache.
         """
         cached = self.found.get(config.has_mtp)
         if cached is not None and cached[2].same():
             return cached[0], cached[1]
         self.programs.clear()
-        if cached is None:
+        if cached is None or not cached[2].structure_same():
             found = discover(chunks, config)
-            fingerprint = found.fingerprint()
         else:
-            found, fingerprint = cached[1], cached[1].fingerprint()
-            if self.tokens.get(fingerprint) != cached[0]:
-                found = found.refresh()
-        token = self.tokens.setdefault(fingerprint, len(self.tokens))
-        self.found[config.has_mtp] = (token, found, GradWatch(found.tensors.values()))
+            found = cached[1].refresh()
+        if cached is not None:
+            cached[2].close()
+        fingerprint = (found.params, found.routers)
+        token = self.tokens.get(fingerprint)
+        if token is None:
+            if len(self.tokens) >= 4 * _MAX_PLANS:
+                self.tokens.clear()
+            token = self.tokens[fingerprint] = self.next_token
+            self.next_token += 1
+        plain = [_ddp_object(c) is None for c in chunks]
+        has_mtp = config.has_mtp
+        watch = ModelWatch(
+            found, chunks, lambda: chunk_facts(chunks, found, has_mtp, _ddp_object), watched_keys(found, plain)
+        )
+        self.found[config.has_mtp] = (token, found, watch)
         return token, found
+
+    def invalidate(self) -> None:
+        """Forget every discovery, plan and binding: the next call reads the model anew."""
+        for _, _, watch in self.found.values():
+            watch.close()
+        self.found.clear()
+        self.plans.clear()
+        self.programs.clear()
+        self.embedding_programs.clear()
 
     def config(self, raw: Any, ddp_config: Any) -> FinalizeConfig:
         """``resolve_config(raw, ddp_config)``, memoized: the same two objects with the same
@@ -426,6 +414,7 @@ class ModelState:
         if hit is not None and hit[0] is bound:
             return hit[1]
         watch = self.found[config.has_mtp][2]
+        watch.cover(validate.plan_keys(bound.plan, bound.plain_scale_keys))  # what the plan reads is watched
         if watch.has_dtensor():
             return None
         grads = GradAccess(found.tensors, config.use_megatron_fsdp)
@@ -441,7 +430,7 @@ class ModelState:
             fields = tuple((k, id(v)) for k, v in source.items())
         else:
             fields = tuple(id(getattr(source, g.value, None)) for g in Group)
-        key = (id(source), fields, world_size())
+        key = (id(source), fields, world_size(), config.moe_router_enable_expert_bias, config.flextron)
         hit = self.groups.get(key)
         if hit is None or hit[0] is not source:
             hit = (source, resolve_groups(source, config, requested))
@@ -457,6 +446,13 @@ class ModelState:
                 self.plans.pop(next(iter(self.plans)))
             self.plans[key] = bound
         return bound
+
+
+def invalidate_plans(model: Any) -> None:
+    """Make the next call re-read ``model`` entirely (e.g. after changing flags or
+    ``requires_grad`` of parameters of a Megatron-DDP chunk that no meshgrad step
+    touches, which are read once per plan)."""
+    ModelState.of(_chunks(model)).invalidate()
 
 
 def execution_stats(model: Any) -> ExecStats:
@@ -480,6 +476,8 @@ def finalize_model_grads(
     num_tokens: torch.Tensor | None = None,
     pg_collection: Any = None,
     force_all_reduce: bool | None = False,
+    *,
+    gtp_fence: Callable[[], None] | None = None,
 ) -> None:
     """Finalize gradients: DP sync, pipeline/tensor-parallel fix-ups, router updates,
     temporaries reset and num_tokens scaling (SPEC.md section 2, steps 1 to 11).
@@ -487,12 +485,21 @@ def finalize_model_grads(
     Args:
       model: this rank's model chunks (virtual pipeline chunks), possibly wrapped in
         Megatron DDP (then its ``finish_grad_sync`` / ``scale_gradients`` are used).
-      num_tokens: one-element integer tensor: the local token count of the last pipeline
-        stage; gradients are divided by the global count (no host sync).
+      num_tokens: pass it only with a per-token loss: a one-element integer or floating
+        tensor holding this rank's token count (the last pipeline stage's counts); it is
+        broadcast over pp and summed over dp x cp (x gtp) in place, so it holds the
+        global count afterwards, and every gradient is multiplied by
+        ``1 / max(global count, 1)`` (no host sync). Reduced in int64 / float64, so small
+        integer dtypes do not overflow while summing. None: no scaling.
       pg_collection: a ProcessGroupCollection (or any object with its attribute names),
         a torch DeviceMesh with meshgrad dim names, a MeshGroups or a TorchGroups. None:
         only in a world of one rank.
       force_all_reduce: all-reduce instead of a distributed optimizer's reduce-scatter.
+      gtp_fence: keyword-only extension: called before the DP sync when the config's
+        ``gtp_weight_remat_size`` or ``expert_gtp_weight_remat_size`` is > 1, to wait for
+        in-flight GTP gradient work. Default: Megatron's
+        ``gtp_api.wait_for_gtp_grad_reduction_on_current_stream`` when that module is
+        loaded, else nothing.
 
     Raises:
       TypeError / ValueError: before any communication or mutation, naming the rank and
@@ -506,9 +513,12 @@ def finalize_model_grads(
     """
     force = bool(force_all_reduce)
     with ranked():
-        bound, found, groups, config = _prepare(model, num_tokens, pg_collection, force)
+        bound, found, groups, config, requested = _prepare(model, num_tokens, pg_collection, force)
     state = ModelState.of(_chunks(model))
     state.stats.calls += 1
+    fence = (gtp_fence or megatron_gtp_fence()) if requested.gtp_active else None
+    if fence is not None:
+        fence()
     with torch.no_grad():
         for obj, kwarg in zip(bound.ddp, bound.ddp_force_kwarg):
             with validate.collective_guard(f"dp_sync: {type(obj).__name__}.finish_grad_sync()", groups):
@@ -532,28 +542,53 @@ def finalize_model_grads(
                 obj.scale_gradients(scale)
             if program is not None:
                 program.scale(scale)
-            else:
+            elif bound.plain_scale_keys:
                 grads = GradAccess(found.tensors, local_shards=True)
                 scale_grads([grads[k] for k in bound.plain_scale_keys], scale)
 
 
 def _prepare(
     model: Any, num_tokens: Any, pg_collection: Any, force: bool
-) -> tuple[BoundPlan, Discovered, TorchGroups, FinalizeConfig]:
+) -> tuple[BoundPlan, Discovered, TorchGroups, FinalizeConfig, Requested]:
     """Everything finalize_model_grads checks and plans before touching anything.
 
     Returns:
-      (the cached or new plan, the discovered model, the groups, the config).
+      (the cached or new plan, the discovered model, the groups, the config, the sizes
+      the Megatron config states).
+
+    A TypeError / ValueError found on this rank before the checks' status round (a bad
+    model list, config value, group, gradient or router buffer) is shared with the
+    other ranks through that round (:func:`torch_impl.validate.share_local_error`), so
+    that every rank raises at once.
     """
+    known: dict[str, Any] = {}
+    try:
+        return _prepare_steps(model, num_tokens, pg_collection, force, known)
+    except (TypeError, ValueError) as err:
+        if not known.get("shared"):
+            validate.share_local_error(
+                err, known.get("groups"), known.get("config"), source=pg_collection, raw=known.get("raw", ())
+            )
+        raise
+
+
+def _prepare_steps(
+    model: Any, num_tokens: Any, pg_collection: Any, force: bool, known: dict[str, Any]
+) -> tuple[BoundPlan, Discovered, TorchGroups, FinalizeConfig, Requested]:
+    """:func:`_prepare`; ``known`` records what resolved (for sharing an error)."""
     chunks = _chunks(model)
     raw_config, ddp_config = chunk_configs(chunks)
+    known["raw"] = (raw_config, ddp_config)
     state = ModelState.of(chunks)
     config = state.config(raw_config, ddp_config)
+    known["config"] = config
     requested = Requested.from_config(raw_config)
     collection = validate.collection_source(pg_collection)
+    megatron_groups = pg_collection is None or is_process_group_collection(pg_collection)
     if pg_collection is None:  # Megatron's parallel_state when initialized (one stable TorchGroups)
         pg_collection = parallel_state_groups()
     groups = state.resolve_groups(pg_collection, config, requested)
+    known["groups"] = groups
     fingerprint, found = state.discovered(chunks, config)
     ddp = tuple(_ddp_object(c) for c in chunks)
 
@@ -561,21 +596,24 @@ def _prepare(
         plain = {i for i, obj in enumerate(ddp) if obj is None}
         plain_params = [p for p in found.params if p.chunk in plain]
         required, expected = requirements(
-            config, plain_params, groups, requested, plain_dp_sync=bool(plain), num_tokens=num_tokens is not None
+            config,
+            plain_params,
+            groups,
+            requested,
+            plain_dp_sync=bool(plain),
+            num_tokens=num_tokens is not None,
+            megatron_groups=megatron_groups,
         )
-        groups.check(required, expected)
+        groups.check(required, expected, strict=config.strict_groups)
         return build_plan(found, config, groups.group_sizes(config), ddp, force, groups.pp_stage)
 
     key = (fingerprint, config, groups, requested, force, num_tokens is not None, tuple(id(d) for d in ddp))
-    try:
-        bound = state.plan(key, make)
-    except (TypeError, ValueError) as err:
-        validate.share_local_error(err, groups, config, first_call=True)
-        raise
+    bound = state.plan(key, make)
+    known["shared"] = True  # from here on, the checks' own status round shares errors
     validate.before_communication(
         bound, found, groups, config, num_tokens, ddp=ddp, raw_config=raw_config, collection=collection
     )
-    return bound, found, groups, config
+    return bound, found, groups, config, requested
 
 
 # =========================================================================== seed helpers
@@ -615,55 +653,28 @@ def _reshard_if_dtensor(tensor_to_shard: torch.Tensor, reference_tensor: torch.T
     return reshard(tensor_to_shard, reference_tensor)
 
 
-def _explicit(
-    groups: Mapping[Group, ProcessGroup | None],
-    needed: Mapping[Group, str],
-    *,
-    lookup: bool = True,
-    model: Any = None,
-) -> TorchGroups:
-    """TorchGroups from a helper's explicit groups.
-
-    As in Megatron, a group passed as None is looked up in Megatron's ``parallel_state``
-    when that is initialized (``lookup``). Otherwise None means size 1, which a needed
-    group may only be in a world of one rank. For EMBD / POS_EMBD, None on a rank of a
-    multi-stage pipeline means "not a member".
+def _explicit(groups: Mapping[Group, ProcessGroup | None], *, model: Any = None) -> TorchGroups:
+    """TorchGroups from a helper's groups, already resolved by Megatron's per-helper rules
+    (:func:`torch_impl.megatron.helper_group`); None means size 1 (EMBD / POS_EMBD: not a
+    member).
 
     Args:
-      groups: the helper's group arguments.
-      needed: groups that must not be None in a multi-rank world, with why.
-      lookup: fill None groups from an initialized Megatron parallel_state.
+      groups: the helper's groups.
       model: the helper's model: the resolved groups are memoized on its cached state
         (keyed on the group objects' identity), so a repeated call does not rebuild them.
-
-    Raises:
-      ValueError: a needed group is None in a multi-rank world.
     """
     values = dict(groups)
-    source = "explicit groups"
-    if lookup and any(v is None for v in values.values()):
-        ps = megatron_parallel_state()
-        if ps is not None:
-            found = parallel_state_values(ps)
-            for group, value in values.items():
-                if value is None and group in found:
-                    values[group] = found[group]
-            source = "explicit groups and Megatron parallel_state"
-    if world_size() > 1:
-        for group, why in needed.items():
-            if values.get(group) is None:
-                raise ValueError(
-                    f"rank {world_rank()}: the {group.value!r} group is None in a world of {world_size()} "
-                    f"ranks ({why}) and Megatron's parallel_state is not initialized; pass it explicitly"
-                )
+    source = "the helper's groups"
     if model is None:
         return TorchGroups.from_mapping(values, source=source)
     memo = ModelState.of(_chunks(model)).explicit_groups
-    key = tuple(sorted((g.value, id(v)) for g, v in values.items())) + (source,)
+    key = tuple(sorted((g.value, id(v)) for g, v in values.items()))
     hit = memo.get(key)
     if hit is not None and all(hit[0][g] is v for g, v in values.items()):
         return hit[1]
     resolved = TorchGroups.from_mapping(values, source=source)
+    if len(memo) >= _MAX_PLANS:
+        memo.pop(next(iter(memo)))
     memo[key] = (values, resolved)  # holds the groups: their ids stay theirs
     return resolved
 
@@ -733,10 +744,11 @@ def _allreduce_conditional_embedding_grads(
     model: list[nn.Module], config: Any, pp_group: ProcessGroup | None = None
 ) -> None:
     """All-reduce conditional embedding grads (params flagged ``pipeline_parallel``) over
-    the pipeline stages, summing this rank's virtual-chunk copies first (SPEC 2.2)."""
+    the pipeline stages, summing this rank's virtual-chunk copies first; only with
+    ``config.has_cond_embedder``. A None ``pp_group`` is parallel_state's, as in Megatron."""
     cfg = _model_config(_chunks(model), config)
-    needed = {Group.PP: "config.has_cond_embedder"} if cfg.has_cond_embedder else {}
-    _run_steps(model, cfg, _explicit({Group.PP: pp_group}, needed, model=model), [Step.COND_EMBEDDER])
+    pp = helper_group(Group.PP, pp_group, "lookup", "_allreduce_conditional_embedding_grads(pp_group)")
+    _run_steps(model, cfg, _explicit({Group.PP: pp}, model=model), [Step.COND_EMBEDDER])
 
 
 @ranked()
@@ -744,16 +756,18 @@ def _allreduce_router_grads(
     model: list[nn.Module], config: Any, *, pp_group: ProcessGroup | None = None
 ) -> None:
     """All-reduce router grads (params flagged ``flextron_router_pp_sync``) over the
-    pipeline stages (SPEC 2.3).
+    pipeline stages. As Megatron's helper, it does not check ``config.flextron`` (only
+    :func:`finalize_model_grads` does).
 
     Args:
       model: the model chunks.
-      config: transformer config (``flextron`` enables the step).
-      pp_group: keyword-only extension: the pipeline group (Megatron looks it up).
+      config: transformer config.
+      pp_group: keyword-only extension: the pipeline group (default: Megatron's
+        parallel_state's, which is what Megatron's helper always uses).
     """
-    cfg = _model_config(_chunks(model), config)
-    needed = {Group.PP: "config.flextron"} if cfg.flextron else {}
-    _run_steps(model, cfg, _explicit({Group.PP: pp_group}, needed, model=model), [Step.ROUTER])
+    cfg = _model_config(_chunks(model), config).replace(flextron=True)
+    pp = helper_group(Group.PP, pp_group, "lookup", "_allreduce_router_grads: the pipeline group")
+    _run_steps(model, cfg, _explicit({Group.PP: pp}, model=model), [Step.ROUTER])
 
 
 @ranked()
@@ -761,10 +775,11 @@ def _allreduce_non_tensor_model_parallel_grads(
     model: list[nn.Module], config: Any, tp_group: ProcessGroup | None = None
 ) -> None:
     """All-reduce layernorm grads (sequence parallel, qk-layernorm) and
-    ``average_gradients_across_tp_domain`` grads over the tensor-parallel group (SPEC 2.4)."""
+    ``average_gradients_across_tp_domain`` grads over the tensor-parallel group. A None
+    ``tp_group`` is parallel_state's, as in Megatron."""
     cfg = _model_config(_chunks(model), config)
-    groups = _explicit({Group.TP: tp_group}, {Group.TP: "tensor-parallel grads"}, model=model)
-    _run_steps(model, cfg, groups, [Step.NON_TP])
+    tp = helper_group(Group.TP, tp_group, "lookup", "_allreduce_non_tensor_model_parallel_grads(tp_group)")
+    _run_steps(model, cfg, _explicit({Group.TP: tp}, model=model), [Step.NON_TP])
 
 
 _allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
@@ -778,15 +793,13 @@ def _allreduce_replicated_grads_over_gtp_remat_group(
     calculate_per_token_loss: bool = False,
 ) -> None:
     """Complete the gtp_remat / egtp_remat reduction of replicated (not
-    ``is_gtp_weight_remat``) params: SUM with per-token loss, else AVG (SPEC 2.5).
-    No-op when both groups are None or of size 1."""
+    ``is_gtp_weight_remat``) params: SUM with per-token loss, else AVG; one collective per
+    group over the promoted dtype. No-op when both groups are None or of size 1."""
     chunks = _chunks(model)
     raw, ddp_config = chunk_configs(chunks)
     base = resolve_config(raw, ddp_config) if raw is not None or ddp_config is not None else FinalizeConfig()
     cfg = base.replace(calculate_per_token_loss=bool(calculate_per_token_loss))
-    groups = TorchGroups.from_mapping(
-        {Group.GTP: gtp_remat_group, Group.EGTP: egtp_remat_group}, source="explicit groups"
-    )
+    groups = _explicit({Group.GTP: gtp_remat_group, Group.EGTP: egtp_remat_group}, model=chunks)
     _run_steps(chunks, cfg, groups, [Step.GTP])
 
 
@@ -825,23 +838,26 @@ def _allreduce_embedding_grad(
     skip_if_none: bool = True,
     config: Any = None,
 ) -> None:
-    """All-reduce one embedding parameter over the pipeline stages of ``embd_group``.
+    """All-reduce one embedding parameter over ``embd_group`` (members of a group of size
+    > 1 only).
 
-    The chunk used is ``model[0]`` on the first stage, ``model[-1]`` on the last and on
-    middle stages ``model[-1]`` with MTP, else ``model[0]`` (SPEC 2.6 / 2.7).
+    The chunk used is ``model[0]`` on the first stage of ``pp_group`` (also when it is
+    None), ``model[-1]`` on the last, and on middle stages ``model[-1]`` when
+    ``config.mtp_num_layers`` > 0, else ``model[0]``.
 
     Args:
       model: the model chunks (PP/VPP).
-      embd_group: the group to reduce over.
+      embd_group: the group to reduce over (None: nothing to do).
       pp_group: the pipeline group (stage detection).
       weight_getter: returns the parameter of the unwrapped chunk, or None.
       skip_if_none: quietly return when the parameter or its gradient is None; else raise.
-      config: transformer config (``mtp_num_layers``); default: the chunk's.
+      config: transformer config (``mtp_num_layers``); None: no MTP rule.
 
     Raises:
       ValueError: ``skip_if_none`` is False and the parameter or its gradient is None.
     """
-    _embedding_grad(model, embd_group, pp_group, weight_getter, skip_if_none, config, None)
+    has_mtp = bool(getattr(config, "mtp_num_layers", None) or 0)
+    _embedding_grad(model, embd_group, pp_group, weight_getter, skip_if_none, config, has_mtp)
 
 
 def _embedding_grad(
@@ -851,36 +867,24 @@ def _embedding_grad(
     weight_getter: Callable[[nn.Module], nn.Parameter | None],
     skip_if_none: bool,
     config: Any,
-    lookup: Group | None,
-    mtp_rule: bool = True,
+    has_mtp: bool,
 ) -> None:
-    """:func:`_allreduce_embedding_grad`.
-
-    ``mtp_rule``: a middle stage with MTP layers uses ``model[-1]`` (Megatron's
-    position-embedding helper does not apply it). As in Megatron, a None ``embd_group`` is
-    looked up in parallel_state when ``lookup`` names the group (the word-embedding
-    helper, whose group is Optional) and that is initialized; otherwise None means this
-    rank is not a member (what a ProcessGroupCollection holds there): nothing happens.
-    """
+    """:func:`_allreduce_embedding_grad` with the MTP chunk rule decided by the caller
+    (Megatron's position-embedding helper never applies it)."""
     chunks = _chunks(model)
+    if embd_group is None or world_rank() not in group_ranks(embd_group) or len(group_ranks(embd_group)) <= 1:
+        return
     cfg = _model_config(chunks, config)
-    needed = {Group.PP: "pipeline stage detection"}
-    ps = megatron_parallel_state() if embd_group is None or pp_group is None else None
-    if ps is not None:  # (parallel_state gives None where this rank is not a member)
-        found = parallel_state_values(ps)
-        if embd_group is None and lookup is not None:
-            embd_group = found.get(lookup)
-        pp_group = found.get(Group.PP) if pp_group is None else pp_group
-    elif embd_group is None and lookup is not None:
-        needed[Group.EMBD] = "embedding group"
+    # Without a pp group Megatron treats the rank as the first stage; the embedding
+    # group's members then stand in for the stages.
     groups = _explicit(
-        {Group.EMBD: embd_group, Group.POS_EMBD: embd_group, Group.PP: pp_group}, needed, lookup=False, model=chunks
+        {Group.EMBD: embd_group, Group.POS_EMBD: embd_group, Group.PP: pp_group or embd_group}, model=chunks
     )
     stages = groups.stages.get(Group.EMBD)
-    if stages is None or groups.size(Group.EMBD) <= 1:
+    if stages is None:
         return
-    stage, pp = groups.pp_stage, groups.pp_size
-    index = embedding_chunk(stage, pp, len(chunks), cfg.has_mtp and mtp_rule)
+    stage, pp = (groups.pp_stage, groups.pp_size) if pp_group is not None else (0, 1)
+    index = embedding_chunk(stage, pp, len(chunks), has_mtp)
     module = unwrap(chunks[index])
     weight = weight_getter(module)
     if weight is None:
@@ -890,7 +894,7 @@ def _embedding_grad(
     # Planned and bound once per weight, gradient tensor and groups (plan once, run many).
     state = ModelState.of(chunks)
     grad = get_grad(weight)
-    key = (skip_if_none, id(weight), index, _groups_key(groups), cfg.use_megatron_fsdp, cfg.mtp_num_layers)
+    key = (skip_if_none, id(weight), index, _groups_key(groups), cfg.use_megatron_fsdp, has_mtp)
     hit = state.embedding_programs.get(key)
     if hit is not None and hit[0] is weight and hit[1] is grad and hit[2] == bool(weight.requires_grad):
         hit[3].run()
@@ -904,11 +908,13 @@ def _embedding_grad(
             f"rank {groups.rank}: embedding {name!r} (chunk {index}) has no gradient on pp stage {stage}; "
             "its group requires one (skip_if_none=False)"
         )
+    if grad is None:  # frozen
+        return
     # Labelled chunk 0: this helper already chose the chunk (the plan's rule must not).
     spec = param_spec(name, 0, weight, role)
     found = Discovered((spec,), (), {spec.key: weight}, {}, tuple(chunks))
-    plan_cfg = FinalizeConfig(share_embeddings_and_output_weights=True, mtp_num_layers=cfg.mtp_num_layers)
-    sizes = GroupSizes(sizes={Group.PP: pp}, embd_stages=stages, pos_embd_stages=stages)
+    plan_cfg = FinalizeConfig(share_embeddings_and_output_weights=True)
+    sizes = GroupSizes(sizes={Group.PP: groups.pp_size}, embd_stages=stages, pos_embd_stages=stages)
     with ranked():
         plan = plan_finalize(found.params, plan_cfg, sizes, dp_sync=False)
     actions = plan.for_step(step)
@@ -929,9 +935,28 @@ def _allreduce_word_embedding_grads(
     embd_group: ProcessGroup | None = None,
     pp_group: ProcessGroup | None = None,
 ) -> None:
-    """All-reduce the tied word-embedding gradient across the first and last pipeline
-    stages (and any other stage of ``embd_group``), SPEC 2.6."""
+    """All-reduce the tied word-embedding gradient across the stages of ``embd_group``
+    (first and last by default).
+
+    As in Megatron, a None ``embd_group`` is parallel_state's embedding group (none: nothing
+    to do), and then ``pp_group`` must be None too: parallel_state's is used.
+
+    Raises:
+      MegatronAssertionError: ``embd_group`` is None, parallel_state's embedding group has
+        several ranks, and ``pp_group`` was given (Megatron asserts).
+    """
     with ranked():
+        if embd_group is None:
+            embd_group = helper_group(Group.EMBD, None, "lookup_optional", "embd_group")
+            if embd_group is not None and len(group_ranks(embd_group)) > 1:
+                if pp_group is not None:
+                    raise MegatronAssertionError(
+                        f"rank {world_rank()}: _allreduce_word_embedding_grads: embd_group is None, so "
+                        "parallel_state's embedding group is used, and then pp_group must be None too "
+                        "(Megatron-Core asserts); pass both groups or neither"
+                    )
+                pp_group = helper_group(Group.PP, None, "lookup", "_allreduce_word_embedding_grads(pp_group)")
+        has_mtp = bool(getattr(config, "mtp_num_layers", None) or 0)
         _embedding_grad(
             model,
             embd_group,
@@ -939,27 +964,25 @@ def _allreduce_word_embedding_grads(
             lambda module: _get_shared_word_embedding_weight(module, config),
             True,
             config,
-            Group.EMBD,
+            has_mtp,
         )
 
 
 def _allreduce_position_embedding_grads(
     model: list[nn.Module], config: Any, pos_emb_group: ProcessGroup, pp_group: ProcessGroup
 ) -> None:
-    """All-reduce the position-embedding gradient over ``pos_emb_group`` (SPEC 2.7); a
-    missing gradient on a member stage is an error."""
+    """All-reduce the position-embedding gradient over ``pos_emb_group`` (None: nothing to
+    do); a missing gradient on a member stage is an error. Middle stages use ``model[0]``."""
     with ranked():
-        _embedding_grad(
-            model, pos_emb_group, pp_group, _get_position_embedding_weight, False, config, None, mtp_rule=False
-        )
+        _embedding_grad(model, pos_emb_group, pp_group, _get_position_embedding_weight, False, config, False)
 
 
 @ranked()
 def _update_router_expert_bias(
     model: list[nn.Module], config: Any, tp_dp_cp_group: ProcessGroup | None = None
 ) -> None:
-    """Update trained routers' expert bias from token counts summed over tp x dp x cp
-    (one collective for all routers), SPEC 2.8.
+    """Update trained routers' expert bias from token counts summed over tp x gtp x dp x cp
+    (one collective for all routers).
 
     As in Megatron, ``config.moe_router_enable_expert_bias`` gates this step inside
     :func:`finalize_model_grads` only: called directly, the helper always updates.
@@ -967,22 +990,27 @@ def _update_router_expert_bias(
     Args:
       model: the model chunks.
       config: transformer config (``moe_router_bias_update_rate``).
-      tp_dp_cp_group: extension: the tp x dp x cp group (None: Megatron's parallel_state,
-        as megatron-core's helper, which takes no group, always uses).
+      tp_dp_cp_group: the tp x dp x cp group (None: Megatron's parallel_state's, as
+        Megatron's helper).
     """
     cfg = _model_config(_chunks(model), config).replace(moe_router_enable_expert_bias=True)
-    needed = {Group.TP_DP_CP: "expert bias update"}
-    _run_steps(model, cfg, _explicit({Group.TP_DP_CP: tp_dp_cp_group}, needed, model=model), [Step.EXPERT_BIAS])
+    group = helper_group(Group.TP_DP_CP, tp_dp_cp_group, "lookup", "_update_router_expert_bias(tp_dp_cp_group)")
+    _run_steps(model, cfg, _explicit({Group.TP_DP_CP: group}, model=model), [Step.EXPERT_BIAS])
 
 
 @ranked()
 def _update_router_qb_beta(model: list[nn.Module], config: Any, dp_cp_group: ProcessGroup | None = None) -> None:
     """Update the quantile-balancing bias once per global batch: AVG of
-    ``qb_beta_accum / max(qb_beta_count, 1)`` over ``dp_cp_group``, EMA blend, re-centre
-    (SPEC 2.9)."""
-    cfg = _model_config(_chunks(model), config)
-    needed = {Group.DP_CP: "quantile_balancing"} if cfg.quantile_balancing else {}
-    _run_steps(model, cfg, _explicit({Group.DP_CP: dp_cp_group}, needed, model=model), [Step.QB_BETA])
+    ``qb_beta_accum / max(qb_beta_count, 1)`` over ``dp_cp_group``, EMA blend, re-centre.
+
+    As Megatron's helper, it does not check ``moe_router_load_balancing_type`` (only
+    :func:`finalize_model_grads` does), and a None ``dp_cp_group`` is torch.distributed's
+    default group (the world), to which Megatron passes it on.
+    """
+    cfg = _model_config(_chunks(model), config).replace(moe_router_load_balancing_type="quantile_balancing")
+    group = helper_group(Group.DP_CP_GTP, dp_cp_group, "world", "_update_router_qb_beta(dp_cp_group)")
+    groups = _explicit({Group.DP_CP: group, Group.DP_CP_GTP: group}, model=model)
+    _run_steps(model, cfg, groups, [Step.QB_BETA])
 
 
 @ranked()

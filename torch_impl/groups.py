@@ -9,17 +9,17 @@ pipeline stage and the pp stages of the embedding groups. It comes from
 * a torch ``DeviceMesh`` whose dim names are meshgrad axis names, through
   :class:`MeshGroups`, which builds the multi-axis, expert and embedding groups with
   ``dist.new_group`` once and caches them on itself;
-* Megatron's initialized ``parallel_state`` (:func:`parallel_state_groups`), found in
-  ``sys.modules`` -- megatron is never imported here.
+* Megatron's ``parallel_state`` and ``ProcessGroupCollection`` through
+  :mod:`torch_impl.megatron` (the one module that reads Megatron objects).
 
-Nothing here is global: the caller keeps the objects (the parallel_state view is kept on
-that module, which is Megatron's global state).
+Nothing here is global: the caller keeps the objects.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -140,13 +140,16 @@ class TorchGroups:
         self,
         required: Mapping[Group, str] | None = None,
         expected: Mapping[Group, tuple[int, str]] | None = None,
+        *,
+        strict: bool = True,
     ) -> None:
-        """Raise before any communication when a needed group is absent or mis-sized.
+        """Raise before any communication when a needed group is absent; raise (``strict``)
+        or warn when a group's size differs from what the config states.
 
         Args:
           required: groups that must be defined by the source, with the reason.
-          expected: groups whose size must equal a value (when that value is > 1, the
-            group must exist), with the reason.
+          expected: groups whose size should equal a value, with the reason.
+          strict: a size mismatch raises instead of warning.
 
         Raises:
           ValueError: naming the group, this rank and what was expected.
@@ -162,9 +165,16 @@ class TorchGroups:
             if group in STAGE_GROUPS or size == have or (size <= 1 and have <= 1):
                 continue
             state = "missing" if group in self.missing else f"of size {have}"
-            raise ValueError(
+            message = (
                 f"rank {self.rank}: process group {group.value!r} is {state} in the "
                 f"{self.source}, expected size {size} ({why})"
+            )
+            if strict:
+                raise ValueError(message)
+            warnings.warn(
+                f"{message}; running with the groups as given, as Megatron-Core does "
+                "(config.strict_groups = True makes this an error)",
+                stacklevel=4,
             )
 
     # ------------------------------------------------------------------ constructors
@@ -217,6 +227,10 @@ class TorchGroups:
         rank = world_rank() if rank is None else rank
         named = {Group(g): v for g, v in values.items()}
         defined_set = frozenset(Group(g) for g in (named if defined is None else defined))
+        if Group.DP_CP_GTP not in named and Group.DP_CP in named:
+            # num_tokens / qb_beta reduce over dp_cp x gtp; without GTP that is dp_cp. The
+            # alias is not "defined": a plan with GTP active still needs the real group.
+            named[Group.DP_CP_GTP] = named[Group.DP_CP]
         groups: dict[Group, ProcessGroup | None] = {}
         sizes: dict[Group, int] = {}
         member_ranks: dict[Group, list[int] | None] = {}
@@ -297,7 +311,10 @@ class MeshGroups:
     order (``pp, edp, egtp, ep, etp``). Groups that span several mesh dims, expert groups
     and the embedding subset groups are created with ``dist.new_group`` the first time a
     layout asks for them -- every rank must make the same calls in the same order, so
-    call :meth:`resolve` collectively -- and cached on this object.
+    call :meth:`resolve` collectively -- and cached on this object. Before creating any,
+    the ranks agree on the layout (expert sizes, embedding stages) over the default
+    group; the groups get the default group's timeout (``init_process_group(timeout=)``),
+    not torch's 30-minute default.
 
     Args:
       mesh: the DeviceMesh.
@@ -322,12 +339,19 @@ class MeshGroups:
         shape = [mesh.size(names.index(a.value)) if a.value in names else 1 for a in DENSE_AXES]
         self.grid = grid.reshape(shape)
         self.rank = world_rank()
+        self.timeout = self.default_timeout()
+        self._failure_shared = False
         self._by_rows: dict[tuple[tuple[int, ...], ...], ProcessGroup | None] = {}
         self._resolved: dict[tuple[Any, ...], TorchGroups] = {}
         for name in names:
             rows = _rows(self.grid, DENSE_AXES, (Axis(name),))
             if len(rows[0]) > 1:
-                self._by_rows[_canon(rows)] = mesh.get_group(name)
+                pg = mesh.get_group(name)
+                # A mesh dim's group (torch makes it with its 30-minute default) is used
+                # only when its timeout is the default group's; otherwise meshgrad makes
+                # its own, so that a stalled peer fails every collective in time.
+                if self.timeout is None or _timeout_of(pg) in (None, self.timeout):
+                    self._by_rows[_canon(rows)] = pg
 
     def dims(self, *, ep: int = 1, etp: int | None = None, egtp: int = 1) -> ParallelDims:
         """The ParallelDims of this mesh with the given expert factoring."""
@@ -345,21 +369,104 @@ class MeshGroups:
     ) -> TorchGroups:
         """This rank's :class:`TorchGroups` for an expert factoring and embedding stages.
 
-        Collective on first use of a layout (creates groups); cached afterwards.
+        Collective on first use of a layout: the ranks agree on it (one all-gather over
+        the default group; a rank whose layout is invalid takes part with its error),
+        then create its groups; cached afterwards.
 
         Raises:
-          ValueError: the expert sizes do not factor the mesh, or a stage is out of range.
+          ValueError: the expert sizes do not factor the mesh, a stage is out of range,
+            or the ranks ask for different layouts (on every rank, naming them).
         """
         try:
             dims = self.dims(ep=ep, etp=etp, egtp=egtp)
             embd = stage_set(embedding_stages, dims.pp, "first_last")
             pos = stage_set(position_embedding_stages, dims.pp, "first")
         except ValueError as err:
-            raise ValueError(f"rank {self.rank}: DeviceMesh {tuple(self.grid.shape)}: {err}") from None
+            error = ValueError(f"rank {self.rank}: DeviceMesh {tuple(self.grid.shape)}: {err}")
+            self.agree_layout(("error", str(error)))
+            raise error from None
         key = (dims.ep, dims.etp, dims.egtp, embd, pos)
         if key not in self._resolved:
+            self.agree_layout(("layout", key))
             self._resolved[key] = self._build(dims, embd, pos)
         return self._resolved[key]
+
+    @staticmethod
+    def default_timeout() -> Any:
+        """The default process group's timeout (a timedelta), or None when unknown."""
+        try:
+            return _timeout_of(dist.distributed_c10d._get_default_group())
+        except Exception:  # not initialized, or a torch without these internals
+            return None
+
+    def agree_layout(self, mine: tuple[str, Any]) -> None:
+        """All-gather ``("layout", key)`` / ``("error", text)`` over the default group.
+
+        Raises:
+          ValueError: another rank failed or asks for another layout (the caller raises
+            its own error when ``mine`` is one).
+        """
+        if world_size() <= 1:
+            return
+        gathered: list[Any] = [None] * world_size()
+        try:
+            dist.all_gather_object(gathered, mine)
+        except RuntimeError as err:
+            raise RuntimeError(f"rank {self.rank}: DeviceMesh group layout agreement failed: {err}") from err
+        failed = mine[0] == "error" or any(g[0] == "error" for g in gathered) or len({g for g in gathered}) > 1
+        self._failure_shared = failed  # every rank knows: the caller's error needs no other round
+        if mine[0] == "error":
+            return
+        errors = {r: g[1] for r, g in enumerate(gathered) if g[0] == "error"}
+        if errors:
+            first = min(errors)
+            raise ValueError(
+                f"rank {self.rank}: rank {first} could not resolve the DeviceMesh groups: {errors[first]}; "
+                "no group was created"
+            )
+        layouts: dict[Any, list[int]] = {}
+        for r, g in enumerate(gathered):
+            layouts.setdefault(g[1], []).append(r)
+        if len(layouts) > 1:
+            described = "; ".join(
+                f"ranks {ranks}: ep={k[0]}, etp={k[1]}, egtp={k[2]}, embedding stages {list(k[3])}, "
+                f"position embedding stages {list(k[4])}"
+                for k, ranks in layouts.items()
+            )
+            raise ValueError(
+                f"rank {self.rank}: the ranks ask for different DeviceMesh group layouts ({described}); "
+                "expert sizes and embedding stages must be the same on every rank. No group was created"
+            )
+
+    def join_failure(self, text: str) -> bool:
+        """For a rank that failed before resolving: take part in the peers' first layout
+        agreement with ``text`` (True) when this mesh has not resolved a layout yet."""
+        if getattr(self, "_failure_shared", False):
+            self._failure_shared = False
+            return True
+        if self._resolved or world_size() <= 1:
+            return False
+        self.agree_layout(("error", text))
+        return True
+
+    def spanning(self) -> TorchGroups | None:
+        """tp, dp_cp, gtp and pp of this rank, without creating any group (None when
+        dp_cp spans several mesh dims and was not created yet)."""
+        groups: dict[Group, ProcessGroup | None] = {}
+        sizes: dict[Group, int] = {}
+        for group in (Group.TP, Group.DP_CP, Group.GTP, Group.PP):
+            rows = _rows(self.grid, DENSE_AXES, GROUP_AXES[group])
+            if len(rows[0]) > 1:
+                key = _canon(rows)
+                if key not in self._by_rows:
+                    return None
+                groups[group], sizes[group] = self._by_rows[key], len(rows[0])
+        pp_rows = [r for r in _rows(self.grid, DENSE_AXES, (Axis.PP,)) if self.rank in r]
+        if not pp_rows:
+            return None
+        return TorchGroups(
+            rank=self.rank, groups=groups, sizes=sizes, pp_ranks=pp_rows[0], stages={}, source="DeviceMesh"
+        )
 
     def _build(self, dims: ParallelDims, embd: tuple[int, ...], pos: tuple[int, ...]) -> TorchGroups:
         pp_rows = [r for r in _rows(self.grid, DENSE_AXES, (Axis.PP,)) if self.rank in r]
@@ -401,11 +508,23 @@ class MeshGroups:
         if key not in self._by_rows:
             mine = None
             for row in rows:  # every rank creates every instance, in the same order
-                pg = dist.new_group(sorted(row), group_desc=f"meshgrad_{desc}")
+                pg = dist.new_group(sorted(row), timeout=self.timeout, group_desc=f"meshgrad_{desc}")
                 if self.rank in row:
                     mine = pg
             self._by_rows[key] = mine
         return self._by_rows[key]
+
+
+def _timeout_of(pg: Any) -> Any:
+    """A process group's timeout (timedelta), or None when unknown."""
+    import torch
+
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # that backend is not bound
+            continue
+    return None
 
 
 def _canon(rows: Iterable[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
@@ -425,80 +544,3 @@ def is_device_mesh(obj: Any) -> bool:
     """Whether ``obj`` is a torch DeviceMesh (no import: none exists before the module is)."""
     module = sys.modules.get("torch.distributed.device_mesh")
     return module is not None and isinstance(obj, getattr(module, "DeviceMesh", ()))
-
-
-# --------------------------------------------------------------------------- Megatron parallel_state
-
-#: How each named group is read from Megatron's ``parallel_state``: getter and keywords.
-#: Embedding getters are asked not to assert, so a rank outside the group gets None.
-PARALLEL_STATE_GETTERS: dict[Group, tuple[str, dict[str, Any]]] = {
-    Group.TP: ("get_tensor_model_parallel_group", {}),
-    Group.PP: ("get_pipeline_model_parallel_group", {}),
-    Group.EMBD: ("get_embedding_group", {"check_initialized": False}),
-    Group.POS_EMBD: ("get_position_embedding_group", {"check_initialized": False}),
-    Group.DP_CP: ("get_data_parallel_group", {"with_context_parallel": True}),
-    Group.EDP: ("get_expert_data_parallel_group", {}),
-    Group.TP_DP_CP: ("get_tensor_and_data_parallel_group", {"with_context_parallel": True}),
-}
-_PARALLEL_STATE_CACHE = "_meshgrad_groups"
-
-
-def megatron_parallel_state() -> Any | None:
-    """Megatron-Core's ``parallel_state`` module when its model-parallel groups are
-    initialized in this process, else None.
-
-    Nothing is imported: ``parallel_state`` can only have been initialized by a process
-    that imported it, so when it is not in ``sys.modules`` it is not initialized.
-    """
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is None:
-        return None
-    try:
-        return ps if ps.model_parallel_is_initialized() else None
-    except Exception:  # an older or partial parallel_state: treat as not initialized
-        return None
-
-
-def parallel_state_values(ps: Any) -> dict[Group, ProcessGroup | None]:
-    """The groups Megatron's ``parallel_state`` defines, by meshgrad name.
-
-    A getter that is absent or raises leaves its group undefined (``check`` then names it
-    when it is required); None means size 1, or for EMBD / POS_EMBD "not a member".
-    """
-    values: dict[Group, ProcessGroup | None] = {}
-    for group, (name, kwargs) in PARALLEL_STATE_GETTERS.items():
-        getter = getattr(ps, name, None)
-        if not callable(getter):
-            continue
-        try:
-            values[group] = getter(**kwargs)
-        except (AssertionError, RuntimeError, TypeError, AttributeError):
-            if group in STAGE_GROUPS:
-                values[group] = None  # raised for a rank outside the group
-    return values
-
-
-def parallel_state_groups(ps: Any | None = None) -> TorchGroups | None:
-    """This rank's :class:`TorchGroups` from Megatron's initialized ``parallel_state``.
-
-    Resolved once and kept on the ``parallel_state`` module while its groups stay the
-    same objects (re-initializing it resolves again), so a training loop that passes
-    ``pg_collection=None`` reuses one TorchGroups -- and one cached plan -- every step.
-
-    Args:
-      ps: the module (default: :func:`megatron_parallel_state`).
-
-    Returns:
-      The groups, or None when parallel_state is not initialized.
-    """
-    ps = megatron_parallel_state() if ps is None else ps
-    if ps is None:
-        return None
-    values = parallel_state_values(ps)
-    key = tuple((g, id(v)) for g, v in values.items())
-    cached = getattr(ps, _PARALLEL_STATE_CACHE, None)
-    if isinstance(cached, tuple) and len(cached) == 2 and cached[0] == key:
-        return cached[1]
-    groups = TorchGroups.from_mapping(values, source="Megatron parallel_state")
-    setattr(ps, _PARALLEL_STATE_CACHE, (key, groups))  # the TorchGroups keeps the groups alive
-    return groups

@@ -41,15 +41,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import numbers
 import re
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from meshgrad.axes import Group, ParallelDims
-from meshgrad.config import FinalizeConfig
+from meshgrad.config import CONSISTENCY_CHECKS, FinalizeConfig, config_get
 from meshgrad.params import ParamKey
 from meshgrad.plan import (
     Action,
@@ -66,6 +69,7 @@ from torch_impl.groups import (
     TorchGroups,
     group_ranks,
     is_device_mesh,
+    mesh_groups,
     world_rank,
     world_size,
 )
@@ -171,17 +175,65 @@ def collective_guard(description: str, groups: TorchGroups, group: Group | None 
 # =========================================================================== local checks
 
 
-def check_gradients(found: Discovered, groups: TorchGroups, config: FinalizeConfig) -> torch.device | None:
-    """Every gradient finalize will touch: a floating tensor of its parameter's shape,
-    all on one usable device.
+def plan_keys(plan: FinalizePlan, scale_keys: Sequence[ParamKey] | None = None) -> list[ParamKey]:
+    """Every gradient key the plan reads or writes (reductions with their chunk copies,
+    the stage reductions' operands, the num_tokens scale), in first-use order."""
+    keys: dict[ParamKey, None] = {}
+    for action in plan.actions:
+        if isinstance(action, Reduction):
+            keys.update(dict.fromkeys(action.all_keys))
+        elif isinstance(action, StageReduction):
+            keys.update(dict.fromkeys(k for k in action.keys_by_stage if k is not None))
+    keys.update(dict.fromkeys(plan.token_scale.keys if scale_keys is None else scale_keys))
+    return list(keys)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range [start, stop) of ``t`` within its storage."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
+    return start, start + span * size
+
+
+def _element_offsets(t: torch.Tensor) -> torch.Tensor:
+    offsets = torch.full((), t.storage_offset(), dtype=torch.int64)
+    for n, st in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+    return offsets.reshape(-1) * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one storage share an element (exact for strided views)."""
+    (a0, a1), (b0, b1) = _extent(a), _extent(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    ea, eb = _element_offsets(a), _element_offsets(b)
+    ia = torch.stack([ea + i for i in range(a.element_size())]).reshape(-1)
+    ib = torch.stack([eb + i for i in range(b.element_size())]).reshape(-1)
+    return bool(torch.isin(ia, ib).any())
+
+
+def check_gradients(
+    found: Discovered, groups: TorchGroups, config: FinalizeConfig, keys: Sequence[ParamKey] | None = None
+) -> torch.device | None:
+    """Every gradient finalize will touch: a dense (strided) floating tensor of its
+    parameter's shape without internal overlap, all on one usable device, no two
+    sharing an element.
+
+    Args:
+      keys: the gradients to check (default: every parameter with a gradient).
 
     Returns:
       The gradients' device (None when this rank has no gradient).
 
     Raises:
-      TypeError: a gradient is not a floating tensor of a reducible dtype.
-      ValueError: wrong shape, a ``meta`` tensor, gradients on several devices, or a
-        device the groups' backend cannot use (NCCL needs CUDA).
+      TypeError: a gradient is not a tensor, not strided (sparse) or not of a reducible dtype.
+      ValueError: wrong shape, internal overlap (stride 0), two gradients sharing memory
+        (the same parameter twice, or overlapping views), a ``meta`` tensor, gradients
+        on several devices, or a device the groups' backend cannot use (NCCL needs CUDA).
     """
     from torch_impl.execute import is_dtensor
 
@@ -189,9 +241,10 @@ def check_gradients(found: Discovered, groups: TorchGroups, config: FinalizeConf
     nccl = _uses_nccl(groups)
     device: torch.device | None = None
     first = ""
-    for spec in found.params:
-        if not spec.has_grad:
-            continue
+    specs = {s.key: s for s in found.params}
+    chosen = [s for s in found.params if s.has_grad] if keys is None else [specs[k] for k in keys if k in specs]
+    by_storage: dict[tuple[Any, int], list[tuple[torch.Tensor, str]]] = {}
+    for spec in chosen:
         param = found.tensors[spec.key]
         grad = get_grad(param)
         if grad is None:
@@ -199,12 +252,18 @@ def check_gradients(found: Discovered, groups: TorchGroups, config: FinalizeConf
         what = f"the gradient ({grad_attr(param)}) of {spec.name!r} (chunk {spec.chunk})"
         if not isinstance(grad, torch.Tensor):
             raise TypeError(f"rank {rank}: {what} is a {type(grad).__name__}, not a tensor")
+        if grad.layout is not torch.strided:
+            raise TypeError(
+                f"rank {rank}: {what} has layout {grad.layout}; finalize reduces dense (strided) gradients "
+                "(densify it, e.g. grad.to_dense(), or use nn.Embedding(sparse=False))"
+            )
         if grad.dtype not in GRAD_DTYPES:
             raise TypeError(
                 f"rank {rank}: {what} has dtype {grad.dtype}; finalize reduces "
                 f"{', '.join(str(d).removeprefix('torch.') for d in GRAD_DTYPES)} gradients"
             )
-        sharded = config.use_megatron_fsdp or is_dtensor(grad) or is_dtensor(param)
+        dtensor = is_dtensor(grad) or is_dtensor(param)
+        sharded = config.use_megatron_fsdp or dtensor
         if not sharded and tuple(grad.shape) != tuple(param.shape):
             raise ValueError(
                 f"rank {rank}: {what} has shape {tuple(grad.shape)}, the parameter {tuple(param.shape)}"
@@ -221,6 +280,31 @@ def check_gradients(found: Discovered, groups: TorchGroups, config: FinalizeConf
                 f"rank {rank}: {what} is on {here}, but {first} is on {device}; finalize needs every "
                 "gradient of a rank on one device"
             )
+        if dtensor:
+            continue
+        if torch._debug_has_internal_overlap(grad) == 1:
+            raise ValueError(
+                f"rank {rank}: {what} has elements that share memory (strides {tuple(grad.stride())}, e.g. an "
+                "expanded tensor); each element must be reduced once: give it its own storage (.contiguous())"
+            )
+        if grad.numel():
+            by_storage.setdefault((grad.device, grad.untyped_storage().data_ptr()), []).append((grad, what))
+    for items in by_storage.values():
+        if len(items) < 2:
+            continue
+        items.sort(key=lambda item: _extent(item[0])[0])
+        for i, (a, what_a) in enumerate(items):
+            stop = _extent(a)[1]
+            for b, what_b in items[i + 1 :]:
+                if _extent(b)[0] >= stop:
+                    break
+                if _overlap(a, b):
+                    same = " (the same tensor)" if a is b else ""
+                    raise ValueError(
+                        f"rank {rank}: {what_a} and {what_b} share memory{same}; each element must be reduced "
+                        "and scaled exactly once: give each parameter its own gradient storage (a parameter "
+                        "listed in two chunks must be in one only)"
+                    )
     return device
 
 
@@ -231,10 +315,10 @@ def check_num_tokens(
     ddp: Sequence[Any] = (),
     nccl: bool | None = None,
 ) -> None:
-    """``num_tokens``: a one-element integer tensor on the gradients' device.
+    """``num_tokens``: a one-element integer or floating tensor on the gradients' device.
 
     Raises:
-      TypeError: not a one-element tensor, not an integer dtype, or a DDP chunk without
+      TypeError: not a one-element tensor, a complex or bool dtype, or a DDP chunk without
         ``scale_gradients``.
       ValueError: on the meta device, on another device than the gradients, or not on
         CUDA under NCCL.
@@ -245,8 +329,8 @@ def check_num_tokens(
     if not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
         shape = tuple(num_tokens.shape) if isinstance(num_tokens, torch.Tensor) else ""
         raise TypeError(f"rank {rank}: num_tokens must be a one-element tensor, got {type(num_tokens).__name__}{shape}")
-    if num_tokens.is_floating_point() or num_tokens.is_complex() or num_tokens.dtype == torch.bool:
-        raise TypeError(f"rank {rank}: num_tokens must be an integer tensor, got {num_tokens.dtype}")
+    if num_tokens.is_complex() or num_tokens.dtype == torch.bool:
+        raise TypeError(f"rank {rank}: num_tokens must be an integer or floating tensor, got {num_tokens.dtype}")
     here = num_tokens.device
     if here.type == "meta":
         raise ValueError(f"rank {rank}: num_tokens is on the meta device (it holds no data)")
@@ -288,10 +372,14 @@ def _nonfinite_message(rank: int, bad: Sequence[ParamKey]) -> str:
 
 
 def _config_int(config: Any, name: str) -> int | None:
-    value = getattr(config, name, None) if config is not None and not isinstance(config, FinalizeConfig) else None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """A positive size from a Megatron config (object or mapping; numpy integers too),
+    None when absent or not a positive integer (its own check reports that)."""
+    if config is None or isinstance(config, FinalizeConfig):
         return None
-    return value
+    value = config_get(config, name)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
+        return None
+    return int(value)
 
 
 def collection_source(pg_collection: Any) -> bool:
@@ -304,7 +392,20 @@ def collection_source(pg_collection: Any) -> bool:
     )
 
 
-def check_layout(groups: TorchGroups, raw_config: Any, *, experts: bool, collection: bool) -> None:
+def _layout_mismatch(strict: bool, message: str) -> None:
+    """Raise ``message`` (strict mode) or warn with it."""
+    if strict:
+        raise ValueError(message)
+    warnings.warn(
+        f"{message}. Running with the groups as given, as Megatron-Core does "
+        "(config.strict_groups = True makes this an error)",
+        stacklevel=5,
+    )
+
+
+def check_layout(
+    groups: TorchGroups, raw_config: Any, *, experts: bool, collection: bool, strict: bool = False
+) -> None:
     """Group sizes against the Megatron config, and members against the mesh.
 
     Sizes: ``tensor_model_parallel_size`` = tp, ``pipeline_model_parallel_size`` = pp,
@@ -318,21 +419,24 @@ def check_layout(groups: TorchGroups, raw_config: Any, *, experts: bool, collect
     must hold exactly this rank's peers on that mesh; on a model over part of the world,
     every group must have the mesh's shape (its members' offsets from the smallest).
 
+    Megatron takes the groups as the truth, so a mismatch warns once per plan naming the
+    group and what differs; with ``strict`` (``config.strict_groups``) it raises.
+
     Raises:
-      ValueError: naming the rank, the group, its members and the expected ones.
+      ValueError: (``strict``) naming the rank, the group, its members and the expected ones.
     """
     rank, source = groups.rank, groups.source
     tp, pp, dpcp, gtp = groups.size(Group.TP), groups.pp_size, groups.size(Group.DP_CP), groups.size(Group.GTP)
     for group, have, attr in ((Group.TP, tp, "tensor_model_parallel_size"), (Group.PP, pp, "pipeline_model_parallel_size")):
         want = _config_int(raw_config, attr)
         if want is not None and want != have and group not in groups.missing:
-            raise ValueError(
+            return _layout_mismatch(strict, 
                 f"rank {rank}: process group {group.value!r} of the {source} has size {have}, "
                 f"but config.{attr} = {want}"
             )
     cp = _config_int(raw_config, "context_parallel_size")
     if cp is not None and Group.DP_CP not in groups.missing and dpcp % cp:
-        raise ValueError(
+        return _layout_mismatch(strict, 
             f"rank {rank}: process group 'dp_cp' of the {source} has size {dpcp}, not a multiple of "
             f"config.context_parallel_size = {cp}"
         )
@@ -343,7 +447,7 @@ def check_layout(groups: TorchGroups, raw_config: Any, *, experts: bool, collect
         etp = _config_int(raw_config, "expert_tensor_parallel_size") or tp
         want = inner // (ep * etp * egtp) if inner % (ep * etp * egtp) == 0 else None
         if want != edp:
-            raise ValueError(
+            return _layout_mismatch(strict, 
                 f"rank {rank}: process group 'expt_dp' of the {source} has size {edp}, but dp_cp x gtp x tp "
                 f"= {inner} with config.expert_model_parallel_size = {ep}, expert tensor parallel {etp} and "
                 f"expt_gtp_remat {egtp} implies {want if want is not None else 'no integer size'}"
@@ -351,7 +455,7 @@ def check_layout(groups: TorchGroups, raw_config: Any, *, experts: bool, collect
     if not collection:
         return
     if inner % (edp * egtp):
-        raise ValueError(
+        return _layout_mismatch(strict, 
             f"rank {rank}: process groups 'expt_dp' (size {edp}) x 'expt_gtp_remat' (size {egtp}) of the "
             f"{source} do not divide dp_cp x gtp x tp = {inner}"
         )
@@ -366,7 +470,7 @@ def check_layout(groups: TorchGroups, raw_config: Any, *, experts: bool, collect
         if spans:
             want = dims.group_ranks(group, rank)
             if have != want:
-                raise ValueError(
+                return _layout_mismatch(strict, 
                     f"rank {rank}: process group {group.value!r} of the {source} holds ranks {have}, but "
                     f"under the sizes its groups imply ({sizes}; SPEC rank order, tp fastest) rank {rank}'s "
                     f"{group.value} peers are {want}. Build the groups in that order, or pass a DeviceMesh"
@@ -375,7 +479,7 @@ def check_layout(groups: TorchGroups, raw_config: Any, *, experts: bool, collect
             pattern = dims.group_ranks(group, 0)
             offsets = [r - have[0] for r in have]
             if offsets != pattern:
-                raise ValueError(
+                return _layout_mismatch(strict, 
                     f"rank {rank}: process group {group.value!r} of the {source} holds ranks {have}, but "
                     f"under the sizes its groups imply ({sizes}; SPEC rank order, tp fastest) its members "
                     f"must lie at offsets {pattern} from the first, not {offsets}"
@@ -421,8 +525,17 @@ def signatures(
     config_lines = tuple(f"config.{f.name} = {getattr(config, f.name)!r}" for f in dataclasses.fields(config))
     planned = plan.group_signatures(groups.pp_stage)
     extra: dict[Group, list[str]] = {}
-    if num_tokens is not None:
-        what = f"num_tokens {str(num_tokens.dtype).removeprefix('torch.')}[{num_tokens.numel()}]"
+    # Identities, not only shapes and counts: which routers' counts are summed into each
+    # other, which pp stages an embedding group spans.
+    for action in plan.actions:
+        if isinstance(action, (ExpertBiasUpdate, QbBetaUpdate)):
+            names = ",".join(f"{chunk}:{name}" for chunk, name in action.routers)
+            extra.setdefault(action.group, []).append(f"{action.step} routers [{names}]")
+        elif isinstance(action, StageReduction):
+            extra.setdefault(action.group, []).append(f"{action.step} stages {list(action.stages)}")
+    if isinstance(num_tokens, torch.Tensor):
+        wide = "float64" if num_tokens.is_floating_point() else "int64"  # reduced in this dtype
+        what = f"num_tokens {wide}[{num_tokens.numel()}]"
         extra.setdefault(Group.PP, []).append(f"token_scale broadcast {what} from the last stage")
         extra.setdefault(plan.token_scale.group, []).append(f"token_scale sum {what}")
     out: dict[Group, tuple[str, ...]] = {}
@@ -513,34 +626,113 @@ def agree(status: Sequence[int], groups: TorchGroups, what: str) -> list[int]:
 @dataclasses.dataclass
 class _PlanRecord:
     """What the once-per-plan checks found: the gradients' device, whether the groups
-    use NCCL, and whether the consistency check passed."""
+    use NCCL, the discovery they checked, whether the consistency check passed and for
+    which num_tokens (dtype, numel)."""
 
     device: torch.device | None
     nccl: bool
+    found: Any = None
     consistent: bool = False
+    tokens: Any = None
 
 
-def share_local_error(err: BaseException, groups: TorchGroups, config: FinalizeConfig, *, first_call: bool) -> None:
-    """Join the status rounds the other ranks run before their first collective, so that
-    a check that failed on this rank alone makes every rank raise instead of hang.
+def _capturing() -> bool:
+    """Inside a CUDA graph capture (no host sync possible: the checks are skipped)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
-    Mirrors :func:`before_communication`: the signature exchange (when a consistency
-    check is due) with one line naming this rank's error, then the status agreement.
-    The caller re-raises ``err`` afterwards.
+
+def check_modes(*sources: Any) -> tuple[str, bool]:
+    """(consistency_check, check_for_nan_in_grad) read leniently from raw configs
+    (objects or mappings; the later source wins), for a rank whose config did not
+    resolve: it must still join the rounds its peers run."""
+    mode, nan = "once", False
+    for source in sources:
+        if source is None:
+            continue
+        value = config_get(source, "consistency_check")
+        if isinstance(value, str) and value in CONSISTENCY_CHECKS:
+            mode = value
+        flag = config_get(source, "check_for_nan_in_grad")
+        if isinstance(flag, (bool, np.bool_)):
+            nan = bool(flag)
+    return mode, nan
+
+
+def fallback_groups(source: Any) -> TorchGroups | None:
+    """The groups of the status round for a rank that failed before resolving its
+    groups: built from ``source`` without creating any process group, or None."""
+    try:
+        if source is None:
+            from torch_impl.megatron import parallel_state_groups
+
+            groups = parallel_state_groups()
+            return groups if groups is not None else (TorchGroups.trivial() if world_size() == 1 else None)
+        if isinstance(source, TorchGroups):
+            return source
+        if is_device_mesh(source) or isinstance(source, MeshGroups):
+            return (mesh_groups(source) if is_device_mesh(source) else source).spanning()
+        if isinstance(source, Mapping):
+            return TorchGroups.from_mapping(source, source="group mapping")
+        return TorchGroups.from_collection(source)
+    except Exception:  # nothing to share over: the caller raises locally
+        return None
+
+
+def share_texts(text: str | None, groups: TorchGroups) -> dict[int, str]:
+    """Error texts of every failing rank of the model (all-gathers over tp, dp_cp, gtp
+    and pp in turn; run only once a status round found a failure)."""
+    known = {groups.rank: text} if text else {}
+    for group in SPANNING_GROUPS:
+        pg = groups.group(group)
+        if pg is None:
+            continue
+        out: list[Any] = [None] * groups.size(group)
+        with collective_guard(f"finalize error report over {group.value!r}", groups, group):
+            dist.all_gather_object(out, known, group=pg)
+        for item in out:
+            known.update(item or {})
+    return known
+
+
+def share_local_error(
+    err: BaseException,
+    groups: TorchGroups | None,
+    config: FinalizeConfig | None = None,
+    *,
+    source: Any = None,
+    raw: Sequence[Any] = (),
+    first_call: bool = True,
+) -> None:
+    """Join the status round the other ranks run before their first collective, so that
+    a check that failed on this rank alone makes every rank raise at once instead of
+    waiting for it. The caller re-raises ``err`` afterwards.
 
     Args:
       err: the local error.
-      groups: this rank's groups.
-      config: the finalize config.
-      first_call: the plan has not passed a consistency check yet on this rank.
+      groups: this rank's groups, or None when they did not resolve (then groups are
+        taken from ``source`` without creating any).
+      config: the finalize config, or None when it did not resolve (then the check
+        modes are read leniently from ``raw``).
+      source: the call's ``pg_collection``.
+      raw: the raw config objects (Megatron config, DDP config).
+      first_call: unused (kept for callers of the earlier protocol).
     """
-    compare = config.consistency_check != "off" and (config.consistency_check == "every_step" or first_call)
-    if not (compare or config.check_for_nan_in_grad):
+    del first_call
+    mode, nan = (config.consistency_check, config.check_for_nan_in_grad) if config is not None else check_modes(*raw)
+    if (mode == "off" and not nan) or _capturing():
         return
-    if compare:
-        line = f"rank {groups.rank} failed its own checks: {type(err).__name__}: {_first_line(err)}"
-        exchange_signatures({g: (line,) for g in Group}, groups)
-    agree([_BIG - groups.rank, 0], groups, "finalize status check")
+    if groups is None and (is_device_mesh(source) or isinstance(source, MeshGroups)):
+        try:
+            mesh = mesh_groups(source) if is_device_mesh(source) else source
+            if mesh.join_failure(_first_line(err)):  # the peers' first round: the layout agreement
+                return
+        except (RuntimeError, ValueError):
+            return
+    groups = groups if groups is not None else fallback_groups(source)
+    if groups is None:
+        return
+    agree([_BIG - groups.rank, 0, 0], groups, "finalize status check")
+    share_texts(_first_line(err), groups)
 
 
 def before_communication(
@@ -556,57 +748,78 @@ def before_communication(
 ) -> None:
     """Every check ``finalize_model_grads`` runs before its first collective.
 
-    Args:
-      bound: the (cached) BoundPlan: ``plan`` and ``ddp`` (DDP objects).
-      found: the discovered model.
-      groups: this rank's groups.
-      config: the finalize config.
-      num_tokens: the call's num_tokens or None.
-      ddp: per chunk, its DDP object or None (NaN / Inf is checked on the others).
-      raw_config: the Megatron config (sizes it asks for), or None.
-      collection: the groups came from a collection or mapping (members are checked).
+    Local checks of the gradients run once per binding (whenever the model watch saw
+    new gradient tensors, shapes, flags or structure), those of ``num_tokens`` every
+    step. Then, unless ``consistency_check="off"`` (and no NaN check), one status round
+    (MAX of [local error, comparison due, NaN found] over tp, dp_cp, gtp and pp: a few
+    bytes) tells every rank whether any rank failed, needs a consistency comparison
+    (a new plan, another kind of num_tokens, or ``"every_step"``) or found NaN / Inf;
+    every rank then takes the same path: raise, compare signatures (and agree on the
+    outcome), or go on. A change on one rank only is thus compared on every rank.
 
     Raises:
-      TypeError / ValueError: a local check failed (nothing communicated).
-      ConsistencyError: ranks of a group would launch different collectives.
+      TypeError / ValueError: a local check failed (nothing communicated but the status).
+      ConsistencyError: ranks of a group would launch different collectives, or another
+        rank failed its own checks.
       NonFiniteGradError: NaN / Inf in a gradient of this or another rank.
       CollectiveError: a check's collective failed.
     """
-    every = config.consistency_check == "every_step"
+    mode = config.consistency_check
+    every = mode == "every_step"
     record: _PlanRecord | None = bound.checks.get("record")
+    error: BaseException | None = None
     try:
-        if record is None or every:
-            device = check_gradients(found, groups, config)
+        if record is None or every or record.found is not found:
+            own = [s.key for s in found.params if s.has_grad and ddp[s.chunk] is None]
+            keys = list(dict.fromkeys(own + plan_keys(bound.plan, bound.plain_scale_keys)))
+            device = check_gradients(found, groups, config, keys)
             check_layout(
-                groups, raw_config, experts=any(p.expert and p.has_grad for p in found.params), collection=collection
+                groups,
+                raw_config,
+                experts=any(p.expert and p.has_grad for p in found.params),
+                collection=collection,
+                strict=config.strict_groups,
             )
             if record is None:
                 record = _PlanRecord(device, _uses_nccl(groups))
                 bound.checks["record"] = record
-            record.device = device
+            record.device, record.found = device, found
         check_num_tokens(num_tokens, record.device, groups, bound.ddp, record.nccl)
     except (TypeError, ValueError) as err:
-        share_local_error(err, groups, config, first_call=record is None or not record.consistent)
-        raise
+        error = err
+    if (mode == "off" and not config.check_for_nan_in_grad) or _capturing():
+        if error is not None:
+            raise error
+        return
+    tokens = (num_tokens.dtype, num_tokens.numel()) if error is None and isinstance(num_tokens, torch.Tensor) else None
+    compare = error is None and mode != "off" and (every or not record.consistent or record.tokens != tokens)
     bad: list[ParamKey] = []
-    if config.check_for_nan_in_grad:
-        keys = [p.key for p in found.params if p.has_grad and ddp[p.chunk] is None]
-        bad = nonfinite(found, keys)
-    compare = config.consistency_check != "off" and (every or not record.consistent)
-    messages = exchange_signatures(signatures(bound.plan, groups, config, num_tokens), groups) if compare else []
-    if compare or config.check_for_nan_in_grad:
-        mismatch, nan = agree(
-            [_BIG - groups.rank if messages else 0, _BIG - groups.rank if bad else 0], groups, "finalize status check"
-        )
-    else:
-        mismatch = nan = 0
-    if messages:
-        raise ConsistencyError("\n".join(messages))
-    if mismatch:
+    if config.check_for_nan_in_grad and error is None:
+        bad = nonfinite(found, [p.key for p in found.params if p.has_grad and ddp[p.chunk] is None])
+    me = _BIG - groups.rank
+    failed, compare_any, nan = agree(
+        [me if error is not None else 0, me if compare else 0, me if bad else 0], groups, "finalize status check"
+    )
+    if failed:
+        texts = share_texts(_first_line(error) if error is not None else None, groups)
+        if error is not None:
+            raise error
+        who = _BIG - failed
         raise ConsistencyError(
-            f"rank {groups.rank}: rank {_BIG - mismatch} found ranks of one of its groups that would launch "
-            "different collectives (its error names them); nothing was reduced"
+            f"rank {groups.rank}: rank {who} failed its own checks: {texts.get(who, '(no message)')}; "
+            "found before any collective: nothing was reduced or changed"
         )
+    if compare_any:
+        messages = exchange_signatures(signatures(bound.plan, groups, config, num_tokens), groups)
+        (mismatch,) = agree([me if messages else 0], groups, "finalize consistency status")
+        if messages:
+            raise ConsistencyError("\n".join(messages))
+        if mismatch:
+            raise ConsistencyError(
+                f"rank {groups.rank}: rank {_BIG - mismatch} found ranks of one of its groups that would launch "
+                "different collectives (its error names them); nothing was reduced"
+            )
+        record.consistent, record.tokens = True, tokens
     if bad:
         raise NonFiniteGradError(_nonfinite_message(groups.rank, bad))
     if nan:
@@ -614,8 +827,6 @@ def before_communication(
             f"rank {groups.rank}: rank {_BIG - nan} has NaN or Inf in a gradient (check_for_nan_in_grad; its "
             "error names the parameter); found before any collective: no gradient was changed"
         )
-    if compare:
-        record.consistent = True
 
 
 __all__ = [
@@ -626,7 +837,11 @@ __all__ = [
     "before_communication",
     "check_gradients",
     "check_layout",
+    "check_modes",
     "check_num_tokens",
+    "fallback_groups",
+    "plan_keys",
+    "share_local_error",
     "collective_guard",
     "describe",
     "exchange_signatures",

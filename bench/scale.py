@@ -1,0 +1,299 @@
+"""MoE scale rows: how a finalize step grows with the parameter count, meshgrad against
+megatron-core, every row and model timed in one interleaved run (fake backend).
+
+Rows are ``layers x experts`` of :class:`bench.models.MoEStack` (GPT layers reduced to
+two SP layernorms and an MoE block: a router and ``experts`` local experts of two
+``allreduce=False`` weights each; pp = 1, TP=8 DP=2, every expert local so expert DP =
+DP). The number of collectives is the same in every row; only the parameters no step
+touches (the experts) grow. Models per row:
+
+* ``megatron``: megatron-core's finalize on :class:`bench.ddp.MiniDDP` chunks whose
+  ``finish_grad_sync`` is a no-op (no DP group: the DDP's sync is not what is measured).
+* ``DDP chunks``: meshgrad on the same kind of chunks (it copies the non-TP grads).
+* ``buffers``: meshgrad on plain chunks after ``attach_grad_buffers`` (meshgrad's DP sync,
+  in place).
+* ``user grads``: meshgrad on plain chunks whose ``main_grad`` is one tensor per
+  parameter (meshgrad's DP sync stages every gradient: per-step work proportional to
+  the parameters is inherent there).
+
+Per model: the first ``finalize_model_grads`` call (plan, checks, binding) and the
+steady-state step, as ratios to megatron-core and to the same model at the reference row
+(32 x 8, 673 parameters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import statistics
+import time
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bench.counting import megatron_finalize_module
+from bench.ddp import MiniDDP
+from bench.fake import _GROUPS, _per_call, fake_groups, init_fake
+from bench.models import Layout, build_moe_stack, count_non_tp
+from bench.timing import interleaved, paired_ratio
+
+ROWS: tuple[tuple[int, int], ...] = ((8, 8), (32, 8), (32, 64), (64, 128))
+REFERENCE = (32, 8)  # the growth ratios' denominator (673 parameters)
+HIDDEN = 32  # tiny tensors: the rows measure per-tensor work, not bandwidth
+MODELS = ("DDP chunks", "buffers", "user grads")
+LABELS = types.MappingProxyType({
+    "DDP chunks": "Megatron-DDP chunks (finish_grad_sync a no-op on both sides)",
+    "buffers": "plain chunks, meshgrad's buffers (attach_grad_buffers; meshgrad's DP sync)",
+    "user grads": "plain chunks, user-owned main_grad per parameter (meshgrad's DP sync, staged)",
+})
+
+
+def row_name(layers: int, experts: int) -> str:
+    return f"{layers}x{experts}"
+
+
+def parse_rows(names: Sequence[str]) -> list[tuple[int, int]]:
+    """``["8x8", "64x128"]`` -> ``[(8, 8), (64, 128)]``."""
+    out = []
+    for name in names:
+        layers, _, experts = name.partition("x")
+        out.append((int(layers), int(experts)))
+    return out
+
+
+def scale_layout(layers: int, experts: int) -> Layout:
+    return Layout(f"moe-{row_name(layers, experts)}", layers, HIDDEN, tp=8, pp=1, dp=2, vocab=1024, moe_experts=experts)
+
+
+def _groups(lay: Layout) -> types.SimpleNamespace:
+    pgc = fake_groups(lay)
+    pgc.expt_dp = pgc.dp_cp  # expert parallelism 1: the expert-DP group is the DP group
+    return pgc
+
+
+def _megatron_groups(pgc: types.SimpleNamespace) -> types.SimpleNamespace:
+    # megatron-core needs a pipeline group object even for PP = 1 (it calls .size()).
+    if (0,) not in _GROUPS:
+        _GROUPS[(0,)] = dist.new_group([0])
+    return types.SimpleNamespace(tp=pgc.tp, pp=_GROUPS[(0,)], embd=pgc.embd, pos_embd=None, dp_cp=pgc.dp_cp)
+
+
+def _user_grads(chunk: torch.nn.Module) -> None:
+    for p in chunk.parameters():
+        p.main_grad = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+
+
+def _timed_first(fn: Callable[[], object]) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class _Row:
+    """One row's models and their finalize calls."""
+
+    lay: Layout
+    pgc: Any
+    models: dict[str, list[Any]]
+    steps: dict[str, Callable[[], object]]
+    first: dict[str, list[float]]
+    keep: dict[str, Any]
+    attach: float | None = None
+
+
+def _build_row(layers: int, experts: int, fmg: Any, repeats: int) -> _Row:
+    """Builds every model of a row and times each one's first finalize call (``repeats``
+    fresh models of each meshgrad kind, the last one kept for the steady state)."""
+    import torch_impl
+    from torch_impl.buffers import attach_grad_buffers
+
+    lay = scale_layout(layers, experts)
+    pgc = _groups(lay)
+    first: dict[str, list[float]] = {}
+    models: dict[str, list[Any]] = {}
+    steps: dict[str, Callable[[], object]] = {}
+    attach: list[float] = []
+    keep: dict[str, Any] = {}  # the GradBuffers of the kept model
+
+    def make(kind: str) -> list[Any]:
+        chunk = build_moe_stack(lay)
+        if kind in ("megatron", "DDP chunks"):
+            return [MiniDDP(chunk, None)]
+        if kind == "user grads":
+            _user_grads(chunk)
+        return [chunk]
+
+    for kind in MODELS:
+        for _ in range(repeats):
+            model = make(kind)
+            if kind == "buffers":
+                start = time.perf_counter()
+                keep[kind] = attach_grad_buffers(model, pgc, lazy=True, device="cpu")
+                attach.append(time.perf_counter() - start)
+            fn = lambda model=model: torch_impl.finalize_model_grads(model, pg_collection=pgc)  # noqa: E731
+            first.setdefault(kind, []).append(_timed_first(fn))
+        models[kind], steps[kind] = model, fn
+    if fmg is not None:
+        mc = make("megatron")
+        mpgc = _megatron_groups(pgc)
+        steps["megatron"] = lambda: fmg.finalize_model_grads(mc, None, mpgc)
+        first["megatron"] = [_timed_first(steps["megatron"])]
+        models["megatron"] = mc
+    return _Row(lay, pgc, models, steps, first, keep, statistics.median(attach) if attach else None)
+
+
+def measure_scale(
+    rows: Sequence[tuple[int, int]] = ROWS,
+    *,
+    rounds: int = 9,
+    target_s: float = 0.01,
+    repeats: int = 1,
+    with_megatron: bool = True,
+) -> dict[str, Any]:
+    """First call and steady-state step of every model of every row, all steady states
+    timed in one interleaved run (each candidate batched to about ``target_s`` a round).
+
+    Returns:
+      A JSON-able dict: per row, params, non-TP grads, first-call and step seconds per
+      model, collectives / bytes copied per call, ratios to megatron-core and growth
+      ratios to the reference row.
+    """
+    from torch_impl.finalize import execution_stats
+
+    init_fake(16)
+    fmg = megatron_finalize_module() if with_megatron else None
+    built = [_build_row(layers, experts, fmg, repeats) for layers, experts in rows]
+    cands: dict[str, Callable[[], object]] = {}
+    for row in built:
+        for kind, fn in row.steps.items():
+            cands[f"{row.lay.name}/{kind}"] = fn
+    estimate: dict[str, int] = {}
+    for name, fn in cands.items():
+        for _ in range(2):
+            fn()
+        start = time.perf_counter()
+        fn()
+        per_call = max(time.perf_counter() - start, 1e-6)
+        estimate[name] = max(1, min(50, math.ceil(target_s / per_call)))
+    timed = interleaved(cands, rounds=rounds, batch=estimate, warmup=0)
+    out_rows = []
+    for row in built:
+        chunk = row.models["DDP chunks"][0].module
+        res: dict[str, Any] = {
+            "row": row_name(row.lay.layers, row.lay.moe_experts),
+            "layout": dataclasses.asdict(row.lay),
+            "params": sum(1 for _ in chunk.parameters()),
+            "non_tp_tensors": count_non_tp(chunk),
+            "first_call": {k: statistics.median(v) for k, v in row.first.items()},
+            "attach_grad_buffers": row.attach,
+            "step": {k: timed[f"{row.lay.name}/{k}"] for k in row.steps},
+            "batch": {k: estimate[f"{row.lay.name}/{k}"] for k in row.steps},
+            "collectives": {},
+            "bytes_copied": {},
+        }
+        for kind, fn in row.steps.items():
+            model = row.models[kind]
+            counter = (lambda model=model: execution_stats(model).bytes_copied) if kind != "megatron" else None
+            res["collectives"][kind], res["bytes_copied"][kind] = _per_call(fn, calls=2, copied=counter)
+        out_rows.append(res)
+    _ratios(out_rows)
+    del built
+    gc.collect()
+    return {"hidden": HIDDEN, "reference_row": row_name(*REFERENCE), "rows": out_rows}
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    """Ratios to megatron-core and to the reference row, paired per round (one run)."""
+    ref = next((r for r in rows if r["row"] == row_name(*REFERENCE)), None)
+    for r in rows:
+        mc = r["step"].get("megatron")
+        r["vs_megatron"] = {k: (paired_ratio(r["step"][k], mc) if mc else None) for k in MODELS}
+        r["vs_reference"] = {k: (paired_ratio(r["step"][k], ref["step"][k]) if ref else None) for k in MODELS}
+    if ref is not None:
+        for r in rows:
+            dp = r["params"] - ref["params"]
+            r["us_per_param_over_reference"] = {
+                k: (1e6 * (r["step"][k]["median"] - ref["step"][k]["median"]) / dp if dp else None)
+                for k in (*MODELS, "megatron") if k in r["step"]
+            }
+
+
+def format_scale(result: dict[str, Any]) -> str:
+    """The rows as one table per meshgrad model, megatron-core side by side."""
+    rows = result["rows"]
+    have_mc = any("megatron" in r["step"] for r in rows)
+    ref = result["reference_row"]
+    lines = []
+    if not have_mc:
+        lines.append("  (megatron-core not installed or --no-megatron: its column is skipped)")
+    for kind in MODELS:
+        lines.append(f"  meshgrad on {LABELS[kind]}")
+        head = f"    {'layers x experts':<17}{'params':>7}{'non-TP':>7}"
+        if have_mc:
+            head += f"{'mcore ms/step':>15}"
+        head += f"{'first call ms':>15}{'ms/step':>10}"
+        if have_mc:
+            head += f"{'/mcore':>8}"
+        head += f"{'/' + ref:>8}{'coll/call' + (' (mcore)' if have_mc else ''):>18}{'copied/call':>13}"
+        lines.append(head)
+        for r in rows:
+            line = f"    {r['row']:<17}{r['params']:>7}{r['non_tp_tensors']:>7}"
+            if have_mc:
+                line += f"{_ms(r['step'].get('megatron', {}).get('median')):>15}"
+            line += f"{_ms(r['first_call'][kind], 1):>15}{_ms(r['step'][kind]['median']):>10}"
+            if have_mc:
+                line += f"{_r(r['vs_megatron'][kind]):>8}"
+            coll = f"{r['collectives'][kind]:g}"
+            if "megatron" in r["collectives"]:
+                coll += f" ({r['collectives']['megatron']:g})"
+            line += f"{_r(r['vs_reference'][kind]):>8}{coll:>18}{int(r['bytes_copied'][kind]):>13}"
+            lines.append(line)
+        big = max(rows, key=lambda r: r["params"])
+        slope = big.get("us_per_param_over_reference", {}).get(kind)
+        if slope is not None and big["row"] != ref:
+            extra = f"    growth {ref} -> {big['row']}: {slope:.4f} us per added parameter"
+            mslope = big["us_per_param_over_reference"].get("megatron")
+            if mslope is not None:
+                extra += f" (megatron-core {mslope:.4f})"
+            if kind == "buffers" and big.get("attach_grad_buffers") is not None:
+                extra += f"; attach_grad_buffers at {big['row']}: {1e3 * big['attach_grad_buffers']:.1f} ms"
+            lines.append(extra)
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None, digits: int = 4) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.{digits}f}"
+
+
+def _r(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+STEP_VS_MEGATRON = 0.1  # DDP chunks at the largest row: step / megatron-core
+GROWTH = 1.5  # DDP chunks: step at the largest row / step at the reference row
+FIRST_CALL_S = 0.1  # DDP chunks: first call at the largest row
+
+
+def scale_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's goals at the largest row (16,705 params with the default rows)."""
+    rows = result["rows"]
+    if not rows:
+        return []
+    big = max(rows, key=lambda r: r["params"])
+    name = f"moe-{big['row']} ({big['params']} params) DDP chunks"
+    vs_mc = big["vs_megatron"]["DDP chunks"]
+    growth = big["vs_reference"]["DDP chunks"] if big["row"] != result["reference_row"] else None
+    first = big["first_call"]["DDP chunks"]
+    return [
+        dict(goal=f"{name}: step / megatron-core <= {STEP_VS_MEGATRON:g}", value=vs_mc,
+             ok=None if vs_mc is None else vs_mc <= STEP_VS_MEGATRON),
+        dict(goal=f"{name}: step / step at {result['reference_row']} <= {GROWTH:g}", value=growth,
+             ok=None if growth is None else growth <= GROWTH),
+        dict(goal=f"{name}: first call <= {1e3 * FIRST_CALL_S:g} ms", value=1e3 * first, ok=first <= FIRST_CALL_S),
+    ]

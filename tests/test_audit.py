@@ -1,0 +1,327 @@
+"""Audit: record finalize steps in gloo worlds, replay them against the numpy reference.
+
+One spawned world per size (4 and 8 ranks) records every case into its own directory:
+torch_impl's finalize over several layouts (TP / PP / DP / CP / EP, tied and position
+embeddings, expert bias, num_tokens, a distributed optimizer's reduce-scatter), megatron-
+core 0.16.1's finalize on DDP-like chunks (skipped without it), and finalize functions
+with planted bugs. The parent replays each directory: correct runs pass, each planted bug
+fails and is named by parameter and step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from parity_tests.audit import AuditError, format_report, load, main as audit_main, replay  # noqa: E402
+from parity_tests.scenarios import RouterLayout, Scenario, gpt_params  # noqa: E402
+from parity_tests.torch_world import spawn_world  # noqa: E402
+
+ROUTERS = (RouterLayout("decoder.layers.0.mlp.router", 4), RouterLayout("decoder.layers.1.mlp.router", 4))
+BIAS = dict(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.25)
+LN = dict(sequence_parallel=True, qk_layernorm=True)
+FC1 = "decoder.layers.0.mlp.linear_fc1.weight"
+QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
+EXPERT = "decoder.layers.0.mlp.experts.linear_fc1.weight"
+
+
+def _scen(name: str, **kw: Any) -> Scenario:
+    base = dict(params=gpt_params(experts=True), routers=ROUTERS, mode="random", num_tokens="random",
+                config=dict(LN, **BIAS))
+    base.update(kw)
+    return Scenario(name, **base)
+
+
+#: torch_impl cases per world size: (scenario, planted bug or None, step index).
+CASES: dict[int, list[tuple[Scenario, str | None, int]]] = {
+    4: [
+        (_scen("tp2pp2-vpp2", pp=2, tp=2, num_chunks=2), None, 0),
+        (_scen("dp2tp2-ep2-distopt", dp=2, tp=2, ep=2, config=dict(LN, **BIAS, use_distributed_optimizer=True)), None, 3),
+        (_scen("dp4-bf16-grad", dp=4, dtype="bfloat16", grad_attr="grad", config=dict(average_in_collective=True)), None, 0),
+        (_scen("dp2cp2-pertoken", dp=2, cp=2, ep=2, config=dict(BIAS, calculate_per_token_loss=True)), None, 0),
+        (_scen("bug-skip-tp2pp2", pp=2, tp=2, num_chunks=2), "skip", 0),
+        (_scen("bug-double-dp2tp2", dp=2, tp=2, ep=2), "double", 5),
+        (_scen("bug-group-dp2tp2", dp=2, tp=2, ep=2), "group", 0),
+        (_scen("bug-router-dp2tp2", dp=2, tp=2, ep=2), "router", 0),
+    ],
+    8: [
+        (_scen("pp2dp2tp2-ep2", pp=2, dp=2, tp=2, ep=2, num_chunks=2), None, 0),
+        (_scen("pp2cp2tp2-pos01", pp=2, cp=2, tp=2, config=dict(LN, **BIAS, position_embedding_stages=(0, 1))), None, 0),
+        (_scen("pp4tp2-embd023", pp=4, tp=2, config=dict(LN, embedding_stages=(0, 2, 3))), None, 0),
+        (_scen("dp2cp2tp2-ep4-distopt", dp=2, cp=2, tp=2, ep=4,
+               config=dict(LN, **BIAS, use_distributed_optimizer=True)), None, 0),
+        (_scen("bug-skip-pp2dp2tp2", pp=2, dp=2, tp=2, ep=2), "skip", 2),
+        (_scen("bug-router-pp2dp2tp2", pp=2, dp=2, tp=2, ep=2), "router", 0),
+    ],
+}
+#: The parameter (or router) each planted bug must be named by.
+PLANTED = {"skip": FC1, "double": QKV, "group": EXPERT, "router": "decoder.layers.1.mlp.router.expert_bias"}
+
+#: megatron-core cases per world size: (name, Layout kwargs, config, wrapped in DDP-like chunks, lookup groups).
+MEGATRON: dict[int, list[tuple[str, dict[str, Any], dict[str, Any], bool]]] = {
+    4: [("mc-dp2tp2-ep2", dict(dp=2, tp=2, ep=2), dict(LN, **BIAS, num_moe_experts=4), False),
+        ("mc-tp2pp2-lookup", dict(tp=2, pp=2), dict(LN, has_cond_embedder=True), True)],
+    8: [("mc-pp2dp2tp2", dict(pp=2, dp=2, tp=2), dict(LN, **BIAS, num_moe_experts=4, calculate_per_token_loss=True), False)],
+}
+
+
+# =========================================================================== worker side
+
+
+def _grad(p: Any) -> Any:
+    return p.main_grad if hasattr(p, "main_grad") else p.grad
+
+
+def _buggy(kind: str) -> Any:
+    """torch_impl's finalize with one planted bug on one parameter (or router)."""
+    import torch
+    import torch.distributed as dist
+
+    import torch_impl
+
+    def finalize(model: Any, num_tokens: Any = None, pg_collection: Any = None, force_all_reduce: bool = False) -> None:
+        chunk = model[0]
+        params = dict(chunk.named_parameters())
+        saved = {n: _grad(p).clone() for n, p in params.items() if _grad(p) is not None}
+        router = chunk.get_submodule("decoder.layers.1.mlp.router")
+        tokens = router.local_tokens_per_expert.clone()
+        bias = router.expert_bias.clone()
+        torch_impl.finalize_model_grads(model, num_tokens=num_tokens, pg_collection=pg_collection,
+                                        force_all_reduce=force_all_reduce)
+        if kind == "skip":  # its collectives skipped: only the token scale ran on it
+            _grad(params[FC1]).copy_(saved[FC1])
+        elif kind == "double":  # the DP pre-scale applied twice
+            _grad(params[QKV]).mul_(0.5)
+        elif kind == "group":  # reduced over tp instead of expt_dp
+            g = _grad(params[EXPERT])
+            g.copy_(saved[EXPERT])
+            dist.all_reduce(g, group=pg_collection.tp)
+        elif kind == "router":  # the expert-bias update from this rank's own counts
+            mean = tokens.mean()
+            router.expert_bias.copy_(bias + 0.25 * torch.sign(mean - tokens))
+        else:
+            raise ValueError(kind)
+
+    return finalize
+
+
+def _torch_case(scen: Scenario, bug: str | None, step: int, rank: int, directory: str, cache: dict[Any, Any]) -> None:
+    import torch
+
+    import torch_impl
+    from torch_impl import audit
+    from parity_tests.scenarios import make_rank_inputs
+    from parity_tests.torch_world import build_model, collection, device_mesh, load_inputs, scenario_config
+
+    use_mesh = bug is None and len(scen.name) % 2 == 0
+    groups = device_mesh(scen, cache) if use_mesh else collection(scen, cache)
+    model = build_model(scen, rank, scenario_config(scen, finalize_config=False))
+    data = make_rank_inputs(scen, rank)
+    load_inputs(model, scen, data)
+    n = None if data.num_tokens is None else torch.tensor(data.num_tokens)
+    fn = torch_impl.finalize_model_grads if bug is None else _buggy(bug)
+    with audit.record(directory, sample=5, finalize=fn, start_step=step) as finalize:
+        finalize(model, n, groups)
+
+
+def _megatron_case(spec: tuple[str, dict[str, Any], dict[str, Any], bool], rank: int, directory: str) -> None:
+    import torch
+
+    import test_megatron_oracle as oracle
+    from torch_impl import audit
+    from parity_tests.scenarios import make_rank_inputs
+    from parity_tests.torch_world import build_model, load_inputs
+
+    name, lay, config, lookup = spec
+    env = oracle._Env(oracle.Layout(name, **lay), rank)
+    try:
+        scen = env.scenario(routers=ROUTERS, num_chunks=2, mode="random", num_tokens="random")
+        cfg = oracle._transformer_config(env.layout, config)
+        base = build_model(scen, rank, cfg)
+        data = make_rank_inputs(scen, rank)
+        load_inputs(base, scen, data)
+        model = [oracle.OracleDDP(c, oracle._ddp_config({}), env.pgc.dp_cp, env.pgc.expt_dp) for c in base]
+        n = torch.tensor(data.num_tokens)
+        finalize = audit.audited(oracle._mf().finalize_model_grads, directory, sample=6)
+        finalize(model, n, None if lookup else env.pgc)
+        finalize.recorder.flush()
+    finally:
+        env.close()
+
+
+def audit_world(rank: int, world: int, payload: dict[str, Any], sink: Any) -> None:
+    """Every case of one world size, each into its own directory; reports per case."""
+    cache: dict[Any, Any] = {}
+    for scen, bug, step in CASES[world]:
+        try:
+            _torch_case(scen, bug, step, rank, os.path.join(payload["dir"], scen.name), cache)
+            sink.put(scen.name, "ok")
+        except Exception as err:
+            sink.put(scen.name, f"{type(err).__name__}: {err}")
+    if payload["megatron"]:
+        for spec in MEGATRON[world]:
+            try:
+                _megatron_case(spec, rank, os.path.join(payload["dir"], spec[0]))
+                sink.put(spec[0], "ok")
+            except Exception as err:
+                sink.put(spec[0], f"{type(err).__name__}: {err}")
+
+
+# =========================================================================== parent side
+
+
+def _has_megatron() -> bool:
+    try:
+        import megatron.core  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+_WORLDS: dict[int, str] = {}
+
+
+def _world(world: int) -> str:
+    """The directory the world of ``world`` ranks recorded into (spawned once)."""
+    if world not in _WORLDS:
+        directory = tempfile.mkdtemp(prefix=f"meshgrad-audit-{world}-")
+        outcome = spawn_world(audit_world, world, {"dir": directory, "megatron": _has_megatron()}, timeout=300)
+        problems = [f"rank {r}: {k}: {v}" for r, res in enumerate(outcome.results) for k, v in res.items() if v != "ok"]
+        problems += [f"rank {r}: {f}" for r, f in enumerate(outcome.fatal) if f]
+        if outcome.timed_out:
+            problems.append("world timed out")
+        assert not problems, "\n".join(problems)
+        _WORLDS[world] = directory
+    return _WORLDS[world]
+
+
+def _bad_rows(result: dict[str, Any]) -> list[tuple[int, str]]:
+    return [(s["step"], r["name"]) for s in result["steps"] for r in s["rows"] if r["status"] == "MISMATCH"]
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_correct_finalize_passes(world: int) -> None:
+    directory = _world(world)
+    for scen, bug, step in CASES[world]:
+        if bug is not None:
+            continue
+        result = replay(os.path.join(directory, scen.name))
+        report = format_report(result)
+        assert result["ok"], report
+        (s,) = result["steps"]
+        assert s["step"] == step and s["world_size"] == world
+        assert s["layout"]["pp"] == scen.pp and s["layout"]["tp"] == scen.tp and s["layout"]["dp"] * s["layout"]["cp"] == scen.dp * scen.cp
+        params = [r for r in s["rows"] if r["kind"] == "param"]
+        # Every gradient was compared on every rank holding it, and something really happened.
+        assert params and all(r["status"] == "ok" for r in params), report
+        assert all((r["ranks"] == 0) == ("frozen" in r["name"]) for r in params), report
+        assert any(r["spec_steps"] for r in params)
+        tokens = next(r for r in s["rows"] if r["kind"] == "num_tokens")
+        assert tokens["ranks"] == world and tokens["status"] == "ok"
+        if scen.config.get("moe_router_enable_expert_bias"):
+            assert any(r["kind"] == "router" and r["name"].endswith("expert_bias") and r["ranks"] == world
+                       for r in s["rows"]), report
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_planted_bugs_are_named(world: int) -> None:
+    directory = _world(world)
+    planted = [(scen, bug, step) for scen, bug, step in CASES[world] if bug is not None]
+    assert planted
+    for scen, bug, step in planted:
+        result = replay(os.path.join(directory, scen.name))
+        report = format_report(result)
+        assert not result["ok"], report
+        bad = _bad_rows(result)
+        assert {name for _, name in bad} == {PLANTED[bug]}, report
+        assert {s for s, _ in bad} == {step}
+        assert f"MISMATCH step {step}" in report and PLANTED[bug] in report
+        assert audit_main([os.path.join(directory, scen.name)]) == 1
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_megatron_core_finalize_passes(world: int) -> None:
+    if not _has_megatron():
+        pytest.skip("megatron-core is not installed")
+    directory = _world(world)
+    for name, *_ in MEGATRON[world]:
+        result = replay(os.path.join(directory, name))
+        report = format_report(result)
+        assert result["ok"], report
+        (s,) = result["steps"]
+        assert "megatron" in s["finalize"]
+        rows = [r for r in s["rows"] if r["kind"] == "param"]
+        assert rows and all(r["status"] == "ok" and (r["ranks"] > 0 or "frozen" in r["name"]) for r in rows), report
+        assert any("dp_sync" in r["spec_steps"] for r in rows) and any("non_tp" in r["spec_steps"] for r in rows)
+
+
+def test_cli_json_and_jax(tmp_path: Any, capsys: Any) -> None:
+    directory = os.path.join(_world(4), "tp2pp2-vpp2")
+    out = tmp_path / "audit.json"
+    assert audit_main([directory, "--jax", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["ok"] and data["steps"][0]["jax"]
+    rows = [r for r in data["steps"][0]["rows"] if r["kind"] == "param" and r["ranks"]]
+    assert rows and all(r["jax_status"] == "ok" for r in rows)
+    assert "audit PASS" in capsys.readouterr().out
+
+
+def _copy(src: str, dst: str, skip: set[str] = frozenset(), rename: dict[str, str] | None = None) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name in skip:
+            continue
+        with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, (rename or {}).get(name, name)), "wb") as g:
+            g.write(f.read())
+
+
+def test_clear_errors(tmp_path: Any) -> None:
+    src = os.path.join(_world(4), "tp2pp2-vpp2")
+    names = sorted(os.listdir(src))
+    assert names == [f"step00000000.rank{r:05d}.npz" for r in range(4)]
+    # np.load without pickle reads every file.
+    for name in names:
+        with np.load(os.path.join(src, name), allow_pickle=False) as data:
+            assert {"meta", "grad_before", "grad_after", "positions"} <= set(data.files)
+    missing = tmp_path / "missing"
+    _copy(src, str(missing), skip={names[2]})
+    with pytest.raises(AuditError, match=r"missing ranks \[2\]"):
+        load(str(missing))
+    assert audit_main([str(missing)]) == 2
+    mixed = tmp_path / "mixed"
+    other = os.path.join(_world(4), "bug-double-dp2tp2")  # step 5
+    _copy(src, str(mixed), skip={names[3]})
+    _copy(other, str(mixed), skip={f"step00000005.rank{r:05d}.npz" for r in range(3)})
+    with pytest.raises(AuditError, match="different steps"):
+        load(str(mixed))
+    # A layout that does not match the world: rank 1's file replaced by another layout's.
+    wrong = tmp_path / "wrong"
+    _copy(src, str(wrong), skip={names[1]})
+    layout = os.path.join(_world(4), "dp4-bf16-grad")
+    with np.load(os.path.join(layout, names[1]), allow_pickle=False) as data:
+        arrays = {k: data[k] for k in data.files}
+    np.savez(str(wrong / names[1]), **arrays)
+    with pytest.raises(AuditError, match="layout does not match the world|group has"):
+        replay(str(wrong))
+    with pytest.raises(AuditError, match="no audit files"):
+        load(str(tmp_path))
+
+
+def test_recorder_rejects_bad_arguments(tmp_path: Any) -> None:
+    from torch_impl import audit
+
+    with pytest.raises(ValueError, match="sample"):
+        audit.Recorder(str(tmp_path), sample=0)
+    with pytest.raises(TypeError, match="callable"):
+        audit.Recorder(str(tmp_path), finalize=3)  # type: ignore[arg-type]
+    a = audit.sample_positions("x", 1000, 64)
+    assert np.array_equal(a, audit.sample_positions("x", 1000, 64)) and a[0] == 0 and a[-1] == 999 and a.size == 64
+    assert np.array_equal(audit.sample_positions("x", 10, 64), np.arange(10))

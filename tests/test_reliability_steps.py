@@ -1,0 +1,442 @@
+"""Across steps, a cached plan never outlives the model it describes, and a change on
+one rank only is found by every rank before anything moves.
+
+One gloo world of 4 ranks (dp 2 x tp 2 with experts and routers; groups with a 10 s
+timeout) runs every ``case_*`` below on every rank. Two kinds of case:
+
+* ``live vs fresh``: a long-lived model runs step 1, then every rank changes the model
+  the same way (a parameter added, replaced, removed; a flag set later; a Megatron-DDP
+  chunk) and runs step 2; a model built fresh with the same change runs once. Both must
+  give bit-identical gradients and router state (or both raise the same error type).
+* ``one rank``: after step 1, one rank alone changes something per step (a gradient of
+  another shape, an in-place resize, another dtype, a parameter added, an expanded
+  gradient, a bad config value, a generator for a model, a gradient that is not a
+  tensor, bad router buffers, other router names). Every rank must raise -- the one at
+  fault its own error naming the parameter, the others a ConsistencyError naming that
+  rank or the group -- well within the timeout, with every gradient and router buffer
+  unchanged.
+
+Plus groups built by meshgrad from a DeviceMesh (timeouts inherited from the default
+group, layouts agreed before any group is created), and, in one process, gradient
+layouts (sparse, expanded, aliasing, one parameter in two chunks) and config kinds
+(mappings, numpy scalars).
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from meshgrad import FinalizeConfig  # noqa: E402
+from parity_tests.scenarios import make_rank_inputs  # noqa: E402
+from parity_tests.torch_world import load_inputs, run_cases  # noqa: E402
+from test_reliability_inputs import (  # noqa: E402
+    DP_TP,
+    LINEAR,
+    TIMEOUT,
+    _seeded,
+    attempt,
+    param,
+    setup_model,
+    snapshot,
+    timed_collection,
+)
+from torch_impl import finalize_model_grads  # noqa: E402
+
+WORLD = 4
+SP_NORM = "decoder.final_layernorm.weight"
+ROUTER = "decoder.layers.0.mlp.router"
+
+
+class DDPChunk(nn.Module):
+    """A Megatron-DDP-like wrapper: it owns the DP sync (here: a no-op) and scaling."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.config = module.config
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        return None
+
+    def scale_gradients(self, scale: Any) -> None:
+        for p in self.module.parameters():
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad.mul_(scale)
+
+
+def _model(rank: int, ddp: bool = False, changes: dict[str, Any] | None = None) -> list[Any]:
+    model = setup_model(DP_TP, rank, changes)
+    return [DDPChunk(c) for c in model] if ddp else model
+
+
+def _inner(model: Sequence[Any]) -> Any:
+    return getattr(model[0], "module", model[0])
+
+
+def _call(groups: Any, tokens: bool = True) -> Callable[[Sequence[Any]], None]:
+    return lambda m: finalize_model_grads(m, num_tokens=torch.tensor(7) if tokens else None, pg_collection=groups)
+
+
+def _step2(model: Sequence[Any], rank: int) -> None:
+    load_inputs(model if not isinstance(model[0], DDPChunk) else [c.module for c in model], DP_TP,
+                make_rank_inputs(_seeded(DP_TP, 1), rank))
+
+
+def live_vs_fresh(rank: int, change: Callable[[list[Any], int], None], ddp: bool = False) -> tuple:
+    """(live kind, fresh kind, live == fresh bit for bit, live message)."""
+    groups = timed_collection(DP_TP)
+    live = _model(rank, ddp)
+    _call(groups)(live)
+    _step2(live, rank)
+    change(live, rank)
+    fresh = _model(rank, ddp)
+    _step2(fresh, rank)
+    change(fresh, rank)
+    kind_live, message, _, _ = attempt(live, _call(groups))
+    kind_fresh, _, _, _ = attempt(fresh, _call(groups))
+    return kind_live, kind_fresh, snapshot(live) == snapshot(fresh), message
+
+
+def one_rank(rank: int, bad: int, change: Callable[[list[Any], int], Any], ddp: bool = False) -> tuple:
+    """After a good step 1, rank ``bad`` alone applies ``change``; ``attempt`` of step 2
+    (``change`` may return a replacement for the model argument)."""
+    groups = timed_collection(DP_TP)
+    model = _model(rank, ddp)
+    _call(groups)(model)
+    _step2(model, rank)
+    target: Any = model
+    if rank == bad:
+        target = change(model, rank) or model
+    before = snapshot(model)
+    start = time.monotonic()
+    try:
+        _call(groups)(target)
+        kind, message = "ok", ""
+    except Exception as err:  # recorded for the parent
+        kind, message = type(err).__name__, str(err)
+    return kind, message, snapshot(model) == before, time.monotonic() - start
+
+
+# --------------------------------------------------------------------------- changes
+
+
+def add_param(model: list[Any], rank: int, **flags: Any) -> None:
+    extra = nn.Parameter(torch.zeros(3))
+    for name, value in flags.items():
+        setattr(extra, name, value)
+    extra.main_grad = torch.full((3,), float(rank + 1))
+    _inner(model).get_submodule("decoder").register_parameter("extra", extra)
+
+
+def replace_param(model: list[Any], rank: int) -> None:
+    old = param([_inner(model)], LINEAR)
+    new = nn.Parameter(torch.zeros_like(old))
+    new.main_grad = old.main_grad.clone() + 1
+    _inner(model).get_submodule(LINEAR.rsplit(".", 1)[0]).weight = new
+
+
+def remove_sp_param(model: list[Any], rank: int) -> None:
+    owner, leaf = SP_NORM.rsplit(".", 1)
+    delattr(_inner(model).get_submodule(owner), leaf)
+
+
+def set_sp_flag(model: list[Any], rank: int) -> None:
+    param([_inner(model)], LINEAR).sequence_parallel = True
+
+
+def case_param_added_after_step1(rank: int, world: int) -> tuple:
+    return live_vs_fresh(rank, add_param)
+
+
+def case_param_replaced_after_step1(rank: int, world: int) -> tuple:
+    return live_vs_fresh(rank, replace_param)
+
+
+def case_flag_set_after_step1(rank: int, world: int) -> tuple:
+    return live_vs_fresh(rank, set_sp_flag)
+
+
+def case_ddp_sp_param_added_after_step1(rank: int, world: int) -> tuple:
+    return live_vs_fresh(rank, lambda m, r: add_param(m, r, sequence_parallel=True), ddp=True)
+
+
+def case_ddp_sp_param_removed_after_step1(rank: int, world: int) -> tuple:
+    return live_vs_fresh(rank, remove_sp_param, ddp=True)
+
+
+def case_ddp_sp_param_replaced_after_step1(rank: int, world: int) -> tuple:
+    def change(model: list[Any], r: int) -> None:
+        owner, leaf = SP_NORM.rsplit(".", 1)
+        old = param([_inner(model)], SP_NORM)
+        new = nn.Parameter(torch.zeros_like(old))
+        new.sequence_parallel = True
+        new.main_grad = old.main_grad * 3
+        setattr(_inner(model).get_submodule(owner), leaf, new)
+
+    return live_vs_fresh(rank, change, ddp=True)
+
+
+# one rank only ------------------------------------------------------------------
+
+
+def _wrong_shape(model: list[Any], rank: int) -> None:
+    param(model, LINEAR).main_grad = torch.zeros(5, 4)
+
+
+def _resized_in_place(model: list[Any], rank: int) -> None:
+    param(model, LINEAR).main_grad.data = torch.zeros(7)
+
+
+def _other_dtype(model: list[Any], rank: int) -> None:
+    p = param(model, LINEAR)
+    p.main_grad = p.main_grad.double()
+
+
+def _expanded(model: list[Any], rank: int) -> None:
+    p = param(model, LINEAR)
+    p.main_grad = p.main_grad[:1].expand_as(p.main_grad)
+
+
+def _grad_not_tensor(model: list[Any], rank: int) -> None:
+    param(model, SP_NORM).main_grad = [1.0, 2.0]
+
+
+def _bad_router(model: list[Any], rank: int) -> None:
+    router = _inner(model).get_submodule(ROUTER)
+    router.local_tokens_per_expert = torch.zeros(5)
+
+
+def _bad_config(model: list[Any], rank: int) -> None:
+    cfg = types.SimpleNamespace(**vars(model[0].config))
+    cfg.mtp_num_layers = -1
+    model[0].config = cfg
+
+
+def _generator(model: list[Any], rank: int) -> Any:
+    return (c for c in model)
+
+
+def _router_renamed(model: list[Any], rank: int) -> None:
+    mlp = _inner(model).get_submodule(ROUTER.rsplit(".", 1)[0])
+    router = mlp.router
+    del mlp.router
+    mlp.add_module("gate", router)
+
+
+ONE_RANK = {
+    # case: (rank at fault, change, its error type, text of its error)
+    "case_one_rank_grad_of_another_shape": (1, _wrong_shape, "ValueError", "has shape (5, 4), the parameter"),
+    "case_one_rank_grad_resized_in_place": (2, _resized_in_place, "ValueError", "has shape (7,), the parameter"),
+    "case_one_rank_grad_of_another_dtype": (3, _other_dtype, "ConsistencyError", "group 'dp_cp'"),
+    "case_one_rank_param_added": (0, add_param, "ConsistencyError", "extra[3]"),
+    "case_one_rank_expanded_grad": (1, _expanded, "ValueError", "share memory (strides"),
+    "case_one_rank_grad_not_a_tensor": (2, _grad_not_tensor, "TypeError", "is a list, not a tensor"),
+    "case_one_rank_bad_router_buffers": (3, _bad_router, "ValueError", "per-expert buffers differ in length"),
+    "case_one_rank_bad_config_value": (1, _bad_config, "ValueError", "mtp_num_layers"),
+    "case_one_rank_model_a_generator": (2, _generator, "TypeError", "model must be a non-empty list"),
+    "case_one_rank_routers_renamed": (2, _router_renamed, "ConsistencyError", "mlp.gate"),
+}
+
+
+def _one_rank_case(name: str) -> Callable[[int, int], tuple]:
+    bad, change, _, _ = ONE_RANK[name]
+    return lambda rank, world: one_rank(rank, bad, change)
+
+
+for _name in ONE_RANK:
+    globals()[_name] = _one_rank_case(_name)
+
+
+# groups meshgrad creates ---------------------------------------------------------
+
+
+def case_mesh_groups_inherit_timeout_and_agree(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torch_impl.groups import MeshGroups
+
+    default = MeshGroups.default_timeout()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    resolved = MeshGroups(mesh).resolve(ep=2, etp=1)
+    created = resolved.groups
+    timeouts = {
+        g.value: created[g]._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for g in created
+        if created[g] is not None
+    }
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    start = time.monotonic()
+    try:
+        MeshGroups(other).resolve(ep=1 if rank == 1 else 2, etp=1)
+        outcome = ("ok", "")
+    except ValueError as err:
+        outcome = ("ValueError", str(err))
+    dist.barrier()
+    return {"default": default.total_seconds(), "timeouts": timeouts, "mismatch": outcome,
+            "seconds": time.monotonic() - start}
+
+
+CASES = [name for name in list(globals()) if name.startswith("case_")]
+
+
+# =========================================================================== parent
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[str, list[tuple[str, Any]]]:
+    return run_cases(__name__, CASES, WORLD, timeout=300)
+
+
+def _values(world: dict[str, list[tuple[str, Any]]], name: str) -> list[Any]:
+    got = world[name]
+    problems = [f"rank {r}: {s}: {v}" for r, (s, v) in enumerate(got) if s != "ok"]
+    assert not problems, "\n".join(problems)
+    return [v for _, v in got]
+
+
+LIVE = [
+    ("a parameter added after step 1 (plain chunks)", "case_param_added_after_step1"),
+    ("a parameter replaced by a new Parameter after step 1", "case_param_replaced_after_step1"),
+    ("sequence_parallel set on a parameter after step 1", "case_flag_set_after_step1"),
+    ("DDP chunks: an SP parameter added after step 1", "case_ddp_sp_param_added_after_step1"),
+    ("DDP chunks: an SP parameter removed after step 1", "case_ddp_sp_param_removed_after_step1"),
+    ("DDP chunks: an SP parameter replaced after step 1", "case_ddp_sp_param_replaced_after_step1"),
+]
+
+
+@pytest.mark.parametrize("label,name", LIVE, ids=[c[1] for c in LIVE])
+def test_a_changed_model_gets_the_numbers_of_a_fresh_call(world, reliability, label, name):
+    for rank, (live, fresh, same, message) in enumerate(_values(world, name)):
+        assert live == fresh == "ok", (name, rank, live, fresh, message)
+        assert same, (name, rank, "the long-lived model differs from a fresh call")
+    reliability("bad input", f"{label} [4 ranks]", "replanned: bit-identical to a fresh call on every rank")
+
+
+@pytest.mark.parametrize("name", list(ONE_RANK), ids=list(ONE_RANK))
+def test_a_change_on_one_rank_raises_on_every_rank_before_anything_moves(world, reliability, name):
+    bad, _, kind, text = ONE_RANK[name]
+    slowest = 0.0
+    for rank, (got, message, untouched, seconds) in enumerate(_values(world, name)):
+        assert untouched, (name, rank, "gradients or router state changed")
+        assert seconds < TIMEOUT / 2, (name, rank, seconds)
+        slowest = max(slowest, seconds)
+        assert message.startswith(f"rank {rank}: "), (name, rank, message)
+        if rank == bad:
+            assert got == kind and text in message, (name, rank, got, message)
+        elif kind == "ConsistencyError":
+            assert got == "ConsistencyError", (name, rank, got, message)
+        else:
+            assert got == "ConsistencyError" and f"rank {bad} failed its own checks" in message, (name, rank, message)
+    label = name.removeprefix("case_one_rank_").replace("_", " ")
+    reliability("bad input", f"after step 1, on rank {bad} only: {label} [4 ranks]",
+                f"{kind} there, ConsistencyError naming it or the group elsewhere, after <= {slowest:.2f} s; nothing changed")
+
+
+def test_groups_meshgrad_creates_inherit_the_timeout_and_agree_on_the_layout(world, reliability):
+    slowest = 0.0
+    for rank, got in enumerate(_values(world, "case_mesh_groups_inherit_timeout_and_agree")):
+        assert got["timeouts"] and set(got["timeouts"].values()) == {got["default"]}, (rank, got)
+        kind, message = got["mismatch"]
+        assert kind == "ValueError" and "ask for different DeviceMesh group layouts" in message, (rank, got)
+        assert message.startswith(f"rank {rank}: ") and "ranks [1]: ep=1" in message, message
+        slowest = max(slowest, got["seconds"])
+    reliability("bad input", "DeviceMesh: groups meshgrad creates; rank 1 asks for ep=1, the others ep=2 [4 ranks]",
+                f"created groups get the default group's timeout; ValueError on every rank after <= {slowest:.2f} s, "
+                "before any group is created")
+
+
+# =========================================================================== one process
+
+
+class Chunk(nn.Module):
+    def __init__(self, config: Any = None) -> None:
+        super().__init__()
+        self.config = config if config is not None else FinalizeConfig(calculate_per_token_loss=True)
+        self.a = nn.Parameter(torch.zeros(2, 3))
+        self.b = nn.Parameter(torch.zeros(2, 3))
+        for i, p in enumerate(self.parameters()):
+            p.main_grad = torch.arange(6, dtype=torch.float32).reshape(2, 3) + i
+
+
+def _grads(model: Sequence[Any]) -> list[Any]:
+    return [p.main_grad.clone() for c in model for p in c.parameters()]
+
+
+LAYOUTS = [
+    ("sparse gradient", lambda m: setattr(m[0].a, "main_grad", m[0].a.main_grad.to_sparse()), TypeError,
+     "has layout torch.sparse_coo"),
+    ("stride-0 (expanded) gradient", lambda m: setattr(m[0].a, "main_grad", torch.ones(1, 3).expand(2, 3)),
+     ValueError, "share memory (strides (0, 1)"),
+    ("two gradients overlapping in one storage",
+     lambda m: (setattr(m[0].a, "main_grad", (buf := torch.ones(9))[:6].view(2, 3)),
+                setattr(m[0].b, "main_grad", buf[3:].view(2, 3))), ValueError, "share memory"),
+    ("one gradient tensor on two parameters", lambda m: setattr(m[0].b, "main_grad", m[0].a.main_grad), ValueError,
+     "share memory (the same tensor)"),
+]
+
+
+@pytest.mark.parametrize("label,prepare,error,text", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+def test_gradient_layouts_that_would_reduce_an_element_twice_raise(reliability, label, prepare, error, text):
+    model = [Chunk()]
+    prepare(model)
+    kind, message, untouched, _ = attempt(model, lambda m: finalize_model_grads(m, num_tokens=torch.tensor(2)))
+    assert kind == error.__name__ and text in message and message.startswith("rank 0: "), (kind, message)
+    assert untouched
+    reliability("bad input", f"{label} [1 rank]", f"{error.__name__} naming the parameter(s); nothing changed")
+
+
+def test_the_same_parameter_in_two_chunks_raises():
+    first = Chunk()
+    second = Chunk()
+    second.a = first.a
+    kind, message, untouched, _ = attempt([first, second], lambda m: finalize_model_grads(m, num_tokens=torch.tensor(2)))
+    assert kind == "ValueError" and "'a' (chunk 0)" in message and "'a' (chunk 1)" in message, message
+    assert untouched
+
+
+def test_disjoint_strided_views_of_one_storage_are_scaled_once():
+    model = [Chunk()]
+    buf = torch.arange(12, dtype=torch.float32).reshape(2, 6)
+    model[0].a.main_grad, model[0].b.main_grad = buf[:, 0::2], buf[:, 1::2]
+    want = buf.clone() / 4
+    finalize_model_grads(model, num_tokens=torch.tensor(4))
+    assert torch.equal(buf, want)
+
+
+CONFIG_KINDS = [
+    ("a dict", lambda: {"calculate_per_token_loss": True, "sequence_parallel": True, "tensor_model_parallel_size": 1}),
+    ("numpy scalars", lambda: types.SimpleNamespace(
+        calculate_per_token_loss=np.bool_(True), sequence_parallel=np.bool_(True),
+        tensor_model_parallel_size=np.int64(1), mtp_num_layers=np.int64(0))),
+]
+
+
+@pytest.mark.parametrize("label,make", CONFIG_KINDS, ids=[c[0] for c in CONFIG_KINDS])
+def test_configs_of_every_reasonable_kind_are_read(reliability, label, make):
+    want = [Chunk(types.SimpleNamespace(calculate_per_token_loss=True, sequence_parallel=True))]
+    finalize_model_grads(want, num_tokens=torch.tensor(4))
+    got = [Chunk(make())]
+    finalize_model_grads(got, num_tokens=torch.tensor(4))
+    assert all(torch.equal(a, b) for a, b in zip(_grads(got), _grads(want)))
+    assert not torch.equal(_grads(got)[0], _grads([Chunk()])[0])  # scaled: the dict was read
+    reliability("bad input", f"config as {label} [1 rank]", "read like the equivalent config object")
+
+
+def test_configs_that_are_not_configs_are_rejected(reliability):
+    model = [Chunk("sequence_parallel")]
+    kind, message, untouched, _ = attempt(model, lambda m: finalize_model_grads(m))
+    assert kind == "TypeError" and "config must be a config object or a mapping" in message and untouched, message
+    model = [Chunk({"sequence_parallel": "yes"})]
+    kind, message, untouched, _ = attempt(model, lambda m: finalize_model_grads(m))
+    assert kind == "TypeError" and "sequence_parallel must be a bool" in message and untouched, message
+    reliability("bad input", "config a str / a flag 'yes' in a dict [1 rank]", "TypeError naming the field; nothing changed")
