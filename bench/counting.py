@@ -31,6 +31,10 @@ COLLECTIVES = (
 )
 
 
+#: Collectives that torch_impl's checks use (a few bytes per rank; never for data).
+CHECK_COLLECTIVES = frozenset({"all_gather", "all_gather_into_tensor"})
+
+
 class CollectiveCounter:
     """Context manager: ``counts[name]`` = calls of each torch.distributed collective."""
 
@@ -40,7 +44,14 @@ class CollectiveCounter:
 
     @property
     def total(self) -> int:
-        return sum(self.counts.values())
+        """Collectives that move gradients, tokens or router state (all but all-gathers:
+        torch_impl uses those only for its cross-rank status / consistency checks)."""
+        return sum(n for name, n in self.counts.items() if name not in CHECK_COLLECTIVES)
+
+    @property
+    def checks(self) -> int:
+        """All-gathers: torch_impl's cross-rank status and consistency checks."""
+        return sum(n for name, n in self.counts.items() if name in CHECK_COLLECTIVES)
 
     def __enter__(self) -> "CollectiveCounter":
         for name in COLLECTIVES:

@@ -1,8 +1,9 @@
 """``python -m parity_tests audit DIR``: replay recorded finalize steps against the reference.
 
 Every rank of an audited run wrote, per step, one ``.npz`` file (``torch_impl.audit``):
-its groups, config, parameters and the gradient values at sampled flat positions before
-and after finalize, router buffers and ``num_tokens``. This module loads all ranks' files,
+the gradient values at sampled flat positions before and after finalize, router buffers
+and ``num_tokens``; and once per plan a ``plan.*.npz`` file its step files refer to: its
+groups, config, parameters and the sampled positions. This module loads all ranks' files,
 rebuilds the global view (a mesh whose ranks are the recorded ones, in the reference's
 order), runs the independent numpy reference (:mod:`parity_tests.reference`) on the
 sampled "before" values and compares its outputs with the recorded "after" values, per
@@ -32,7 +33,7 @@ import numpy as np
 from parity_tests import reference as ref
 from parity_tests.scenarios import Key, ParamLayout, RankData, RouterLayout, RouterState, Scenario, to_dtype
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ROUTER_FIELDS = ("local_tokens_per_expert", "expert_bias", "qb_beta", "qb_beta_accum", "qb_beta_count")
 FLAGS = ("sequence_parallel", "average_gradients_across_tp_domain", "pipeline_parallel",
          "flextron_router_pp_sync", "is_gtp_weight_remat")
@@ -72,36 +73,98 @@ class RankFile:
         return int(self.meta["rank"])
 
 
+def _read_npz(path: str) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
+
+
+def _json(array: np.ndarray) -> Any:
+    return json.loads(array.tobytes().decode())
+
+
+def _read_plan(directory: str, rank: int, plan: str, cache: dict[tuple[int, str], tuple[dict[str, Any], np.ndarray]]
+               ) -> tuple[dict[str, Any], np.ndarray]:
+    """(static facts, sampled positions) of one rank's plan file."""
+    key = (rank, plan)
+    if key not in cache:
+        path = os.path.join(directory, f"plan.rank{rank:05d}.{plan}.npz")
+        if not os.path.isfile(path):
+            raise AuditError(f"{path}: missing (the step files of rank {rank} refer to it; copy the plan.* files "
+                             "along with the step files)")
+        try:
+            arrays = _read_npz(path)
+            static = _json(arrays["plan"])
+            positions = np.asarray(arrays["positions"], dtype=np.int64)
+        except Exception as err:
+            raise AuditError(f"{path}: not a readable audit plan file ({type(err).__name__}: {err})") from None
+        if static.get("format") != FORMAT_VERSION or static.get("rank") != rank:
+            raise AuditError(f"{path}: format {static.get('format')!r} rank {static.get('rank')!r}, "
+                             f"expected format {FORMAT_VERSION} rank {rank}")
+        if positions.size != sum(p["samples"] for p in static["params"]):
+            raise AuditError(f"{path}: {positions.size} sampled positions for {sum(p['samples'] for p in static['params'])} samples")
+        cache[key] = (static, positions)
+    return cache[key]
+
+
+def _rank_file(directory: str, path: str, step: int, rank: int, cache: dict[Any, Any]) -> RankFile:
+    """One step file merged with its plan: ``meta`` (plan facts and step facts, per
+    parameter ``has_grad`` / ``has_grad_after``) and arrays ``grad_before``,
+    ``grad_after``, ``positions``, ``router{i}.{field}.before`` / ``.after``."""
+    try:
+        arrays = _read_npz(path)
+        meta = _json(arrays.pop("meta"))
+    except Exception as err:
+        raise AuditError(f"{path}: not a readable audit file ({type(err).__name__}: {err})") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise AuditError(f"{path}: format {meta.get('format')!r}, this replay reads format {FORMAT_VERSION}")
+    if int(meta["step"]) != step or int(meta["rank"]) != rank:
+        raise AuditError(f"{path}: the file holds step {meta['step']} rank {meta['rank']}, its name says step {step} rank {rank}")
+    static, positions = _read_plan(directory, rank, str(meta["plan"]), cache)
+    params = [dict(p) for p in static["params"]]
+    try:
+        grads = np.asarray(arrays["grads"], dtype=np.float64)
+        has = np.asarray(arrays["has_grad"], dtype=bool)
+        if grads.shape != (2, positions.size) or has.shape != (2, len(params)):
+            raise ValueError(f"grads {grads.shape} / has_grad {has.shape} do not fit the plan's "
+                             f"{positions.size} samples of {len(params)} parameters")
+        out = {"grad_before": grads[0], "grad_after": grads[1], "positions": positions}
+        for when, fields in (("before", static["router_fields"]), ("after", meta.get("router_fields_after", static["router_fields"]))):
+            flat = np.asarray(arrays.get(f"routers_{when}", np.zeros(0)), dtype=np.float64)
+            start = 0
+            for index, field, shape in fields:
+                n = int(np.prod(shape, dtype=np.int64))
+                out[f"router{index}.{field}.{when}"] = flat[start:start + n].reshape(shape)
+                start += n
+            if start != flat.size:
+                raise ValueError(f"routers_{when} holds {flat.size} values, its fields {start}")
+    except (KeyError, ValueError) as err:
+        raise AuditError(f"{path}: does not fit its plan file ({type(err).__name__}: {err})") from None
+    for p, before, after in zip(params, has[0], has[1]):
+        p["has_grad"], p["has_grad_after"] = bool(before), bool(after)
+    merged = {k: v for k, v in static.items() if k not in ("params", "format", "rank")}
+    merged.update(meta)
+    merged["params"] = params
+    return RankFile(path, merged, out)
+
+
 def load(directory: str) -> dict[int, list[RankFile]]:
     """All steps' files, per step ordered by rank.
 
     Raises:
-      AuditError: no files, unreadable files, a rank missing from a step, files from
-        different steps or runs (world sizes differ), a file whose name and content disagree.
+      AuditError: no files, unreadable files, a plan file missing, a rank missing from a
+        step, files from different steps or runs (world sizes differ), a file whose name
+        and content disagree.
     """
     if not os.path.isdir(directory):
         raise AuditError(f"{directory}: not a directory")
     found: dict[int, dict[int, RankFile]] = {}
+    cache: dict[Any, Any] = {}
     for name in sorted(os.listdir(directory)):
         match = _FILE.match(name)
         if not match:
             continue
-        path = os.path.join(directory, name)
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                arrays = {k: data[k] for k in data.files}
-            meta = json.loads(arrays.pop("meta").tobytes().decode())
-            meta["params"] = json.loads(arrays.pop("params").tobytes().decode())
-            for p, before, after in zip(meta["params"], arrays.pop("has_grad"), arrays.pop("has_grad_after")):
-                p["has_grad"], p["has_grad_after"] = bool(before), bool(after)
-        except Exception as err:
-            raise AuditError(f"{path}: not a readable audit file ({type(err).__name__}: {err})") from None
-        if meta.get("format") != FORMAT_VERSION:
-            raise AuditError(f"{path}: format {meta.get('format')!r}, this replay reads format {FORMAT_VERSION}")
         step, rank = int(match.group(1)), int(match.group(2))
-        if int(meta["step"]) != step or int(meta["rank"]) != rank:
-            raise AuditError(f"{path}: the file holds step {meta['step']} rank {meta['rank']}, its name says step {step} rank {rank}")
-        found.setdefault(step, {})[rank] = RankFile(path, meta, arrays)
+        found.setdefault(step, {})[rank] = _rank_file(directory, os.path.join(directory, name), step, rank, cache)
     if not found:
         raise AuditError(f"{directory}: no audit files (stepNNNNNNNN.rankNNNNN.npz)")
     worlds = {f.meta["world_size"] for files in found.values() for f in files.values()}
@@ -210,7 +273,7 @@ def build_view(files: list[RankFile]) -> View:
     config = _config(files)
     for name, group in (("embedding_stages", "embd"), ("position_embedding_stages", "pos_embd")):
         config[name] = list(_stages(files, group, virtual, mesh))
-    config["share_embeddings_and_output_weights"] = True  # the recorded roles decide (SPEC 2.6)
+    config["share_embeddings_and_output_weights"] = True  # the recorded roles decide (word_embedding step)
     return View(mesh, sizes, virtual, actual, config)
 
 
@@ -333,8 +396,8 @@ def _param_values(f: RankFile, i: int, when: str) -> np.ndarray:
 def _sampled_reference(
     scenario: Scenario, inputs: list[RankData], force: bool, shard: Any
 ) -> tuple[list[RankData], dict[str, set[Any]]]:
-    """SPEC 2, steps 1-11, with the reference's step functions; under a distributed
-    optimizer the DP sync keeps, at sampled positions outside a rank's own shard, its
+    """The steps of docs/semantics.md (dp_sync ... token_scale), with the reference's step
+    functions; under a distributed optimizer the DP sync keeps, at sampled positions outside a rank's own shard, its
     pre-scaled local value (``shard(rank, key, expert) -> owned mask or None``)."""
     cfg = ref.Config.from_scenario(scenario)
     scatter = cfg.use_distributed_optimizer and not force
@@ -419,7 +482,7 @@ class Row:
     max_abs_diff: float = 0.0
     status: str = "ok"  # "ok" | "MISMATCH" | "unverified"
     detail: str = ""
-    spec_steps: list[str] = dataclasses.field(default_factory=list)
+    steps: list[str] = dataclasses.field(default_factory=list)  # the steps touching it
     jax_max_abs_diff: float | None = None
     jax_status: str | None = None
 
@@ -483,8 +546,8 @@ def replay_step(files: list[RankFile], use_jax: bool = False) -> dict[str, Any]:
                 key = (p["chunk"], vname)
                 row = rows.setdefault(("param", p["chunk"], vname), Row("param", p["chunk"], " | ".join(sorted(vparams[vname].labels))))
                 for sname, keys in touched.items():
-                    if any(t[1] == "grad" and t[2] == key for t in keys) and sname not in row.spec_steps:
-                        row.spec_steps.append(sname)
+                    if any(t[1] == "grad" and t[2] == key for t in keys) and sname not in row.steps:
+                        row.steps.append(sname)
                 want = outputs[v].grads[key]
                 if want is None or not p["has_grad"]:
                     continue
@@ -703,8 +766,8 @@ def format_report(result: dict[str, Any]) -> str:
                 line += f"  {'' if r['jax_max_abs_diff'] is None else format(r['jax_max_abs_diff'], '.3g')} {r['jax_status'] or ''}"
             if r["status"] != "ok" or r["detail"]:
                 line += f"  [{r['detail']}]" if r["detail"] else ""
-            if r["status"] == "MISMATCH" and r["spec_steps"]:
-                line += f"  (SPEC steps touching it: {', '.join(r['spec_steps'])})"
+            if r["status"] == "MISMATCH" and r["steps"]:
+                line += f"  (steps touching it: {', '.join(r['steps'])})"
             lines.append(line)
         bad = [r for r in s["rows"] if r["status"] == "MISMATCH" or r["jax_status"] == "MISMATCH"]
         lines.append(f"step {s['step']}: {'ok' if s['ok'] else f'{len(bad)} MISMATCH'}"

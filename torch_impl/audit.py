@@ -2,18 +2,27 @@
 
 Wrap any function with Megatron's signature ``f(model, num_tokens=None,
 pg_collection=None, force_all_reduce=False)`` -- :func:`torch_impl.finalize_model_grads`,
-megatron-core's own, a user's -- and every call writes, on every rank, one portable
-``.npz`` file (no pickle: ``np.load(path, allow_pickle=False)`` reads it) holding:
+megatron-core's own, a user's -- and every call writes, on every rank, portable ``.npz``
+files (no pickle: ``np.load(path, allow_pickle=False)`` reads them):
 
-* the layout: this rank's coordinates and the members of every named group, resolved by
-  the same code finalize uses (:func:`resolve_layout`);
-* the config fields that matter (:class:`meshgrad.config.FinalizeConfig`) and the
-  parallel sizes the (Megatron) config asks for;
-* each parameter's name, chunk, flags, role, shape, dtype and numel, and its gradient at
-  the same deterministic sampled flat positions on every rank, before and after the call;
-* the router buffers (``local_tokens_per_expert``, ``expert_bias``, ``qb_beta``,
-  ``qb_beta_accum``, ``qb_beta_count``) whole, before and after;
-* ``num_tokens`` before and after, the step index, ``force_all_reduce``.
+* once per rank and *plan* (what stays the same from step to step), ``plan.rankRRRRR.<id>.npz``:
+  the layout (this rank's coordinates and the members of every named group, resolved by
+  the code finalize uses, :func:`resolve_layout`), the config fields that matter
+  (:class:`meshgrad.config.FinalizeConfig`) and the parallel sizes the (Megatron) config
+  asks for, each parameter's name, chunk, flags, role, shape, dtype and numel, the
+  deterministic sampled flat positions (the same on every rank for the same name and size),
+  the routers and which of their buffers exist;
+* per step and rank, ``stepSSSSSSSS.rankRRRRR.npz``: the id of its plan, the gradient values
+  at the sampled positions before and after the call, which parameters had a gradient, the
+  router buffers (``local_tokens_per_expert``, ``expert_bias``, ``qb_beta``,
+  ``qb_beta_accum``, ``qb_beta_count``) whole before and after, ``num_tokens`` before and
+  after, ``force_all_reduce``.
+
+Per step the recorder does no per-parameter Python work: the sampled values are read with
+one ``index_select`` per gradient storage (meshgrad's flat buffers, a DDP grad buffer) at
+indices computed once, whether the gradient tensors are still the same is checked at C
+speed, and the file is written by a background
+thread.
 
 Usage::
 
@@ -33,13 +42,16 @@ DP sync is audited too (its reduction must not have started yet: no
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
+import operator
 import os
-import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -51,10 +63,10 @@ from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 
 #: Version of the file layout written here (parity_tests.audit checks it).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: Router buffers recorded whole.
 ROUTER_FIELDS = ("local_tokens_per_expert", "expert_bias", "qb_beta", "qb_beta_accum", "qb_beta_count")
-#: Parameter flags recorded (SPEC.md section 2).
+#: Parameter flags recorded (docs/semantics.md).
 PARAM_FLAGS = (
     "sequence_parallel",
     "average_gradients_across_tp_domain",
@@ -81,6 +93,11 @@ def file_name(step: int, rank: int) -> str:
     return f"step{step:08d}.rank{rank:05d}.npz"
 
 
+def plan_file_name(rank: int, plan: str) -> str:
+    """The file one rank writes once per plan (what its step files share)."""
+    return f"plan.rank{rank:05d}.{plan}.npz"
+
+
 def sample_positions(name: str, numel: int, sample: int) -> np.ndarray:
     """The flat positions sampled from a gradient: the same on every rank for the same
     parameter name and size (all of them when ``numel <= sample``).
@@ -104,7 +121,9 @@ def sample_positions(name: str, numel: int, sample: int) -> np.ndarray:
 # --------------------------------------------------------------------------- layout
 
 
-def resolve_layout(model: Sequence[Any], pg_collection: Any) -> tuple[FinalizeConfig, Any, Any, Any]:
+def resolve_layout(
+    model: Sequence[Any], pg_collection: Any, validated_by: tuple[Any, int] | None = None
+) -> tuple[FinalizeConfig, Any, Any, Any]:
     """Config and groups exactly as torch_impl's finalize resolves them.
 
     The one place this module calls into torch_impl's set-up path (re-pointed when that
@@ -113,19 +132,34 @@ def resolve_layout(model: Sequence[Any], pg_collection: Any) -> tuple[FinalizeCo
     Args:
       model: the model chunks.
       pg_collection: what the finalize function is given.
+      validated_by: (the model's cached finalize state, its call count before a call):
+        when torch_impl's finalize ran exactly once since (its own call, or inside the
+        audited function), the model it discovered and checked in that call is used
+        instead of checking it again.
 
     Returns:
       (FinalizeConfig, TorchGroups, the raw chunk config, the discovered model).
     """
-    from torch_impl.finalize import ModelState, Requested, chunk_configs, parallel_state_groups
+    from torch_impl.finalize import Requested, chunk_configs, parallel_state_groups
 
     raw, ddp_config = chunk_configs(model)
-    state = ModelState.of(model)
+    state = model_state(model)
     config = state.config(raw, ddp_config)
     source = parallel_state_groups() if pg_collection is None else pg_collection
     groups = state.resolve_groups(source, config, Requested.from_config(raw))
-    _, found = state.discovered(model, config)  # cached while the gradients stay the same
+    if validated_by is not None and validated_by[0] is state and state.stats.calls == validated_by[1] + 1:
+        cached = state.found.get(config.has_mtp)
+        if cached is not None:
+            return config, groups, raw, cached[1]
+    _, found = state.discovered(model, config)  # cached while the model stays the same
     return config, groups, raw, found
+
+
+def model_state(model: Sequence[Any]) -> Any:
+    """torch_impl's cached finalize state of the chunks (created when missing)."""
+    from torch_impl.finalize import ModelState
+
+    return ModelState.of(model)
 
 
 def _members(groups: Any, group: Group, rank: int) -> list[int]:
@@ -209,7 +243,218 @@ class _Entry:
 
     info: dict[str, Any]
     positions: np.ndarray
-    index: torch.Tensor | None
+
+
+_MAIN_GRAD = operator.attrgetter("main_grad")
+_GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+class _Watch:
+    """Whether the parameters still have the same gradient tensors, at C speed (a few
+    ``map`` calls over fixed lists, no per-parameter Python): ``requires_grad``, which of
+    ``main_grad`` / ``grad`` is read, the gradient objects and their data pointers.
+
+    Args:
+      params: the parameters, in a fixed order.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.requires = list(map(_REQUIRES_GRAD, self.params))
+        self.main = [p for p in self.params if hasattr(p, "main_grad")]
+        self.plain = [p for p in self.params if not hasattr(p, "main_grad")]
+        self.grads = list(map(_MAIN_GRAD, self.main)) + list(map(_GRAD, self.plain))
+        self.tensors = [g for g in self.grads if isinstance(g, torch.Tensor)]
+        self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
+
+    def same(self) -> bool:
+        """True while every parameter reads the same gradient tensor, at the same address."""
+        try:
+            grads = list(map(_MAIN_GRAD, self.main)) + list(map(_GRAD, self.plain))
+        except AttributeError:  # a main_grad was deleted
+            return False
+        return (
+            all(map(operator.is_, grads, self.grads))
+            and not any(map(hasattr, self.plain, itertools.repeat("main_grad")))
+            and list(map(_REQUIRES_GRAD, self.params)) == self.requires
+            and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
+        )
+
+
+#: How a sampling op reads: from a storage's flat view, from a tensor, from a DTensor's parameter.
+_STORAGE, _TENSOR, _DTENSOR = 0, 1, 2
+
+
+@dataclasses.dataclass
+class _Sampler:
+    """How to read every sampled value of one set of gradient tensors, in slot order.
+
+    Args:
+      watch: tells whether the parameters still have these gradient tensors.
+      ops: (kind, source, flat indices, dtype to cast to or None) per storage or tensor.
+      perm: slot -> index into the concatenated op results (+ one NaN at the end), or None
+        where they already are in slot order.
+      present: per parameter, whether it had a gradient of its recorded size.
+      dtype: the dtype the values are kept in (float64 only for float64 gradients).
+    """
+
+    watch: Any
+    ops: list[tuple[int, Any, torch.Tensor, torch.dtype | None]]
+    perm: torch.Tensor | None
+    present: np.ndarray
+    dtype: torch.dtype
+    total: int
+
+    def read(self, fsdp: bool) -> torch.Tensor:
+        """The sampled values (a new tensor: later changes of the gradients do not show)."""
+        pieces = []
+        for kind, source, index, cast in self.ops:
+            if kind == _STORAGE:
+                piece = source.index_select(0, index)
+            elif kind == _TENSOR:
+                piece = torch.take(source, index)
+            else:
+                piece = torch.take(_grad_tensor(source, fsdp), index)
+            pieces.append(piece if cast is None else piece.to(cast))
+        if self.perm is None:
+            if len(pieces) == 1:
+                return pieces[0]
+            return torch.cat(pieces) if pieces else torch.zeros(0, dtype=self.dtype)
+        device = self.perm.device
+        pieces.append(torch.full((1,), float("nan"), dtype=self.dtype, device=device))
+        return torch.cat(pieces).index_select(0, self.perm)
+
+
+def _sampler(entries: list[_Entry], params: list[torch.Tensor], fsdp: bool) -> _Sampler:
+    """Group the sampled positions by gradient storage (one ``index_select`` each)."""
+    from torch_impl.execute import is_dtensor
+
+    dtype = torch.float64 if any(e.info["dtype"] == "float64" for e in entries) else torch.float32
+    watch = _Watch(params)
+    groups: dict[Any, tuple[torch.Tensor, list[np.ndarray], list[np.ndarray]]] = {}
+    ops: list[tuple[int, Any, torch.Tensor, torch.dtype | None]] = []
+    order: list[np.ndarray] = []
+    present: list[bool] = []
+    start = 0
+    device = None
+    for entry, param in zip(entries, params):
+        n = entry.positions.size
+        slots = np.arange(start, start + n, dtype=np.int64)
+        start += n
+        raw = getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
+        grad = _grad_tensor(param, fsdp)
+        ok = grad is not None and grad.numel() == entry.info["numel"]
+        present.append(ok)
+        if not ok:
+            continue
+        device = grad.device if device is None else device
+        cast = None if grad.dtype == dtype else dtype
+        if is_dtensor(raw):
+            ops.append((_DTENSOR, param, torch.from_numpy(entry.positions).to(grad.device), cast))
+            order.append(slots)
+            continue
+        key = None
+        if grad.is_contiguous() and grad.layout is torch.strided:
+            try:
+                key = (grad.untyped_storage().data_ptr(), grad.dtype, grad.device)
+            except (RuntimeError, NotImplementedError):
+                key = None
+        if key is None:
+            ops.append((_TENSOR, grad, torch.from_numpy(entry.positions).to(grad.device), cast))
+            order.append(slots)
+            continue
+        if key not in groups:
+            base = torch.empty(0, dtype=grad.dtype, device=grad.device).set_(grad.untyped_storage())
+            groups[key] = (base, [], [])
+        groups[key][1].append(entry.positions + grad.storage_offset())
+        groups[key][2].append(slots)
+    for base, index, slots in groups.values():
+        cast = None if base.dtype == dtype else dtype
+        ops.append((_STORAGE, base, torch.from_numpy(np.concatenate(index)).to(base.device), cast))
+        order.append(np.concatenate(slots))
+    flat = np.concatenate(order) if order else np.zeros(0, np.int64)
+    perm = None
+    if flat.size != start or not np.array_equal(flat, np.arange(start)):
+        inverse = np.full(start, flat.size, dtype=np.int64)  # absent: the NaN after the values
+        inverse[flat] = np.arange(flat.size)
+        perm = torch.from_numpy(inverse).to(device if device is not None else "cpu")
+    return _Sampler(watch, ops, perm, np.asarray(present, dtype=bool), dtype, start)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the step files of one rank share, and how to read a step.
+
+    Args:
+      key: what it was made from (the discovered model, groups, configs, chunks, group
+        source, wrapped function), compared by identity.
+      chunk_ids, source: the chunks' ids and the group source it was made for.
+      rank, fsdp: this rank; whether DTensor gradients are read as local shards.
+      entries, params: per parameter its static facts and the parameter object.
+      sampler: how to read the sampled values of the current gradient tensors.
+      routers, router_fields: the router modules, their buffers present ([index, field, shape]).
+      digest, arrays: the plan file's id and contents.
+    """
+
+    key: tuple[Any, ...]
+    chunk_ids: tuple[int, ...]
+    source: Any
+    rank: int
+    fsdp: bool
+    entries: list[_Entry]
+    params: list[torch.Tensor]
+    sampler: _Sampler
+    routers: list[nn.Module]
+    router_fields: list[list[Any]]
+    digest: str
+    arrays: dict[str, np.ndarray]
+
+    def fits(self, chunks: list[Any], source: Any, fields: list[list[Any]]) -> bool:
+        """Whether a step on ``chunks`` with ``source`` can be read with this plan: the same
+        chunk objects and group source, the same gradient tensors, the same router buffers."""
+        return (
+            self.chunk_ids == tuple(map(id, chunks))
+            and self.source is source
+            and fields == self.router_fields
+            and self.sampler.watch.same()
+        )
+
+    def reads_like(self, other: "_Plan") -> bool:
+        """Whether values read with ``other`` are this plan's: the same parameters, sampled
+        positions and routers, in the same order."""
+        return (
+            len(self.params) == len(other.params)
+            and all(map(operator.is_, self.params, other.params))
+            and all(map(operator.is_, self.entries, other.entries))
+            and len(self.routers) == len(other.routers)
+            and all(map(operator.is_, self.routers, other.routers))
+            and self.router_fields == other.router_fields
+        )
+
+
+def _router_values(routers: list[nn.Module]) -> tuple[list[list[Any]], list[torch.Tensor]]:
+    """(fields: [router index, field, shape] of every buffer present, their tensors)."""
+    fields: list[list[Any]] = []
+    tensors: list[torch.Tensor] = []
+    for i, module in enumerate(routers):
+        for field in ROUTER_FIELDS:
+            buffer = getattr(module, field, None)
+            if isinstance(buffer, torch.Tensor):
+                fields.append([i, field, list(buffer.shape)])
+                tensors.append(buffer)
+    return fields, tensors
+
+
+def _concat64(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors flattened into one new float64 tensor (None when there are none)."""
+    if not tensors:
+        return None
+    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+
+
+def _numpy(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.detach().cpu().numpy()
 
 
 class Recorder:
@@ -220,8 +465,9 @@ class Recorder:
       sample: positions sampled per gradient.
       finalize: the wrapped function (default: :func:`torch_impl.finalize_model_grads`).
       start_step: step index of the first call; each call adds one.
-      background: write each file in a thread (the call returns once the values are
-        copied); :meth:`flush` (or leaving :func:`record`) waits for it.
+      background: write the files in a thread (the call returns once the values are
+        copied); :meth:`flush` (or leaving :func:`record`, or the interpreter's exit)
+        waits for it.
     """
 
     def __init__(
@@ -247,12 +493,14 @@ class Recorder:
         self.finalize = finalize
         self.step = start_step
         self.files: list[str] = []
-        self._entries: dict[tuple[Any, ...], _Entry] = {}
         self.background = background
-        self._writer: threading.Thread | None = None
-        self._error: Exception | None = None
-        self._model: tuple[Any, list[_Entry], list[torch.Tensor], bytes] | None = None
-        self._plan: tuple[tuple[int, ...], list[Any], np.ndarray, list[bool]] | None = None
+        self._entries: dict[tuple[Any, ...], _Entry] = {}
+        self._plan: _Plan | None = None
+        self.plans_made = 0
+        self._written: set[str] = set()
+        self._made_dir = False
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[concurrent.futures.Future[None]] = []
 
     # ------------------------------------------------------------------ call
     def __call__(
@@ -264,36 +512,138 @@ class Recorder:
     ) -> Any:
         """Record, run the wrapped finalize, record again, write this rank's file.
 
+        Per step, while the model, its gradient tensors and the group source stay the
+        same, the last plan is used without re-resolving anything before the call; after
+        it, the layout is resolved again (for free when torch_impl's finalize ran: it
+        just checked the model) and a changed plan is written anew.
+
         Returns:
           What the wrapped function returned.
         """
         chunks = [model] if isinstance(model, nn.Module) else list(model)
-        config, groups, raw, found = resolve_layout(chunks, pg_collection)
-        rank = int(groups.rank)
-        fsdp = bool(config.use_megatron_fsdp)
-        if self._model is None or self._model[0] is not found:
-            entries = [self._entry(spec, found.tensors[spec.key]) for spec in found.params]
-            info = json.dumps([e.info for e in entries]).encode()
-            self._model = (found, entries, [found.tensors[spec.key] for spec in found.params], info)
-        _, entries, params, params_json = self._model
-        routers = list(found.router_modules.items())
+        state = model_state(chunks)
+        calls = state.stats.calls
+        plan = self._plan
+        fields, buffers = ([], []) if plan is None else _router_values(plan.routers)
+        if plan is None or not plan.fits(chunks, pg_collection, fields):
+            plan = self._current_plan(chunks, pg_collection, resolve_layout(chunks, pg_collection))
+            fields, buffers = _router_values(plan.routers)
         with torch.no_grad():
-            before, present = self._gather(entries, params, fsdp)
-            routers_before = self._routers(routers)
-            tokens_before = None if num_tokens is None else float(num_tokens.detach().reshape(-1)[0].item())
+            before = plan.sampler.read(plan.fsdp)
+            present_before = plan.sampler.present
+            routers_before = _concat64(buffers)
+            tokens_before = None if num_tokens is None else num_tokens.detach().reshape(-1)[:1].clone()
         result = self.finalize(chunks, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        checked = self._current_plan(chunks, pg_collection, resolve_layout(chunks, pg_collection, (state, calls)))
+        if checked is not plan:
+            if not checked.reads_like(plan):
+                warnings.warn(
+                    f"audit: step {self.step} not recorded: the model changed in a way only the call could see "
+                    "(parameters or routers added or removed); the next step is recorded", RuntimeWarning, stacklevel=2)
+                self.step += 1
+                return result
+            plan = checked
         with torch.no_grad():
-            after, present_after = self._gather(entries, params, fsdp)
-            routers_after = self._routers(routers)
-            tokens_after = None if num_tokens is None else float(num_tokens.detach().reshape(-1)[0].item())
+            sampler = plan.sampler if plan.sampler.watch.same() else _sampler(plan.entries, plan.params, plan.fsdp)
+            after = sampler.read(plan.fsdp)
+            fields_after, buffers = _router_values(plan.routers)
+            routers_after = _concat64(buffers)
+            tokens = None
+            if tokens_before is not None:
+                tokens = torch.cat([tokens_before, num_tokens.detach().reshape(-1)[:1]]).to(torch.float64).cpu().tolist()
+        rank = plan.rank
         meta = {
             "format": FORMAT_VERSION,
             "step": self.step,
             "rank": rank,
+            "plan": plan.digest,
+            "force_all_reduce": bool(force_all_reduce),
+            "num_tokens": {
+                "before": None if tokens is None else tokens[0],
+                "after": None if tokens is None else tokens[1],
+                "dtype": None if num_tokens is None else str(num_tokens.dtype).removeprefix("torch."),
+            },
+        }
+        if fields_after != plan.router_fields:
+            meta["router_fields_after"] = fields_after
+        arrays: dict[str, np.ndarray] = {
+            "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+            "grads": np.stack([_numpy(before), _numpy(after)]),
+            "has_grad": np.stack([present_before, sampler.present]),
+        }
+        if routers_before is not None:
+            arrays["routers_before"] = _numpy(routers_before)
+        if routers_after is not None:
+            arrays["routers_after"] = _numpy(routers_after)
+        path = os.path.join(self.directory, file_name(self.step, rank))
+        plan_path = None
+        if plan.digest not in self._written:
+            self._written.add(plan.digest)
+            plan_path = os.path.join(self.directory, plan_file_name(rank, plan.digest))
+        self.files.append(path)
+        self.step += 1
+        if self.background:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-writer")
+            self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
+            self._pending.append(self._executor.submit(self._write, arrays, path, plan.arrays, plan_path))
+        else:
+            self._write(arrays, path, plan.arrays, plan_path)
+        return result
+
+    def flush(self) -> None:
+        """Wait until every file is written (re-raises the first error of the writer)."""
+        pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Flush and stop the writer thread."""
+        try:
+            self.flush()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def wrap(self, fn: FinalizeFn) -> FinalizeFn:
+        """A recorder of ``fn`` with this one's directory, sample and step counter."""
+        self.finalize = fn
+        return self
+
+    # ------------------------------------------------------------------ plan
+    def _current_plan(self, chunks: list[Any], source: Any, facts: tuple[FinalizeConfig, Any, Any, Any]) -> _Plan:
+        """The plan for these facts: the last one while nothing it was made from changed."""
+        config, groups, raw, found = facts
+        sizes = tuple(getattr(raw, name, None) if raw is not None else None for name in CONFIG_SIZES)
+        key = (found, groups, config, raw, sizes, tuple(map(id, chunks)), source, tuple(_ddp_chunks(chunks)), self.finalize)
+        plan = self._plan
+        if plan is not None and len(plan.key) == len(key) and all(map(_same, plan.key, key)):
+            if plan.sampler.watch.same() and _router_values(plan.routers)[0] == plan.router_fields:
+                return plan
+        self._plan = plan = self._make_plan(key, chunks, source, config, groups, raw, found)
+        self.plans_made += 1
+        return plan
+
+    def _make_plan(self, key: tuple[Any, ...], chunks: list[Any], source: Any, config: FinalizeConfig, groups: Any,
+                   raw: Any, found: Any) -> _Plan:
+        """Entries (cached per parameter), sampler, the static facts and their digest."""
+        fsdp = bool(config.use_megatron_fsdp)
+        params = [found.tensors[spec.key] for spec in found.params]
+        entries = [self._entry(spec, param) for spec, param in zip(found.params, params)]
+        sampler = _sampler(entries, params, fsdp)
+        routers = [found.router_modules[spec.key] for spec in found.routers]
+        fields, _ = _router_values(routers)
+        rank = int(groups.rank)
+        finalize = self.finalize
+        static = {
+            "format": FORMAT_VERSION,
+            "rank": rank,
             "world_size": int(torch.distributed.get_world_size()) if torch.distributed.is_initialized() else 1,
             "sample": self.sample,
-            "finalize": f"{getattr(self.finalize, '__module__', '?')}.{getattr(self.finalize, '__qualname__', type(self.finalize).__name__)}",
-            "force_all_reduce": bool(force_all_reduce),
+            "finalize": f"{getattr(finalize, '__module__', '?')}.{getattr(finalize, '__qualname__', type(finalize).__name__)}",
             "num_chunks": len(chunks),
             "ddp_chunks": _ddp_chunks(chunks),
             "config": _config_dict(config, raw),
@@ -304,58 +654,17 @@ class Recorder:
                  "has_aux_loss_tracker": spec.has_aux_loss_tracker}
                 for spec in found.routers
             ],
-            "num_tokens": {
-                "before": tokens_before,
-                "after": tokens_after,
-                "dtype": None if num_tokens is None else str(num_tokens.dtype).removeprefix("torch."),
-            },
+            "router_fields": fields,
+            "params": [e.info for e in entries],
         }
-        arrays: dict[str, np.ndarray] = {
-            "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-            "params": np.frombuffer(params_json, dtype=np.uint8),
-            "has_grad": np.asarray(present, dtype=bool),
-            "has_grad_after": np.asarray(present_after, dtype=bool),
-            "grad_before": before,
-            "grad_after": after,
-            "positions": self._positions(entries),
-        }
-        for i, (b, a) in enumerate(zip(routers_before, routers_after)):
-            for field in ROUTER_FIELDS:
-                if b[field] is not None:
-                    arrays[f"router{i}.{field}.before"] = b[field]
-                if a[field] is not None:
-                    arrays[f"router{i}.{field}.after"] = a[field]
-        if not any(e.info["dtype"] == "float64" for e in entries):  # every value fits float32 exactly
-            arrays["grad_before"] = arrays["grad_before"].astype(np.float32)
-            arrays["grad_after"] = arrays["grad_after"].astype(np.float32)
-        if arrays["positions"].size and int(arrays["positions"].max()) < 2**31:
-            arrays["positions"] = arrays["positions"].astype(np.int32)
-        self.flush()  # one write in flight at a time
-        path = os.path.join(self.directory, file_name(self.step, rank))
-        self.files.append(path)
-        if self.background:
-            self._writer = threading.Thread(target=self._write, args=(arrays, path), daemon=False)
-            self._writer.start()
-        else:
-            self._write(arrays, path)
-        self.step += 1
-        return result
+        positions = np.concatenate([e.positions for e in entries]) if entries else np.zeros(0, np.int64)
+        if not positions.size or int(positions.max()) < 2**31:
+            positions = positions.astype(np.int32)
+        text = json.dumps(static, sort_keys=True).encode()
+        digest = hashlib.blake2b(text + positions.tobytes(), digest_size=8).hexdigest()
+        arrays = {"plan": np.frombuffer(text, dtype=np.uint8), "positions": positions}
+        return _Plan(key, tuple(map(id, chunks)), source, rank, fsdp, entries, params, sampler, routers, fields, digest, arrays)
 
-    def flush(self) -> None:
-        """Wait until the last file is written (re-raises an error of the writer)."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def wrap(self, fn: FinalizeFn) -> FinalizeFn:
-        """A recorder of ``fn`` with this one's directory, sample and step counter."""
-        self.finalize = fn
-        return self
-
-    # ------------------------------------------------------------------ helpers
     def _entry(self, spec: Any, param: torch.Tensor) -> _Entry:
         grad = getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
         shape = tuple(grad.shape) if grad is not None and not hasattr(grad, "to_local") else tuple(param.shape)
@@ -376,90 +685,33 @@ class Recorder:
                 "samples": int(positions.size),
                 **{f: bool(getattr(spec, f)) for f in PARAM_FLAGS},
             }
-            entry = _Entry(info, positions, None)
+            entry = _Entry(info, positions)
             self._entries[key] = entry
         return entry
 
-    def _positions(self, entries: list[_Entry]) -> np.ndarray:
-        return np.concatenate([e.positions for e in entries]) if entries else np.zeros(0, np.int64)
-
-    def _gather(self, entries: list[_Entry], params: list[torch.Tensor], fsdp: bool) -> tuple[np.ndarray, list[bool]]:
-        """The sampled values of every gradient, float64, concatenated (NaN where absent).
-
-        Gradients that are contiguous views of one storage (meshgrad's buffers, a Megatron
-        DDP's grad buffer) are sampled with one ``index_select`` per storage; the plan is
-        kept while the gradient tensors stay the same objects.
-        """
-        grads = [_grad_tensor(p, fsdp) for p in params]
-        ident = tuple(0 if g is None else id(g) for g in grads)
-        if self._plan is None or self._plan[0] != ident:
-            self._plan = self._sampling_plan(entries, grads, ident)
-        _, ops, order, present = self._plan
-        total = sum(e.positions.size for e in entries)
-        if not ops:
-            return np.full(total, np.nan), present
-        pieces = [base.index_select(0, index).to(torch.float64) for base, index in ops]
-        values = torch.cat(pieces).cpu().numpy() if len(pieces) > 1 else pieces[0].cpu().numpy()
-        out = np.full(total, np.nan)
-        out[order] = values
-        return out, present
-
-    def _sampling_plan(
-        self, entries: list[_Entry], grads: list[torch.Tensor | None], ident: tuple[int, ...]
-    ) -> tuple[tuple[int, ...], list[Any], np.ndarray, list[bool]]:
-        groups: dict[Any, tuple[torch.Tensor, list[np.ndarray], list[np.ndarray]]] = {}
-        ops: list[Any] = []
-        order: list[np.ndarray] = []
-        present: list[bool] = []
-        start = 0
-        for entry, grad in zip(entries, grads):
-            n = entry.positions.size
-            slots = np.arange(start, start + n)
-            start += n
-            ok = grad is not None and grad.numel() == entry.info["numel"]
-            present.append(ok)
-            if not ok:
-                continue
-            try:
-                key = (grad.untyped_storage().data_ptr(), grad.dtype, grad.device) if grad.is_contiguous() else None
-            except (RuntimeError, NotImplementedError):
-                key = None
-            if key is None:
-                ops.append((grad.reshape(-1), torch.from_numpy(entry.positions).to(grad.device)))
-                order.append(slots)
-                continue
-            if key not in groups:
-                base = torch.empty(0, dtype=grad.dtype, device=grad.device).set_(grad.untyped_storage())
-                groups[key] = (base, [], [])
-            groups[key][1].append(entry.positions + grad.storage_offset())
-            groups[key][2].append(slots)
-        for base, index, slots in groups.values():
-            ops.append((base, torch.from_numpy(np.concatenate(index)).to(base.device)))
-            order.append(np.concatenate(slots))
-        flat = np.concatenate(order) if order else np.zeros(0, np.int64)
-        return ident, ops, flat, present
-
-    @staticmethod
-    def _routers(routers: list[tuple[Any, nn.Module]]) -> list[dict[str, np.ndarray | None]]:
-        out = []
-        for _, module in routers:
-            values: dict[str, np.ndarray | None] = {}
-            for field in ROUTER_FIELDS:
-                buffer = getattr(module, field, None)
-                values[field] = (
-                    buffer.detach().to(torch.float64).cpu().numpy().copy() if isinstance(buffer, torch.Tensor) else None
-                )
-            out.append(values)
-        return out
-
-    def _write(self, arrays: dict[str, np.ndarray], path: str) -> None:
+    # ------------------------------------------------------------------ write
+    def _write(self, arrays: dict[str, np.ndarray], path: str, plan: dict[str, np.ndarray], plan_path: str | None) -> None:
+        """Write the plan file (first time only) and the step file, each atomically."""
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            tmp = path + ".tmp.npz"
-            np.savez(tmp, **arrays)
-            os.replace(tmp, path)
+            if not self._made_dir:
+                os.makedirs(self.directory, exist_ok=True)
+                self._made_dir = True
+            if plan_path is not None:
+                _save(plan_path, plan)
+            _save(path, arrays)
         except Exception as err:  # reported by flush()
-            self._error = OSError(f"audit: could not write {path}: {type(err).__name__}: {err}")
+            raise OSError(f"audit: could not write {path}: {type(err).__name__}: {err}") from err
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Identity, or equality for plain values (the parts of a plan key)."""
+    return a is b or (isinstance(a, (tuple, int, str)) and a == b)
+
+
+def _save(path: str, arrays: dict[str, np.ndarray]) -> None:
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -484,7 +736,7 @@ def record(
     try:
         yield recorder
     finally:
-        recorder.flush()
+        recorder.close()
 
 
 def audited(

@@ -610,11 +610,17 @@ def agree(status: Sequence[int], groups: TorchGroups, what: str) -> list[int]:
     if not pgs:
         return list(status)
     value = torch.tensor(list(status), dtype=torch.int64, device=_device_for(pgs[0][1]))
+    span = 1
+    for group, _ in pgs:
+        span *= groups.size(group)
+    if span == world_size() and len(pgs) > 1:
+        # The model spans the world: one all-gather over it reaches every rank at once.
+        pgs = [(None, dist.group.WORLD)]
     for group, pg in pgs:
         # An all-gather and a local max (not an all_reduce): the checks' collectives stay
         # apart from the plan's all-reduces (which tests and benchmarks count).
-        out = [torch.empty_like(value) for _ in range(groups.size(group))]
-        with collective_guard(f"{what} over {group.value!r}", groups, group):
+        out = [torch.empty_like(value) for _ in range(groups.size(group) if group else world_size())]
+        with collective_guard(f"{what} over {group.value if group else 'the world'!r}", groups, group):
             dist.all_gather(out, value, group=pg)
         value = torch.stack(out).amax(dim=0)
     return [int(v) for v in value.tolist()]
