@@ -1,9 +1,11 @@
 """jax_impl: execute a meshgrad FinalizePlan inside ``jax.shard_map`` (the numerical oracle).
 
-Submodules (mirroring torch_impl): ``mesh`` (dense / expert Mesh views, fake host
-devices), ``discover`` (ParamSpecs from spec trees / flax.nnx metadata), ``execute`` (one
-pure function per plan action), ``finalize`` (pure, jittable finalize and a stacked
-helper).
+Submodules (mirroring torch_impl's file names): ``mesh`` (dense / expert Mesh views, fake
+host devices), ``groups`` (named groups as collectives over mesh axes), ``discover``
+(ParamSpecs from spec trees / flax.nnx metadata), ``checks`` (input checks before
+anything runs), ``execute`` (one pure executor per action type, in one table),
+``finalize`` (pure, jittable finalize and a stacked helper). Errors are
+:mod:`meshgrad.errors` types, as in torch_impl.
 
 Names are imported lazily so that ``jax_impl.mesh.ensure_host_devices`` can run before
 jax itself is imported; ``dir(jax_impl)`` lists them (``__all__``) without importing jax.
@@ -26,13 +28,13 @@ _EXPORTS = {
     "router_specs": "jax_impl.discover",
     "execute_local": "jax_impl.execute",
     "execute_stacked": "jax_impl.execute",
-    "Collectives": "jax_impl.execute",
+    "Collectives": "jax_impl.groups",
     "finalize_stacked": "jax_impl.finalize",
-    "check_keys": "jax_impl.finalize",
+    "check_keys": "jax_impl.checks",
 }
 
 #: Submodules, listed by ``dir(jax_impl)`` too.
-SUBMODULES = ("discover", "execute", "finalize", "mesh")
+SUBMODULES = ("checks", "discover", "execute", "finalize", "groups", "mesh")
 
 __all__ = sorted(_EXPORTS)
 

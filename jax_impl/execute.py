@@ -3,7 +3,8 @@
 Every action is a pure function of per-rank *local* values (inside ``jax.shard_map``):
 Reduction -> ``lax.psum`` over the group's axis names, StageReduction -> a masked psum
 along ``pp``, router updates -> ``meshgrad.rules`` with ``jax.numpy``. Which gradients go
-where is read from the plan, never re-derived.
+where is read from the plan, never re-derived. :data:`EXECUTORS` is the one table from
+action type to executor (what it runs, what it reads and writes).
 
 :func:`execute_stacked` runs a list of actions on values stacked along a leading world
 dimension (rank order): consecutive actions that fit one mesh view run in one
@@ -14,18 +15,16 @@ expert view.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from meshgrad import rules
-from meshgrad.axes import DENSE_AXES, GROUP_AXES, Axis, Group, ParallelDims
-from meshgrad.params import ParamKey
-from meshgrad.plan import (
+from meshgrad.actions import (
     Action,
     ExpertBiasUpdate,
     QbBetaUpdate,
@@ -35,12 +34,19 @@ from meshgrad.plan import (
     StageReduction,
     TokenScale,
 )
+from meshgrad.axes import Group, ParallelDims
+from meshgrad.errors import FinalizeInputError, MissingInputError
+from meshgrad.params import ParamKey
 
+from jax_impl.groups import Collectives, view_for
 from jax_impl.mesh import VIEWS, MeshViews
 
 Array = jax.Array
 Grads = dict[ParamKey, Array]
 RouterStates = dict[ParamKey, dict[str, Array]]
+RouterField = tuple[ParamKey, str]
+#: (gradient keys, (router key, field) pairs, uses num_tokens) an action reads or writes.
+Touched = tuple[tuple[ParamKey, ...], tuple[RouterField, ...], bool]
 
 #: Router state fields (names as in Megatron's router module).
 TOKENS = "local_tokens_per_expert"
@@ -61,75 +67,9 @@ class LocalState:
     num_tokens: Array | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Collectives:
-    """Group sums for per-rank values inside a ``shard_map`` over one mesh view.
-
-    Args:
-      dims: the parallel dimensions.
-      view: the axes bound by the enclosing ``shard_map`` (DENSE_AXES or EXPERT_AXES).
-    """
-
-    dims: ParallelDims
-    view: tuple[Axis, ...] = DENSE_AXES
-
-    def axes(self, group: Group) -> tuple[str, ...]:
-        """The group's axes of size > 1 (size-1 axes need no communication)."""
-        return tuple(a.value for a in GROUP_AXES[group] if self.dims.size(a) > 1)
-
-    def size(self, group: Group) -> int:
-        return self.dims.group_size(group)
-
-    def stage(self) -> Array:
-        """This rank's pp stage."""
-        return lax.axis_index(Axis.PP.value) if self.dims.pp > 1 else jnp.zeros((), jnp.int32)
-
-    def sum(self, x: Any, group: Group) -> Any:
-        """SUM of ``x`` (an array or a list of arrays: one collective) over ``group``.
-
-        A group whose axes are not all in the view (an expert group on the dense view) is
-        summed by gathering over the view's inner axes and masking to the group.
-        """
-        axes = self.axes(group)
-        if not axes:
-            return x
-        if {Axis(a) for a in axes} <= set(self.view):
-            return lax.psum(x, axes)
-        return jax.tree.map(lambda leaf: self._masked_sum(leaf, group), x)
-
-    def in_view(self, group: Group) -> bool:
-        """Whether every communicating axis of ``group`` is bound by this view."""
-        return {Axis(a) for a in self.axes(group)} <= set(self.view)
-
-    def member_index(self, group: Group) -> Array:
-        """This rank's index in its ``group`` (members ordered by global rank)."""
-        rank = jnp.zeros((), jnp.int32)
-        for axis in self.view:
-            rank = rank * self.dims.size(axis) + lax.axis_index(axis.value)
-        table = np.zeros(self.dims.world_size, dtype=np.int32)
-        for r in range(self.dims.world_size):
-            table[r] = self.dims.group_ranks(group, r).index(r)
-        return jnp.asarray(table)[rank]
-
-    def _masked_sum(self, x: Array, group: Group) -> Array:
-        if Axis.PP in GROUP_AXES[group]:
-            raise NotImplementedError(f"group {group} varies pp and is not on the {self.view} view")
-        inner_axes = tuple(a.value for a in self.view if a is not Axis.PP and self.dims.size(a) > 1)
-        inner = self.dims.world_size // self.dims.pp
-        member = np.zeros((inner, inner), dtype=bool)
-        for i in range(inner):  # ranks of stage 0; every stage has the same pattern
-            member[i, self.dims.group_ranks(group, i)] = True
-        index = jnp.zeros((), jnp.int32)
-        for name in inner_axes:
-            index = index * self.dims.size(Axis(name)) + lax.axis_index(name)
-        gathered = lax.all_gather(x, inner_axes)
-        row = jnp.asarray(member)[index].reshape((inner,) + (1,) * x.ndim)
-        return jnp.sum(jnp.where(row, gathered, jnp.zeros((), x.dtype)), axis=0).astype(x.dtype)
-
-
 def _get(grads: Mapping[ParamKey, Array], key: ParamKey, what: str) -> Array:
     if key not in grads:
-        raise KeyError(f"{what}: gradient of {key[1]!r} (chunk {key[0]}) is missing")
+        raise MissingInputError(f"{what}: gradient of {key[1]!r} (chunk {key[0]}) is missing")
     return grads[key]
 
 
@@ -138,7 +78,7 @@ def apply_reduction(action: Reduction, grads: Grads, comm: Collectives) -> Grads
 
     Other chunks' copies are summed into each key first and overwritten after. A
     reduce-scatter (``scatter``) reduces only this rank's shard (see
-    ``meshgrad.plan.scatter_shard``); the rest keeps the local pre-scaled values.
+    ``meshgrad.layout.scatter_shard``); the rest keeps the local pre-scaled values.
 
     Args:
       action: the planned reduction.
@@ -177,7 +117,7 @@ def apply_reduction(action: Reduction, grads: Grads, comm: Collectives) -> Grads
 
 
 def _reduce_scatter(parts: list[Array], action: Reduction, comm: Collectives) -> list[Array]:
-    """Reduce-scatter with meshgrad's shard layout (``meshgrad.plan.scatter_shard``).
+    """Reduce-scatter with meshgrad's shard layout (``meshgrad.layout.scatter_shard``).
 
     The parts are flattened into one zero-padded buffer; this rank's shard is reduced
     (``lax.psum_scatter`` when the group is on this view), every other element keeps the
@@ -208,15 +148,12 @@ def apply_stage_reduction(action: StageReduction, grads: Grads, comm: Collective
 
     Non-member stages contribute zero and keep their values.
     """
-    keys: list[ParamKey] = []
-    for key in action.keys_by_stage:
-        if key is not None and key not in keys:
-            keys.append(key)
+    keys = action.distinct_keys()
     if not keys:
         return dict(grads)
     shapes = {_get(grads, k, str(action.step)).shape for k in keys}
     if len(shapes) > 1:
-        raise ValueError(f"{action.step}: gradients {keys} differ in shape {sorted(shapes)}")
+        raise FinalizeInputError(f"{action.step}: gradients {list(keys)} differ in shape {sorted(shapes)}")
     stage = comm.stage()
     masks = {}
     contribution = jnp.zeros_like(grads[keys[0]])
@@ -234,10 +171,10 @@ def apply_stage_reduction(action: StageReduction, grads: Grads, comm: Collective
 def _router_field(routers: RouterStates, key: ParamKey, field: str, num_experts: int | None) -> Array:
     state = routers.get(key)
     if state is None or field not in state:
-        raise KeyError(f"router {key[1]!r} (chunk {key[0]}) has no {field!r}")
+        raise MissingInputError(f"router {key[1]!r} (chunk {key[0]}) has no {field!r}")
     value = state[field]
     if num_experts is not None and tuple(value.shape) != (num_experts,):
-        raise ValueError(
+        raise FinalizeInputError(
             f"router {key[1]!r} (chunk {key[0]}): {field} has shape {tuple(value.shape)}, "
             f"planned ({num_experts},)"
         )
@@ -312,23 +249,86 @@ def apply_token_scale(action: TokenScale, grads: Grads, num_tokens: Array, comm:
     return out
 
 
+
+# --------------------------------------------------------------------------- the table
+
+
+@dataclasses.dataclass(frozen=True)
+class Executor:
+    """How this backend runs one action type.
+
+    Args:
+      run: (action, one rank's state, collectives) -> the new state.
+      touches: action -> what it reads or writes (:data:`Touched`).
+    """
+
+    run: Callable[[Any, LocalState, Collectives], LocalState]
+    touches: Callable[[Any], Touched]
+
+
+def _run_reduction(action: Reduction, state: LocalState, comm: Collectives) -> LocalState:
+    return dataclasses.replace(state, grads=apply_reduction(action, state.grads, comm))
+
+
+def _run_stage_reduction(action: StageReduction, state: LocalState, comm: Collectives) -> LocalState:
+    return dataclasses.replace(state, grads=apply_stage_reduction(action, state.grads, comm))
+
+
+def _run_expert_bias(action: ExpertBiasUpdate, state: LocalState, comm: Collectives) -> LocalState:
+    return dataclasses.replace(state, routers=apply_expert_bias(action, state.routers, comm))
+
+
+def _run_qb_beta(action: QbBetaUpdate, state: LocalState, comm: Collectives) -> LocalState:
+    return dataclasses.replace(state, routers=apply_qb_beta(action, state.routers, comm))
+
+
+def _run_reset(action: ResetTemporaries, state: LocalState, comm: Collectives) -> LocalState:
+    return dataclasses.replace(state, routers=apply_reset(action, state.routers))
+
+
+def _run_token_scale(action: TokenScale, state: LocalState, comm: Collectives) -> LocalState:
+    if state.num_tokens is None:
+        raise FinalizeInputError("TokenScale action but num_tokens is None")
+    return dataclasses.replace(state, grads=apply_token_scale(action, state.grads, state.num_tokens, comm))
+
+
+def _router_fields(keys: Sequence[ParamKey], fields: Sequence[str]) -> tuple[RouterField, ...]:
+    return tuple((k, f) for k in keys for f in fields)
+
+
+def _reset_fields(action: ResetTemporaries) -> Touched:
+    fields = _router_fields(action.zero_tokens, (TOKENS,)) + _router_fields(action.zero_qb, (QB_ACCUM, QB_COUNT))
+    return (), fields + _router_fields(action.reset_aux_loss, (AUX_LOSS,)), False
+
+
+#: Action type -> executor: the one place this backend switches on the action type.
+EXECUTORS: Mapping[type, Executor] = types.MappingProxyType({
+    Reduction: Executor(_run_reduction, lambda a: (a.all_keys, (), False)),
+    StageReduction: Executor(_run_stage_reduction, lambda a: (a.distinct_keys(), (), False)),
+    ExpertBiasUpdate: Executor(_run_expert_bias, lambda a: ((), _router_fields(a.routers, (TOKENS, EXPERT_BIAS)), False)),
+    QbBetaUpdate: Executor(
+        _run_qb_beta, lambda a: ((), _router_fields(a.routers, (QB_ACCUM, QB_COUNT, QB_BETA)), False)
+    ),
+    ResetTemporaries: Executor(_run_reset, _reset_fields),
+    TokenScale: Executor(_run_token_scale, lambda a: (a.keys, (), True)),
+})
+
+
+def executor(action: Action) -> Executor:
+    """The executor of ``action``'s type.
+
+    Raises:
+      TypeError: an action type this backend has no executor for.
+    """
+    found = EXECUTORS.get(type(action))
+    if found is None:
+        raise TypeError(f"unknown plan action {type(action).__name__}")
+    return found
+
+
 def apply_action(action: Action, state: LocalState, comm: Collectives) -> LocalState:
     """Apply one planned action to one rank's local state (inside shard_map)."""
-    if isinstance(action, Reduction):
-        return dataclasses.replace(state, grads=apply_reduction(action, state.grads, comm))
-    if isinstance(action, StageReduction):
-        return dataclasses.replace(state, grads=apply_stage_reduction(action, state.grads, comm))
-    if isinstance(action, ExpertBiasUpdate):
-        return dataclasses.replace(state, routers=apply_expert_bias(action, state.routers, comm))
-    if isinstance(action, QbBetaUpdate):
-        return dataclasses.replace(state, routers=apply_qb_beta(action, state.routers, comm))
-    if isinstance(action, ResetTemporaries):
-        return dataclasses.replace(state, routers=apply_reset(action, state.routers))
-    if isinstance(action, TokenScale):
-        if state.num_tokens is None:
-            raise ValueError("TokenScale action but num_tokens is None")
-        return dataclasses.replace(state, grads=apply_token_scale(action, state.grads, state.num_tokens, comm))
-    raise TypeError(f"unknown plan action {type(action).__name__}")
+    return executor(action).run(action, state, comm)
 
 
 def execute_local(actions: Sequence[Action], state: LocalState, comm: Collectives) -> LocalState:
@@ -338,55 +338,19 @@ def execute_local(actions: Sequence[Action], state: LocalState, comm: Collective
     return state
 
 
-# --------------------------------------------------------------------------- stacked
-
-
-def action_groups(action: Action) -> tuple[Group, ...]:
-    """The groups an action communicates over."""
-    if isinstance(action, ResetTemporaries):
-        return ()
-    if isinstance(action, TokenScale):
-        return (Group.PP, action.group)
-    return (action.group,)
-
-
-def view_of(action: Action, dims: ParallelDims) -> str | None:
-    """"dense", "expert", or None when the action fits either view."""
-    axes = {a for g in action_groups(action) for a in GROUP_AXES[g] if dims.size(a) > 1}
-    fits = [name for name, view in VIEWS.items() if axes <= set(view)]
-    if not fits:
-        raise ValueError(f"{type(action).__name__} mixes dense and expert axes {sorted(axes)}")
-    return None if len(fits) == len(VIEWS) else fits[0]
-
-
-RouterField = tuple[ParamKey, str]
-
-
-def touched(action: Action) -> tuple[tuple[ParamKey, ...], tuple[RouterField, ...], bool]:
+def touched(action: Action) -> Touched:
     """(gradient keys, (router key, field) pairs, uses num_tokens) read or written.
 
     ``aux_loss_tracker`` fields are listed for every router whose tracker is reset; they
     are optional in the router state.
     """
-    if isinstance(action, Reduction):
-        return action.all_keys, (), False
-    if isinstance(action, StageReduction):
-        return tuple(dict.fromkeys(k for k in action.keys_by_stage if k is not None)), (), False
-    if isinstance(action, ExpertBiasUpdate):
-        return (), tuple((k, f) for k in action.routers for f in (TOKENS, EXPERT_BIAS)), False
-    if isinstance(action, QbBetaUpdate):
-        return (), tuple((k, f) for k in action.routers for f in (QB_ACCUM, QB_COUNT, QB_BETA)), False
-    if isinstance(action, ResetTemporaries):
-        fields = [(k, TOKENS) for k in action.zero_tokens]
-        fields += [(k, f) for k in action.zero_qb for f in (QB_ACCUM, QB_COUNT)]
-        fields += [(k, AUX_LOSS) for k in action.reset_aux_loss]
-        return (), tuple(fields), False
-    if isinstance(action, TokenScale):
-        return action.keys, (), True
-    raise TypeError(f"unknown plan action {type(action).__name__}")
+    return executor(action).touches(action)
 
 
-def touched_all(actions: Sequence[Action]) -> tuple[tuple[ParamKey, ...], tuple[RouterField, ...], bool]:
+# --------------------------------------------------------------------------- stacked
+
+
+def touched_all(actions: Sequence[Action]) -> Touched:
     """Union of :func:`touched` over ``actions``, in first-use order."""
     grad_keys: dict[ParamKey, None] = {}
     fields: dict[RouterField, None] = {}
@@ -399,6 +363,11 @@ def touched_all(actions: Sequence[Action]) -> tuple[tuple[ParamKey, ...], tuple[
     return tuple(grad_keys), tuple(fields), tokens
 
 
+def view_of(action: Action, dims: ParallelDims) -> str | None:
+    """"dense", "expert", or None when the action fits either view."""
+    return view_for(action.groups(), dims, type(action).__name__)
+
+
 def select(
     grads: Mapping[ParamKey, Any],
     routers: Mapping[ParamKey, Mapping[str, Any]],
@@ -407,7 +376,7 @@ def select(
     """The gradients and router fields ``actions`` use (optional aux-loss fields if present).
 
     Raises:
-      KeyError: a planned gradient, router or required router field is missing.
+      MissingInputError: a planned gradient, router or required router field is missing.
     """
     grad_keys, fields, tokens = touched_all(actions)
     sub_grads = {k: _get(grads, k, "finalize") for k in grad_keys}
@@ -417,11 +386,11 @@ def select(
         if state is None and field == AUX_LOSS:  # optional: absent router state is fine
             continue
         if state is None:
-            raise KeyError(f"router {key[1]!r} (chunk {key[0]}) is missing")
+            raise MissingInputError(f"router {key[1]!r} (chunk {key[0]}) is missing")
         if field in state:
             sub_routers.setdefault(key, {})[field] = state[field]
         elif field != AUX_LOSS:
-            raise KeyError(f"router {key[1]!r} (chunk {key[0]}) has no {field!r}")
+            raise MissingInputError(f"router {key[1]!r} (chunk {key[0]}) has no {field!r}")
     return sub_grads, sub_routers, tokens
 
 

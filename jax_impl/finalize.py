@@ -15,143 +15,53 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from meshgrad.axes import DENSE_AXES, Group, ParallelDims
+from meshgrad.axes import DENSE_AXES, ParallelDims
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, RouterSpec
 from meshgrad.plan import Action, FinalizePlan, plan_finalize
 
-from jax_impl.execute import (
-    Collectives,
-    LocalState,
-    action_groups,
-    execute_local,
-    execute_stacked,
-    merge,
-    select,
-)
+from jax_impl.checks import check_inputs, check_keys, check_plan, check_present, check_stacked, leading_dims
+from jax_impl.execute import LocalState, execute_local, execute_stacked, merge, select
+from jax_impl.groups import Collectives
 from jax_impl.mesh import make_meshes
 
 Array = jax.Array
+Grads = dict[ParamKey, Array]
+RouterStates = dict[ParamKey, dict[str, Array]]
 
 
-def plan_actions(plan: FinalizePlan, with_tokens: bool) -> tuple[Action, ...]:
-    """The plan's actions, plus its token scaling when num_tokens is given."""
-    return plan.actions + ((plan.token_scale,) if with_tokens else ())
+def _to_world(x: Any, leading: tuple[int, ...], world: int) -> Array:
+    """``x`` with its leading dims folded into one world dim."""
+    return jnp.reshape(x, (world,) + tuple(jnp.shape(x)[len(leading):]))
 
 
-def check_plan(plan: FinalizePlan, dims: ParallelDims) -> None:
-    """Raise ValueError when ``plan`` was made for other group sizes than ``dims``.
-
-    Only the groups the plan communicates over (and pp) are compared.
-    """
-    used = {Group.PP} | {g for a in plan_actions(plan, True) for g in action_groups(a)}
-    for group in sorted(used - {Group.EMBD, Group.POS_EMBD}, key=lambda g: g.value):
-        if plan.sizes[group] != dims.group_size(group):
-            raise ValueError(
-                f"plan was made for {group} of size {plan.sizes[group]}, "
-                f"but the mesh has {dims.group_size(group)} ({dims}); plan again with "
-                "meshgrad.plan_finalize(specs, config, dims) for these dims"
-            )
-    for stages in (plan.sizes.embd_stages, plan.sizes.pos_embd_stages):
-        if any(not 0 <= s < dims.pp for s in stages):
-            raise ValueError(
-                f"plan embedding stages {stages} outside pp = {dims.pp}; set "
-                "FinalizeConfig.embedding_stages / position_embedding_stages within range(pp)"
-            )
+def _from_world(tree: Any, leading: tuple[int, ...]) -> Any:
+    """Every leaf of ``tree`` with its world dim unfolded into ``leading``."""
+    return jax.tree.map(lambda x: jnp.reshape(x, leading + tuple(jnp.shape(x)[1:])), tree)
 
 
-def check_keys(grads: Mapping[Any, Any], routers: Mapping[Any, Any]) -> None:
-    """Raise TypeError unless every key of ``grads`` and ``routers`` is ``(chunk, name)``.
-
-    Args:
-      grads: gradients by key.
-      routers: router buffers by key.
-
-    Raises:
-      TypeError: a key that is not a ``(int chunk, str name)`` tuple, e.g. a bare
-        parameter name; the message shows the key to use instead.
-    """
-    for what, mapping in (("gradient", grads), ("router", routers)):
-        for key in mapping:
-            ok = (
-                isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], int)
-                and not isinstance(key[0], bool) and isinstance(key[1], str)
-            )
-            if not ok:
-                hint = f" (use (0, {key!r}) for chunk 0)" if isinstance(key, str) else ""
-                raise TypeError(
-                    f"{what} key {key!r} is not (chunk, name): key {what}s by a tuple of the "
-                    f"chunk index and the parameter name, as ParamSpec.key does{hint}"
-                )
-
-
-def _leading(plan: FinalizePlan, grads: Mapping[ParamKey, Array], routers: Mapping[ParamKey, Any],
-             num_tokens: Any) -> tuple[int, ...] | None:
-    """Leading (stacking) dims of the inputs, checked consistent; None if there are no inputs."""
-    shapes = {s.key: s.shape for s in plan.params}
-    experts = {r.key: r.num_experts for r in plan.routers}
-    found: dict[tuple[int, ...], str] = {}
-    for key, value in grads.items():
-        if key not in shapes:
-            raise ValueError(
-                f"gradient {key[1]!r} (chunk {key[0]}) is not in the plan; add a ParamSpec for it "
-                "to plan_finalize, or leave it out of grads"
-            )
-        base = shapes[key]
-        shape = tuple(jnp.shape(value))
-        if len(shape) < len(base) or shape[len(shape) - len(base):] != base:
-            raise ValueError(f"gradient {key[1]!r} (chunk {key[0]}): shape {shape} does not end in {base}")
-        found.setdefault(shape[: len(shape) - len(base)], f"gradient {key}")
-    for key, state in routers.items():
-        if key in experts and "expert_bias" in state:
-            shape = tuple(jnp.shape(state["expert_bias"]))
-            found.setdefault(shape[:-1], f"router {key}")
-    if num_tokens is not None:
-        found.setdefault(tuple(jnp.shape(num_tokens)), "num_tokens")
-    if len(found) > 1:
-        raise ValueError(
-            f"inputs disagree on their leading (rank) dims: {found}; stack every gradient, router "
-            "buffer and num_tokens along the same leading dims ([W] or a mesh shape)"
-        )
-    return next(iter(found), None)
-
-
-def check_inputs(
-    plan: FinalizePlan,
-    grads: Mapping[ParamKey, Any],
-    num_tokens: Any,
-    leading: tuple[int, ...] | None,
-) -> None:
-    """Dtypes always; NaN / Inf with ``config.check_for_nan_in_grad`` (concrete inputs:
-    a traced value, under ``jax.jit``, cannot be inspected -- use ``jax_debug_nans``).
-
-    Raises:
-      TypeError: a gradient that is not floating point, or num_tokens that is not integer.
-      ValueError: NaN / Inf in a gradient, naming the parameter and the first rank (the
-        index along the flattened leading dims) that holds it.
-    """
-    for key, value in grads.items():
-        dtype = jnp.result_type(value)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(f"gradient {key[1]!r} (chunk {key[0]}) has dtype {dtype}, not a floating type")
-    if num_tokens is not None and not jnp.issubdtype(jnp.result_type(num_tokens), jnp.integer):
-        raise TypeError(f"num_tokens must hold integers, got dtype {jnp.result_type(num_tokens)}")
-    if not plan.config.check_for_nan_in_grad:
-        return
-    width = int(np.prod(leading)) if leading else 1
-    for spec in plan.params:
-        value = grads.get(spec.key)
-        if value is None or not spec.has_grad or isinstance(value, jax.core.Tracer):
-            continue
-        ok = np.asarray(jnp.isfinite(jnp.asarray(value)).reshape(width, -1).all(axis=1))
-        if not ok.all():
-            where = f"rank {int(np.argmin(ok))}: " if leading else ""
-            raise ValueError(
-                f"{where}NaN or Inf in the gradient of {spec.name!r} (chunk {spec.chunk}) "
-                "(check_for_nan_in_grad); nothing was finalized"
-            )
+def _finalize_stacked_mode(
+    actions: tuple[Action, ...],
+    grads: Mapping[ParamKey, Array],
+    routers: Mapping[ParamKey, Mapping[str, Array]],
+    num_tokens: Array | None,
+    leading: tuple[int, ...],
+    dims: ParallelDims,
+    devices: Sequence[Any] | None,
+) -> tuple[Grads, RouterStates]:
+    """Run ``actions`` on stacked inputs with its own ``shard_map`` calls."""
+    check_stacked(leading, dims)
+    world = dims.world_size
+    flat = lambda x: _to_world(x, leading, world)  # noqa: E731
+    out_grads, out_routers = execute_stacked(
+        actions,
+        jax.tree.map(flat, dict(grads)),
+        jax.tree.map(flat, {k: dict(v) for k, v in routers.items()}),
+        None if num_tokens is None else flat(num_tokens),
+        make_meshes(dims, devices),
+    )
+    return _from_world(out_grads, leading), _from_world(out_routers, leading)
 
 
 def finalize(
@@ -185,38 +95,23 @@ def finalize(
       (grads, routers) in the same layout; untouched entries are returned as given.
 
     Raises:
-      ValueError: plan / dims / shape mismatch, or NaN / Inf with check_for_nan_in_grad
-        (concrete inputs); TypeError: a non-floating gradient or non-integer num_tokens;
-        KeyError: a planned entry is missing.
+      PlanMismatchError, FinalizeInputError (ValueErrors): plan / dims / shape mismatch;
+      NonFiniteGradError (a ValueError): NaN / Inf with check_for_nan_in_grad (concrete
+      inputs); FinalizeTypeError (a TypeError): a non-floating gradient, non-integer
+      num_tokens or a key that is not (chunk, name); MissingInputError (a KeyError): a
+      planned entry is missing. All from :mod:`meshgrad.errors`.
     """
     check_plan(plan, dims)
     routers = {} if routers is None else routers
     check_keys(grads, routers)
-    actions = plan_actions(plan, num_tokens is not None)
-    leading = _leading(plan, grads, routers, num_tokens)
+    actions = plan.actions_with(num_tokens is not None)
+    leading = leading_dims(plan, grads, routers, num_tokens)
     check_inputs(plan, grads, num_tokens, leading)
-    if not leading:
-        state = LocalState(dict(grads), {k: dict(v) for k, v in routers.items()}, num_tokens)
-        state = execute_local(actions, state, Collectives(dims, DENSE_AXES))
-        return state.grads, state.routers
-    world = dims.world_size
-    if leading not in ((world,), dims.dense_shape(), dims.expert_shape()):
-        raise ValueError(
-            f"stacked inputs have leading dims {leading}; expected ({world},), the dense "
-            f"mesh shape {dims.dense_shape()} or the expert mesh shape {dims.expert_shape()}"
-        )
-    n = len(leading)
-    flat = lambda x: jnp.reshape(x, (world,) + jnp.shape(x)[n:])  # noqa: E731
-    back = lambda x: jnp.reshape(x, leading + jnp.shape(x)[1:])  # noqa: E731
-    meshes = make_meshes(dims, devices)
-    out_grads, out_routers = execute_stacked(
-        actions,
-        jax.tree.map(flat, dict(grads)),
-        jax.tree.map(flat, {k: dict(v) for k, v in routers.items()}),
-        None if num_tokens is None else flat(num_tokens),
-        meshes,
-    )
-    return jax.tree.map(back, out_grads), jax.tree.map(back, out_routers)
+    if leading:
+        return _finalize_stacked_mode(actions, grads, routers, num_tokens, leading, dims, devices)
+    state = LocalState(dict(grads), {k: dict(v) for k, v in routers.items()}, num_tokens)
+    state = execute_local(actions, state, Collectives(dims, DENSE_AXES))
+    return state.grads, state.routers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,10 +142,35 @@ def _program_body(grads: Any, routers: Any, num_tokens: Any, *, program: Program
 _program_jit = jax.jit(_program_body, static_argnames=("program",))
 
 
-def _to_world(x: Any, leading: tuple[int, ...], world: int, sharding: Any) -> Array:
+def _placed(x: Any, leading: tuple[int, ...], world: int, sharding: Any) -> Array:
+    """``x`` as a jax array with one world dim, row r on device r."""
     x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
-    x = jnp.reshape(x, (world,) + tuple(x.shape[len(leading):])) if leading != (world,) else x
+    x = _to_world(x, leading, world) if leading != (world,) else x
     return jax.device_put(x, sharding)
+
+
+def _run_program(
+    actions: tuple[Action, ...],
+    grads: Mapping[ParamKey, Any],
+    routers: Mapping[ParamKey, Mapping[str, Any]],
+    num_tokens: Any,
+    leading: tuple[int, ...],
+    dims: ParallelDims,
+    devices: Sequence[Any] | None,
+) -> tuple[Grads, RouterStates]:
+    """Place the entries ``actions`` use and run them as one compiled program."""
+    world = dims.world_size
+    used_grads, used_routers, uses_tokens = select(grads, routers, actions)
+    meshes = make_meshes(dims, devices)
+    put = lambda x: _placed(x, leading, world, meshes.rank_sharding("dense"))  # noqa: E731
+    program = Program(actions, dims, tuple(meshes.dense.devices.flat))
+    tokens = put(num_tokens) if uses_tokens else None
+    out_grads, out_routers = _program_jit(
+        jax.tree.map(put, used_grads), jax.tree.map(put, used_routers), tokens, program=program
+    )
+    if leading != (world,):
+        out_grads, out_routers = _from_world(out_grads, leading), _from_world(out_routers, leading)
+    return out_grads, out_routers
 
 
 def finalize_stacked(
@@ -285,40 +205,22 @@ def finalize_stacked(
       arrays, every other entry as given.
 
     Raises:
-      ValueError / KeyError: as :func:`finalize`, before anything runs.
+      The :mod:`meshgrad.errors` types of :func:`finalize`, before anything runs.
     """
     routers_stacked = {} if routers_stacked is None else routers_stacked
     check_keys(grads_stacked, routers_stacked)
     plan = plan_finalize(params, config, dims, routers, force_all_reduce=force_all_reduce)
-    actions = plan_actions(plan, num_tokens_stacked is not None)
-    leading = _leading(plan, grads_stacked, routers_stacked, num_tokens_stacked)
-    world = dims.world_size
-    leading = (world,) if leading is None else leading
-    if leading not in ((world,), dims.dense_shape(), dims.expert_shape()):
-        raise ValueError(
-            f"stacked inputs have leading dims {leading}, expected ({world},) or a mesh shape "
-            f"({dims.dense_shape()} / {dims.expert_shape()}): stack one row per rank, in rank order"
-        )
-    for spec in plan.params:
-        if spec.has_grad and spec.key not in grads_stacked:
-            raise KeyError(
-                f"gradient of {spec.name!r} (chunk {spec.chunk}) is missing: pass it under key "
-                f"{spec.key!r}, or plan it with ParamSpec(..., has_grad=False)"
-            )
+    actions = plan.actions_with(num_tokens_stacked is not None)
+    leading = leading_dims(plan, grads_stacked, routers_stacked, num_tokens_stacked)
+    leading = (dims.world_size,) if leading is None else leading
+    check_stacked(leading, dims)
+    check_present(plan, grads_stacked)
     check_inputs(plan, grads_stacked, num_tokens_stacked, leading)
-    grads, rstate, uses_tokens = select(grads_stacked, routers_stacked, actions)
-    meshes = make_meshes(dims, devices)
-    put = lambda x: _to_world(x, leading, world, meshes.rank_sharding("dense"))  # noqa: E731
-    grads = jax.tree.map(put, grads)
-    rstate = jax.tree.map(put, rstate)
-    tokens = put(num_tokens_stacked) if uses_tokens else None
-    program = Program(actions, dims, tuple(meshes.dense.devices.flat))
-    out_grads, out_routers = _program_jit(grads, rstate, tokens, program=program)
-    if leading != (world,):
-        back = lambda x: jnp.reshape(x, leading + x.shape[1:])  # noqa: E731
-        out_grads, out_routers = jax.tree.map(back, out_grads), jax.tree.map(back, out_routers)
+    out_grads, out_routers = _run_program(
+        actions, grads_stacked, routers_stacked, num_tokens_stacked, leading, dims, devices
+    )
     return {**grads_stacked, **out_grads}, merge(routers_stacked, out_routers)
 
 
-__all__ = ["Program", "check_inputs", "check_keys", "check_plan", "finalize", "finalize_stacked", "plan_actions", "run_stacked"]
+__all__ = ["Program", "finalize", "finalize_stacked", "run_stacked"]
 

@@ -16,7 +16,8 @@ import dataclasses
 import os
 import re
 import sys
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from meshgrad.axes import DENSE_AXES, EXPERT_AXES, Axis, ParallelDims
@@ -29,7 +30,7 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 #: Axis names of the two views, slowest to fastest varying.
 DENSE_NAMES: tuple[str, ...] = tuple(a.value for a in DENSE_AXES)
 EXPERT_NAMES: tuple[str, ...] = tuple(a.value for a in EXPERT_AXES)
-VIEWS: dict[str, tuple[Axis, ...]] = {"dense": DENSE_AXES, "expert": EXPERT_AXES}
+VIEWS: Mapping[str, tuple[Axis, ...]] = types.MappingProxyType({"dense": DENSE_AXES, "expert": EXPERT_AXES})
 
 
 def ensure_host_devices(n: int) -> None:

@@ -1,27 +1,29 @@
 """meshgrad: gradient finalization for 3D/4D-parallel training, as a plan over named axes.
 
 The core is framework-free (stdlib + numpy). ``torch_impl`` and ``jax_impl`` execute the
-same :class:`~meshgrad.plan.FinalizePlan`.
+same :class:`~meshgrad.plan.FinalizePlan`. Modules: ``axes`` (mesh axes, groups, rank
+order), ``config``, ``params`` (ParamSpec / RouterSpec), ``actions`` (the action types),
+``steps`` (one planner per step), ``fusion``, ``layout``, ``plan`` (plan_finalize),
+``rules`` (the array math), ``errors`` (shared exception types).
 """
 
 from meshgrad.axes import DENSE_AXES, EXPERT_AXES, GROUP_AXES, Axis, Group, ParallelDims, stage_set
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
-from meshgrad.plan import (
+from meshgrad.actions import (
     ExpertBiasUpdate,
-    FinalizePlan,
-    GroupSizes,
     QbBetaUpdate,
     Reduction,
     ReduceOp,
     ResetTemporaries,
+    Signature,
     StageReduction,
     Step,
     TokenScale,
-    embedding_chunk,
-    plan_finalize,
-    scatter_shard,
 )
+from meshgrad.layout import scatter_shard
+from meshgrad.plan import FinalizePlan, GroupSizes, plan_finalize
+from meshgrad.steps import embedding_chunk
 
 __all__ = [
     "Axis",
@@ -42,6 +44,7 @@ __all__ = [
     "ResetTemporaries",
     "Role",
     "RouterSpec",
+    "Signature",
     "StageReduction",
     "Step",
     "TokenScale",

@@ -354,6 +354,29 @@ def _vparams(files: list[RankFile]) -> tuple[dict[str, Param], list[dict[int, st
     return out, per_rank
 
 
+def _check_positions(files: list[RankFile], per_rank: list[dict[int, str]]) -> None:
+    """Every rank sampled the same flat positions of a parameter of one size (the reference
+    adds the sampled elements of different ranks position by position; an embedding is
+    one parameter across chunks and stages).
+
+    Raises:
+      AuditError: naming the parameter and the ranks that disagree.
+    """
+    seen: dict[tuple[Any, ...], tuple[int, np.ndarray]] = {}
+    for f in files:
+        start = 0
+        for i, p in enumerate(f.meta["params"]):
+            pos = f.arrays["positions"][start:start + p["samples"]]
+            start += p["samples"]
+            chunk = p["chunk"] if p["role"] == "none" else None
+            first = seen.setdefault((chunk, per_rank[f.rank][i], p["numel"]), (f.rank, pos))
+            if not np.array_equal(first[1], pos):
+                raise AuditError(
+                    f"parameter {p['name']!r} (chunk {p['chunk']}): rank {f.rank} sampled other positions than "
+                    f"rank {first[0]} ({pos[:3].tolist()}... vs {first[1][:3].tolist()}...): the elements cannot be "
+                    "matched (files from recorders with different sample sizes?)")
+
+
 def _router_layouts(files: list[RankFile]) -> dict[str, RouterLayout]:
     """One RouterLayout per router name (the reference applies it to every chunk)."""
     out: dict[str, RouterLayout] = {}
@@ -515,6 +538,7 @@ def replay_step(files: list[RankFile], use_jax: bool = False) -> dict[str, Any]:
     world = len(files)
     force = bool(meta0["force_all_reduce"])
     vparams, per_rank = _vparams(files)
+    _check_positions(files, per_rank)
     routers = _router_layouts(files)
     num_chunks = max(f.meta["num_chunks"] for f in files)
     scatter = bool(view.config.get("use_distributed_optimizer")) and not force

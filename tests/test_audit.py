@@ -4,8 +4,10 @@ One spawned world per size (4 and 8 ranks) records every case into its own direc
 torch_impl's finalize over several layouts (TP / PP / DP / CP / EP, tied and position
 embeddings, expert bias, num_tokens, a distributed optimizer's reduce-scatter), megatron-
 core 0.16.1's finalize on DDP-like chunks (skipped without it), and finalize functions
-with planted bugs. The parent replays each directory: correct runs pass, each planted bug
-fails and is named by parameter and step.
+with planted bugs; one more world of 4 records megatron-core 0.19.2's finalize (from its
+unpacked wheel, :mod:`parity_tests.megatron019`; skipped without it) with real
+``TopKRouter`` modules. The parent replays each directory: correct runs pass, each planted
+bug fails and is named by parameter and step.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -21,6 +24,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from parity_tests import megatron019 as m19  # noqa: E402
 from parity_tests.audit import AuditError, format_report, load, main as audit_main, replay  # noqa: E402
 from parity_tests.scenarios import RouterLayout, Scenario, gpt_params  # noqa: E402
 from parity_tests.torch_world import spawn_world  # noqa: E402
@@ -62,6 +66,8 @@ CASES: dict[int, list[tuple[Scenario, str | None, int]]] = {
         (_scen("bug-router-pp2dp2tp2", pp=2, dp=2, tp=2, ep=2), "router", 0),
     ],
 }
+#: Cases recorded for two steps through one recorder (steps ``step`` and ``step + 1``).
+REPEATED = {"tp2pp2-vpp2", "dp2tp2-ep2-distopt", "bug-double-dp2tp2"}
 #: The parameter (or router) each planted bug must be named by.
 PLANTED = {"skip": FC1, "double": QKV, "group": EXPERT, "router": "decoder.layers.1.mlp.router.expert_bias"}
 
@@ -113,6 +119,23 @@ def _buggy(kind: str) -> Any:
     return finalize
 
 
+def _load_in_place(model: Any, data: Any) -> None:
+    """A rank's inputs copied into the gradient tensors and router buffers it already has."""
+    import torch
+
+    inner = [getattr(c, "module", c) for c in model]
+    with torch.no_grad():
+        for (chunk, name), values in data.grads.items():
+            grad = _grad(inner[chunk].get_parameter(name))
+            if values is not None and grad is not None:
+                grad.copy_(torch.from_numpy(np.asarray(values, dtype=np.float32)))
+        for (chunk, name), state in data.routers.items():
+            router = inner[chunk].get_submodule(name)
+            for field in ("local_tokens_per_expert", "expert_bias", "qb_beta", "qb_beta_accum", "qb_beta_count"):
+                if getattr(router, field, None) is not None:
+                    getattr(router, field).copy_(torch.from_numpy(np.asarray(getattr(state, field), dtype=np.float32)))
+
+
 def _torch_case(scen: Scenario, bug: str | None, step: int, rank: int, directory: str, cache: dict[Any, Any]) -> None:
     import torch
 
@@ -130,6 +153,12 @@ def _torch_case(scen: Scenario, bug: str | None, step: int, rank: int, directory
     fn = torch_impl.finalize_model_grads if bug is None else _buggy(bug)
     with audit.record(directory, sample=5, finalize=fn, start_step=step) as finalize:
         finalize(model, n, groups)
+        if scen.name in REPEATED:  # a second step: new values in the same gradient tensors, the same plan
+            data = make_rank_inputs(dataclasses.replace(scen, seed=scen.seed + 1), rank)
+            _load_in_place(model, data)
+            finalize(model, None if data.num_tokens is None else torch.tensor(data.num_tokens), groups)
+            if finalize.plans_made != 1:
+                raise RuntimeError(f"{finalize.plans_made} plans for two steps of one model")
 
 
 def _megatron_case(spec: tuple[str, dict[str, Any], dict[str, Any], bool], rank: int, directory: str) -> None:
@@ -216,14 +245,22 @@ def test_correct_finalize_passes(world: int) -> None:
         result = replay(os.path.join(directory, scen.name))
         report = format_report(result)
         assert result["ok"], report
-        (s,) = result["steps"]
-        assert s["step"] == step and s["world_size"] == world
+        assert [s["step"] for s in result["steps"]] == ([step, step + 1] if scen.name in REPEATED else [step])
+        s = result["steps"][0]
+        assert s["world_size"] == world
         assert s["layout"]["pp"] == scen.pp and s["layout"]["tp"] == scen.tp and s["layout"]["dp"] * s["layout"]["cp"] == scen.dp * scen.cp
         params = [r for r in s["rows"] if r["kind"] == "param"]
         # Every gradient was compared on every rank holding it, and something really happened.
         assert params and all(r["status"] == "ok" for r in params), report
         assert all((r["ranks"] == 0) == ("frozen" in r["name"]) for r in params), report
-        assert any(r["spec_steps"] for r in params)
+        assert any(r["steps"] for r in params)
+        if scen.name in REPEATED:  # the second step: other values, the same plan file per rank
+            steps = load(os.path.join(directory, scen.name))
+            first, second = steps[step], steps[step + 1]
+            assert all(a.meta["plan"] == b.meta["plan"] for a, b in zip(first, second))
+            assert not np.array_equal(first[0].arrays["grad_before"], second[0].arrays["grad_before"])
+            plans = [n for n in os.listdir(os.path.join(directory, scen.name)) if n.startswith("plan.")]
+            assert len(plans) == world
         tokens = next(r for r in s["rows"] if r["kind"] == "num_tokens")
         assert tokens["ranks"] == world and tokens["status"] == "ok"
         if scen.config.get("moe_router_enable_expert_bias"):
@@ -242,7 +279,7 @@ def test_planted_bugs_are_named(world: int) -> None:
         assert not result["ok"], report
         bad = _bad_rows(result)
         assert {name for _, name in bad} == {PLANTED[bug]}, report
-        assert {s for s, _ in bad} == {step}
+        assert {s for s, _ in bad} == ({step, step + 1} if scen.name in REPEATED else {step})
         assert f"MISMATCH step {step}" in report and PLANTED[bug] in report
         assert audit_main([os.path.join(directory, scen.name)]) == 1
 
@@ -260,7 +297,7 @@ def test_megatron_core_finalize_passes(world: int) -> None:
         assert "megatron" in s["finalize"]
         rows = [r for r in s["rows"] if r["kind"] == "param"]
         assert rows and all(r["status"] == "ok" and (r["ranks"] > 0 or "frozen" in r["name"]) for r in rows), report
-        assert any("dp_sync" in r["spec_steps"] for r in rows) and any("non_tp" in r["spec_steps"] for r in rows)
+        assert any("dp_sync" in r["steps"] for r in rows) and any("non_tp" in r["steps"] for r in rows)
 
 
 def test_cli_json_and_jax(tmp_path: Any, capsys: Any) -> None:
@@ -285,30 +322,46 @@ def _copy(src: str, dst: str, skip: set[str] = frozenset(), rename: dict[str, st
 
 def test_clear_errors(tmp_path: Any) -> None:
     src = os.path.join(_world(4), "tp2pp2-vpp2")
-    names = sorted(os.listdir(src))
-    assert names == [f"step00000000.rank{r:05d}.npz" for r in range(4)]
-    # np.load without pickle reads every file.
+    names = sorted(n for n in os.listdir(src) if n.startswith("step"))
+    plans = sorted(n for n in os.listdir(src) if n.startswith("plan."))
+    assert names == [f"step{s:08d}.rank{r:05d}.npz" for s in (0, 1) for r in range(4)]
+    assert len(plans) == 4 and all(re.fullmatch(r"plan\.rank0000[0-3]\.[0-9a-f]{16}\.npz", n) for n in plans)
+    # np.load without pickle reads every file; a step file holds only the per-step values.
     for name in names:
         with np.load(os.path.join(src, name), allow_pickle=False) as data:
-            assert {"meta", "grad_before", "grad_after", "positions"} <= set(data.files)
+            assert set(data.files) <= {"meta", "grads", "has_grad", "routers_before", "routers_after"}
+            assert data["grads"].dtype == np.float32 and data["grads"].shape[0] == 2
+    for name in plans:
+        with np.load(os.path.join(src, name), allow_pickle=False) as data:
+            assert set(data.files) == {"plan", "positions"}
+    step0 = [n for n in names if n.startswith("step00000000")]
     missing = tmp_path / "missing"
-    _copy(src, str(missing), skip={names[2]})
-    with pytest.raises(AuditError, match=r"missing ranks \[2\]"):
+    _copy(src, str(missing), skip={step0[2]})
+    with pytest.raises(AuditError, match=r"step 0: missing ranks \[2\]"):
         load(str(missing))
     assert audit_main([str(missing)]) == 2
     mixed = tmp_path / "mixed"
-    other = os.path.join(_world(4), "bug-double-dp2tp2")  # step 5
-    _copy(src, str(mixed), skip={names[3]})
-    _copy(other, str(mixed), skip={f"step00000005.rank{r:05d}.npz" for r in range(3)})
+    other = os.path.join(_world(4), "dp4-bf16-grad")  # step 0 only
+    _copy(src, str(mixed), skip=set(names) - {step0[0], step0[1], step0[2]})
+    _copy(other, str(mixed), skip={n for n in os.listdir(other) if n.startswith("step") and "rank00003" not in n})
+    os.rename(mixed / "step00000000.rank00003.npz", mixed / "step00000007.rank00003.npz")
+    with pytest.raises(AuditError, match="holds step 0 rank 3, its name says step 7"):
+        load(str(mixed))
+    os.remove(mixed / "step00000007.rank00003.npz")
+    _copy(os.path.join(_world(4), "bug-double-dp2tp2"), str(mixed),
+          skip={f"step0000000{s}.rank{r:05d}.npz" for s in (5, 6) for r in range(4)} - {"step00000005.rank00003.npz"})
     with pytest.raises(AuditError, match="different steps"):
         load(str(mixed))
-    # A layout that does not match the world: rank 1's file replaced by another layout's.
+    # A plan file missing: named, with what to do.
+    noplan = tmp_path / "noplan"
+    _copy(src, str(noplan), skip={plans[1]})
+    with pytest.raises(AuditError, match=r"plan\.rank00001\..*missing"):
+        load(str(noplan))
+    # A layout that does not match the world: rank 1's files replaced by another layout's.
     wrong = tmp_path / "wrong"
-    _copy(src, str(wrong), skip={names[1]})
+    _copy(src, str(wrong), skip=set(names) - set(step0) | {step0[1]})
     layout = os.path.join(_world(4), "dp4-bf16-grad")
-    with np.load(os.path.join(layout, names[1]), allow_pickle=False) as data:
-        arrays = {k: data[k] for k in data.files}
-    np.savez(str(wrong / names[1]), **arrays)
+    _copy(layout, str(wrong), skip={n for n in os.listdir(layout) if "rank00001" not in n})
     with pytest.raises(AuditError, match="layout does not match the world|group has"):
         replay(str(wrong))
     with pytest.raises(AuditError, match="no audit files"):
@@ -325,3 +378,124 @@ def test_recorder_rejects_bad_arguments(tmp_path: Any) -> None:
     a = audit.sample_positions("x", 1000, 64)
     assert np.array_equal(a, audit.sample_positions("x", 1000, 64)) and a[0] == 0 and a[-1] == 999 and a.size == 64
     assert np.array_equal(audit.sample_positions("x", 10, 64), np.arange(10))
+
+
+# =========================================================================== megatron-core 0.19.2
+
+#: megatron-core 0.19.2 cases, recorded in one world of 4: (parallel_state layout, config,
+#: DDP-like chunks, groups looked up from parallel_state (pg_collection=None)).
+MEGATRON019: tuple[tuple[Any, dict[str, Any], bool, bool], ...] = (
+    (m19.Layout("m19-tp2pp2-pos01", 4, tp=2, pp=2, pos=(0, 1)),
+     dict(LN, **BIAS, num_moe_experts=4, has_cond_embedder=True), True, False),
+    (m19.Layout("m19-dp2tp2-ep2", 4, tp=2, ep=2),
+     dict(LN, **BIAS, num_moe_experts=4, calculate_per_token_loss=True), True, True),
+)
+#: The same 0.19.2 finalize with a planted bug after it: rank 1 halves one gradient of chunk 1.
+BUG019 = (m19.Layout("m19-bug-dp2tp2-ep2", 4, tp=2, ep=2), dict(LN, **BIAS, num_moe_experts=4), True, False)
+
+
+def audit019_world(rank: int, world: int, payload: tuple[str, str], sink: Any) -> None:
+    """Record megatron-core 0.19.2's own finalize_model_grads (real TopKRouters) per case."""
+    src, directory = payload
+    mf = m19.import_megatron(src)
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from torch_impl import audit
+
+    for layout, config, wrap, lookup in MEGATRON019 + (BUG019,):
+        env = m19.Env(layout, rank)
+        try:
+            scen = env.scenario(num_chunks=2)
+            cfg = m19.transformer_config(layout, config)
+            ddp_cfg = DistributedDataParallelConfig()
+            base = m19.build(env, scen, cfg, m19.ROUTERS)
+            for chunk in base:
+                chunk.config, chunk.ddp_config = cfg, ddp_cfg
+            model = [m19.fake_ddp(c, ddp_cfg, env.mpu.dp_cp, env.mpu.expt_dp) for c in base] if wrap else base
+            fn = mf.finalize_model_grads
+            if layout is BUG019[0]:
+                def fn(model: Any, num_tokens: Any = None, pg_collection: Any = None, force_all_reduce: bool = False) -> None:
+                    mf.finalize_model_grads(model, num_tokens, pg_collection, force_all_reduce)
+                    if rank == 1:
+                        base[1].get_parameter(QKV).main_grad.mul_(0.5)
+            finalize = audit.audited(fn, os.path.join(directory, layout.name), sample=6)
+            finalize(model, torch.tensor(4 if env.last_stage else 7), None if lookup else env.mpu)
+            finalize.recorder.close()
+            sink.put(layout.name, "ok")
+        except Exception as err:
+            import traceback
+
+            sink.put(layout.name, f"{type(err).__name__}: {err}\n{traceback.format_exc()[-1500:]}")
+        finally:
+            env.close()
+
+
+_WORLD019: dict[str, str] = {}
+
+
+def test_megatron019_finalize_passes() -> None:
+    """megatron-core 0.19.2's finalize, recorded and replayed: every value as the semantics say."""
+    src = m19.source_dir()
+    if src is None:
+        pytest.skip(m19.skip_reason())
+    if "dir" not in _WORLD019:
+        directory = tempfile.mkdtemp(prefix="meshgrad-audit-m19-")
+        outcome = spawn_world(audit019_world, 4, (str(src), directory), timeout=300)
+        names = [layout.name for layout, *_ in MEGATRON019 + (BUG019,)]
+        problems = [f"rank {r}: {n}: {res.get(n, 'no result')}" for r, res in enumerate(outcome.results)
+                    for n in names if res.get(n) != "ok"]
+        problems += [f"rank {r}: {f}" for r, f in enumerate(outcome.fatal) if f]
+        assert len(outcome.results) == 4 and not problems and not outcome.timed_out, "\n".join(problems) or "world timed out"
+        _WORLD019["dir"] = directory
+    for layout, config, _, _ in MEGATRON019:
+        result = replay(os.path.join(_WORLD019["dir"], layout.name))
+        report = format_report(result)
+        assert result["ok"], report
+        (s,) = result["steps"]
+        assert s["finalize"] == "megatron.core.distributed.finalize_model_grads.finalize_model_grads"
+        assert s["layout"]["tp"] == layout.tp and s["layout"]["pp"] == layout.pp
+        assert s["layout"]["dp"] * s["layout"]["cp"] == layout.dp
+        rows = [r for r in s["rows"] if r["kind"] == "param"]
+        assert rows and all(r["status"] == "ok" and r["ranks"] > 0 for r in rows if "frozen" not in r["name"]), report
+        assert any("non_tp" in r["steps"] for r in rows) and any("token_scale" in r["steps"] for r in rows)
+        if layout.dp > 1:
+            assert any("dp_sync" in r["steps"] for r in rows)
+        if layout.pp > 1:
+            assert any("word_embedding" in r["steps"] for r in rows) and any("pos_embedding" in r["steps"] for r in rows)
+        # real routers: their expert bias was updated and checked on every rank
+        bias = [r for r in s["rows"] if r["kind"] == "router" and r["name"].endswith(".expert_bias")]
+        assert bias and all(r["ranks"] == 4 and r["status"] == "ok" for r in bias), report
+        tokens = next(r for r in s["rows"] if r["kind"] == "num_tokens")
+        assert tokens["ranks"] == 4 and tokens["status"] == "ok"
+        files = load(os.path.join(_WORLD019["dir"], layout.name))[0]
+        moved = [f for f in files for k in f.arrays if k.endswith("expert_bias.after")
+                 and not np.array_equal(f.arrays[k], f.arrays[k.replace(".after", ".before")])]
+        assert moved, "no expert bias changed: the router update was not exercised"
+    bug = replay(os.path.join(_WORLD019["dir"], BUG019[0].name))
+    assert not bug["ok"] and _bad_rows(bug) == [(0, QKV)], format_report(bug)
+    assert "rank 1" in next(r["detail"] for r in bug["steps"][0]["rows"] if r["status"] == "MISMATCH")
+
+
+def test_embeddings_are_sampled_alike_on_every_stage(tmp_path: Any) -> None:
+    """The tied word embedding is summed across stages under different names
+    (``embedding.word_embeddings.weight`` first, ``output_layer.weight`` last): both
+    stages sample the same positions, other parameters by their own names."""
+    import types
+
+    import torch
+
+    from torch_impl import audit
+
+    recorder = audit.Recorder(str(tmp_path), sample=16)
+    param = torch.nn.Parameter(torch.zeros(64, 32))
+
+    def spec(name: str, role: str) -> Any:
+        return types.SimpleNamespace(chunk=0, name=name, role=role, expert=False,
+                                     **{f: False for f in audit.PARAM_FLAGS})
+
+    first = recorder._entry(spec("embedding.word_embeddings.weight", "word_embedding"), param).positions
+    last = recorder._entry(spec("output_layer.weight", "word_embedding"), param).positions
+    other = recorder._entry(spec("output_layer.weight", "none"), param).positions
+    assert first.size == 16 and np.array_equal(first, last) and not np.array_equal(first, other)
+    assert np.array_equal(first, audit.sample_positions("[word embedding]", 64 * 32, 16))

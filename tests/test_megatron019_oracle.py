@@ -217,6 +217,12 @@ NO_EFFECT = {"embedding-grad-none-embd", "word-untied"}
 #: Cases where megatron-core must raise on some rank of some layout.
 MUST_RAISE = {"fin-missing-tp_dp_cp", "fin-pos-frozen"}
 
+#: Deliberate differences (README, "Deliberate differences from Megatron-Core"): with a
+#: collection whose ``pp`` was never set, Megatron treats every rank as the first pipeline
+#: stage for the embeddings (``model[0]``); meshgrad uses parallel_state's pipeline group.
+#: Those keys are not compared; everything else of the case is, bit for bit.
+KNOWN_DIFFERENCES = {"fin-missing-pp": "embeddings."}
+
 _WORLDS: dict[int, Any] = {}
 
 
@@ -278,7 +284,7 @@ def _diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return out
 
 
-def _compare(per_rank: list[dict[str, Any]]) -> None:
+def _compare(per_rank: list[dict[str, Any]], skip: str | None = None) -> None:
     problems = []
     for rank, pair in enumerate(per_rank):
         meg, ours = pair["megatron"], pair["ours"]
@@ -295,7 +301,7 @@ def _compare(per_rank: list[dict[str, Any]]) -> None:
         if ours[0] != "ok":
             problems.append(f"rank {rank}: ours raised {ours[1]}: {ours[2]!r}; megatron did not")
             continue
-        problems += [f"rank {rank}: {d}" for d in _diff(meg[1], ours[1])]
+        problems += [f"rank {rank}: {d}" for d in _diff(meg[1], ours[1]) if skip is None or skip not in d.split(":")[0]]
         if meg[2] != ours[2]:
             problems.append(f"rank {rank}: calls differ: megatron {meg[2]} ours {ours[2]}")
     assert not problems, "\n".join(problems[:24]) + (f"\n... {len(problems) - 24} more" if len(problems) > 24 else "")
@@ -303,12 +309,12 @@ def _compare(per_rank: list[dict[str, Any]]) -> None:
 
 @pytest.mark.parametrize("name", _names(4))
 def test_oracle019_world4(name: str) -> None:
-    _compare(_per_rank(4, name))
+    _compare(_per_rank(4, name), KNOWN_DIFFERENCES.get(name.split(":")[-1]))
 
 
 @pytest.mark.parametrize("name", _names(8))
 def test_oracle019_world8(name: str) -> None:
-    _compare(_per_rank(8, name))
+    _compare(_per_rank(8, name), KNOWN_DIFFERENCES.get(name.split(":")[-1]))
 
 
 def test_oracle019_cases_are_not_vacuous() -> None:

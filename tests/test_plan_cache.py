@@ -17,8 +17,8 @@ from torch import nn  # noqa: E402
 from meshgrad import FinalizeConfig  # noqa: E402
 from torch_impl import finalize_model_grads, reset_model_temporary_tensors  # noqa: E402
 discover_module = importlib.import_module("torch_impl.discover")
-finalize_module = importlib.import_module("torch_impl.finalize")
-from torch_impl.execute import GradWatch  # noqa: E402
+cache_module = importlib.import_module("torch_impl.cache")
+from torch_impl.grads import GradWatch  # noqa: E402
 from torch_impl.finalize import ModelState, execution_stats  # noqa: E402
 
 CONFIG = FinalizeConfig(calculate_per_token_loss=True, sequence_parallel=True)
@@ -79,11 +79,11 @@ def test_a_repeated_step_does_no_per_parameter_python(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("O(parameters) work in a repeated step")
 
-    monkeypatch.setattr(finalize_module, "discover", boom)
-    monkeypatch.setattr(finalize_module, "plan_finalize", boom)
+    monkeypatch.setattr(cache_module, "discover", boom)
+    monkeypatch.setattr(cache_module, "plan_finalize", boom)
     monkeypatch.setattr(discover_module, "param_spec", boom)
     monkeypatch.setattr(discover_module.Discovered, "fingerprint", boom)
-    monkeypatch.setattr(finalize_module, "Program", boom)
+    monkeypatch.setattr(cache_module, "Program", boom)
     before = step(model, 4)
     assert_scaled(model, before, 4)
 

@@ -544,7 +544,10 @@ def invalid_torch_inputs_raise_before_touching_anything(kind, dtype, length, pic
     name = names[pick % len(names)]
     tokens: Any = torch.tensor(4)
     if kind == "num_tokens_dtype":
-        tokens, error, text = torch.ones((), dtype=dtype), TypeError, "num_tokens must be an integer tensor"
+        # Integer and floating counts are valid (as in Megatron); bool and complex are not.
+        bad = dtype in (torch.bool, torch.complex64)
+        tokens = torch.ones((), dtype=dtype if bad else torch.bool)
+        error, text = TypeError, "num_tokens must be an integer or floating tensor"
     elif kind == "num_tokens_shape":
         tokens, error, text = torch.ones(length, dtype=torch.int64), TypeError, "num_tokens must be a one-element"
     elif kind == "num_tokens_meta":

@@ -37,7 +37,7 @@ from parity_tests.scenarios import (  # noqa: E402
 )
 from parity_tests.torch_world import build_model, load_inputs, run_cases, scenario_config  # noqa: E402
 from torch_impl import finalize_model_grads  # noqa: E402
-from torch_impl.validate import CollectiveError, ConsistencyError, NonFiniteGradError  # noqa: E402
+from torch_impl.errors import CollectiveError, ConsistencyError, NonFiniteGradError  # noqa: E402
 
 WORLD = 4
 TIMEOUT = 10.0  # process-group timeout of the groups below: an unexpected hang fails fast
@@ -409,13 +409,14 @@ def test_consistency_check_runs_once_per_plan_or_every_step(world, reliability):
     for rank, counts in enumerate(_results(world, "case_check_collectives_per_mode")):
         assert counts["off"] == [0, 0], rank
         first = counts["once"][0]
-        # groups of size > 1 on a 2x2 dp x tp mesh with ep 2: the status round over tp and
-        # dp_cp; on a new plan, a hash exchange over tp, dp_cp, expt_dp, tp_dp_cp,
-        # dp_cp_gtp_remat (= dp_cp) and the outcome's status round over tp and dp_cp.
-        assert counts["once"] == [first, 2] and first == 2 + 5 + 2, (rank, counts)
+        # groups of size > 1 on a 2x2 dp x tp mesh with ep 2: the status round (one
+        # all-gather over the world, which the model spans); on a new plan, a hash exchange
+        # over tp, dp_cp, expt_dp, tp_dp_cp, dp_cp_gtp_remat (= dp_cp) and the outcome's
+        # status round.
+        assert counts["once"] == [first, 1] and first == 1 + 5 + 1, (rank, counts)
         assert counts["every_step"] == [first, first], (rank, counts)
     reliability("check cost", "consistency_check off / once / every_step [4 ranks]",
-                "0 / 9 then 2 / 9 every step small all-gathers (status, 5 groups, outcome); no extra all-reduce")
+                "0 / 7 then 1 / 7 every step small all-gathers (status, 5 groups, outcome); no extra all-reduce")
 
 
 # =========================================================================== in-process (world of one)

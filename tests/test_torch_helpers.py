@@ -299,6 +299,24 @@ def case_flat_buffer(rank: int, world: int) -> tuple[RankData, list[bool]]:
     return read_outputs(model, FLAT, data), seen
 
 
+def case_helper_mismatch(rank: int, world: int) -> tuple[str, bool]:
+    """Rank 1 alone flags one more parameter sequence_parallel: its tp group would launch
+    different collectives. Called on its own, the helper compares the ranks first."""
+    from torch_impl import _allreduce_non_tensor_model_parallel_grads
+
+    model, pgc, data = _prepare(PP_TP, rank)
+    before = read_outputs(model, PP_TP, data)
+    if rank == 1:
+        param = next(p for _, p in model[0].named_parameters() if not getattr(p, "sequence_parallel", False))
+        param.sequence_parallel = True
+    try:
+        _allreduce_non_tensor_model_parallel_grads(model, model[0].config, pgc.tp)
+        outcome = "no error"
+    except Exception as err:  # noqa: BLE001 - the test compares the type and text
+        outcome = f"{type(err).__name__}: {err}"
+    return outcome, _same_grads(before, read_outputs(model, PP_TP, data))
+
+
 def _same_grads(a: RankData, b: RankData) -> bool:
     return all(
         (x is None and b.grads[k] is None) or (x is not None and np.array_equal(x, b.grads[k])) for k, x in a.grads.items()
@@ -455,6 +473,15 @@ def test_helpers_need_explicit_groups_in_a_multi_rank_world(world):
         assert errors[2] == "no error"
         for message, group in zip(errors[:2] + errors[3:], ("'tp'", "'pp'", "'tp_dp_cp'")):
             assert f"rank {rank}" in message and group in message and "None" in message, message
+
+
+def test_a_helper_alone_compares_the_ranks_of_its_group(world):
+    # tp group {0, 1} differs: ConsistencyError on both, nothing changed; {2, 3} agree.
+    for rank, (outcome, untouched) in enumerate(_ok(world, "case_helper_mismatch")):
+        if rank in (0, 1):
+            assert outcome.startswith("ConsistencyError") and "'tp'" in outcome and untouched, outcome
+        else:
+            assert outcome == "no error", outcome
 
 
 def test_ddp_chunks_get_finish_and_global_token_scale(world):

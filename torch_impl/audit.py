@@ -51,7 +51,9 @@ import itertools
 import json
 import operator
 import os
+import struct
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -98,12 +100,23 @@ def plan_file_name(rank: int, plan: str) -> str:
     return f"plan.rank{rank:05d}.{plan}.npz"
 
 
+#: The name an embedding is sampled under: the same on every stage, whatever its name there
+#: (``embedding.word_embeddings.weight`` on the first stage, ``output_layer.weight`` on the last).
+ROLE_KEYS = {"word_embedding": "[word embedding]", "position_embedding": "[position embedding]"}
+
+
+def sample_key(name: str, role: str) -> str:
+    """What a parameter's sampled positions are drawn from: its role for the embeddings
+    finalize sums across pipeline stages, else its name."""
+    return ROLE_KEYS.get(role, name)
+
+
 def sample_positions(name: str, numel: int, sample: int) -> np.ndarray:
     """The flat positions sampled from a gradient: the same on every rank for the same
-    parameter name and size (all of them when ``numel <= sample``).
+    parameter name (:func:`sample_key`) and size (all of them when ``numel <= sample``).
 
     Args:
-      name: the parameter's name.
+      name: the parameter's sample key.
       numel: its number of elements.
       sample: how many positions to take.
 
@@ -534,7 +547,7 @@ class Recorder:
             routers_before = _concat64(buffers)
             tokens_before = None if num_tokens is None else num_tokens.detach().reshape(-1)[:1].clone()
         result = self.finalize(chunks, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-        checked = self._current_plan(chunks, pg_collection, resolve_layout(chunks, pg_collection, (state, calls)))
+        checked = self._current_plan(chunks, pg_collection, resolve_layout(chunks, pg_collection, (state, calls)), check=False)
         if checked is not plan:
             if not checked.reads_like(plan):
                 warnings.warn(
@@ -614,15 +627,30 @@ class Recorder:
         return self
 
     # ------------------------------------------------------------------ plan
-    def _current_plan(self, chunks: list[Any], source: Any, facts: tuple[FinalizeConfig, Any, Any, Any]) -> _Plan:
-        """The plan for these facts: the last one while nothing it was made from changed."""
+    def _current_plan(self, chunks: list[Any], source: Any, facts: tuple[FinalizeConfig, Any, Any, Any],
+                      check: bool = True) -> _Plan:
+        """The plan for these facts: the last one while nothing it was made from changed
+        (with ``check``, also its gradient tensors and router buffers: new gradient tensors
+        of the same parameters only re-bind the sampler)."""
         config, groups, raw, found = facts
         sizes = tuple(getattr(raw, name, None) if raw is not None else None for name in CONFIG_SIZES)
         key = (found, groups, config, raw, sizes, tuple(map(id, chunks)), source, tuple(_ddp_chunks(chunks)), self.finalize)
         plan = self._plan
-        if plan is not None and len(plan.key) == len(key) and all(map(_same, plan.key, key)):
-            if plan.sampler.watch.same() and _router_values(plan.routers)[0] == plan.router_fields:
-                return plan
+        if plan is None or len(plan.key) != len(key) or not all(map(_same, plan.key, key)):
+            return self._new_plan(key, chunks, source, config, groups, raw, found)
+        if not check:
+            return plan
+        if _router_values(plan.routers)[0] != plan.router_fields:
+            return self._new_plan(key, chunks, source, config, groups, raw, found)
+        if not plan.sampler.watch.same():
+            entries = [self._entry(spec, param) for spec, param in zip(found.params, plan.params)]
+            if not all(map(operator.is_, entries, plan.entries)):
+                return self._new_plan(key, chunks, source, config, groups, raw, found)
+            self._plan = plan = dataclasses.replace(plan, sampler=_sampler(plan.entries, plan.params, plan.fsdp))
+        return plan
+
+    def _new_plan(self, key: tuple[Any, ...], chunks: list[Any], source: Any, config: FinalizeConfig, groups: Any,
+                  raw: Any, found: Any) -> _Plan:
         self._plan = plan = self._make_plan(key, chunks, source, config, groups, raw, found)
         self.plans_made += 1
         return plan
@@ -673,7 +701,7 @@ class Recorder:
         entry = self._entries.get(key)
         if entry is None:
             numel = int(np.prod(shape, dtype=np.int64))
-            positions = sample_positions(spec.name, numel, self.sample)
+            positions = sample_positions(sample_key(spec.name, str(spec.role)), numel, self.sample)
             info = {
                 "name": spec.name,
                 "chunk": int(spec.chunk),
@@ -708,9 +736,47 @@ def _same(a: Any, b: Any) -> bool:
     return a is b or (isinstance(a, (tuple, int, str)) and a == b)
 
 
+def _npy(array: np.ndarray) -> bytes:
+    """One array in the ``.npy`` format, version 1.0 (what ``np.load`` reads)."""
+    array = np.asarray(array, order="C")
+    header = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (
+        np.lib.format.dtype_to_descr(array.dtype), tuple(array.shape))
+    pad = 64 - (10 + len(header) + 1) % 64
+    header = (header + " " * pad + "\n").encode("latin1")
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + array.tobytes()
+
+
+def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """An uncompressed ``.npz`` (a stored ZIP of ``.npy`` members), built in one pass:
+    ``np.load(..., allow_pickle=False)`` reads it like ``np.savez``'s."""
+    local: list[bytes] = []
+    central: list[bytes] = []
+    offset = 0
+    for key, array in arrays.items():
+        name = f"{key}.npy".encode()
+        data = _npy(array)
+        crc = zlib.crc32(data)
+        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0x21, crc, len(data), len(data), len(name), 0)
+        local += (head, name, data)
+        central.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0x21, crc, len(data), len(data),
+                                   len(name), 0, 0, 0, 0, 0o644 << 16, offset) + name)
+        offset += len(head) + len(name) + len(data)
+    directory = b"".join(central)
+    end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(central), len(central), len(directory), offset, 0)
+    return b"".join(local) + directory + end
+
+
 def _save(path: str, arrays: dict[str, np.ndarray]) -> None:
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, **arrays)
+    """Write ``arrays`` as ``path`` (.npz), atomically (a temporary name, then renamed)."""
+    data = npz_bytes(arrays)
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 

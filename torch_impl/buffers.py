@@ -15,7 +15,8 @@ trainable parameter's gradient a view into it:
 Every reduction the layout could make contiguous (all the usual ones: DP sync, non-TP
 grads nested inside it, the pp syncs) then runs in place on a slice of a buffer, and the
 num_tokens scale is one multiply per buffer. ``ModelState.stats.bytes_copied`` (see
-:func:`torch_impl.finalize.execution_stats`) stays 0.
+:func:`torch_impl.finalize.execution_stats`) stays 0. The model is planned by
+:func:`torch_impl.cache.prepare`, the set-up path of ``finalize_model_grads``.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import torch
 from torch import nn
 
 from meshgrad.params import ParamKey
+from torch_impl.cache import Request, as_chunks, prepare
 from torch_impl.discover import dtype_name
 from torch_impl.execute import TORCH_DTYPES
-from torch_impl.megatron import parallel_state_groups
-
+from torch_impl.groups import world_rank
+from torch_impl.megatron import ddp_object
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,6 +90,36 @@ def _accumulate(param: torch.Tensor) -> None:
         param.grad = None
 
 
+def _buffer_keys(
+    layout: Sequence[tuple[str, Sequence[ParamKey]]],
+    params: dict[ParamKey, nn.Parameter],
+    attr: str,
+    device: torch.device | str | None,
+) -> dict[tuple[str, Any], list[ParamKey]]:
+    """The keys of each flat buffer, per (gradient dtype, device), in layout order (a
+    parameter under two keys gets one view).
+
+    Raises:
+      ValueError: ``attr="grad"`` with a dtype other than the parameter's.
+    """
+    seen: set[int] = set()
+    groups: dict[tuple[str, Any], list[ParamKey]] = {}
+    for dtype, keys in layout:
+        for key in keys:
+            param = params[key]
+            if id(param) in seen:  # one parameter under two keys: one view
+                continue
+            seen.add(id(param))
+            where = torch.device(device) if device is not None else param.device
+            if attr == "grad" and dtype != dtype_name(param.dtype):
+                raise ValueError(
+                    f"attach_grad_buffers: parameter {key[1]!r} (chunk {key[0]}) is {dtype_name(param.dtype)} but "
+                    f"its gradient would be {dtype}; use attr='main_grad' (e.g. with grad_reduce_in_fp32)"
+                )
+            groups.setdefault((dtype, where), []).append(key)
+    return groups
+
+
 def allocate(
     layout: Sequence[tuple[str, Sequence[ParamKey]]],
     params: dict[ParamKey, nn.Parameter],
@@ -116,21 +148,7 @@ def allocate(
     """
     if attr not in ("main_grad", "grad"):
         raise ValueError(f"attach_grad_buffers: attr must be 'main_grad' or 'grad', got {attr!r}")
-    seen: set[int] = set()
-    groups: dict[tuple[str, Any], list[ParamKey]] = {}
-    for dtype, keys in layout:
-        for key in keys:
-            param = params[key]
-            if id(param) in seen:  # one parameter under two keys: one view
-                continue
-            seen.add(id(param))
-            where = torch.device(device) if device is not None else param.device
-            if attr == "grad" and dtype != dtype_name(param.dtype):
-                raise ValueError(
-                    f"attach_grad_buffers: parameter {key[1]!r} (chunk {key[0]}) is {dtype_name(param.dtype)} but "
-                    f"its gradient would be {dtype}; use attr='main_grad' (e.g. with grad_reduce_in_fp32)"
-                )
-            groups.setdefault((dtype, where), []).append(key)
+    groups = _buffer_keys(layout, params, attr, device)
     buffers: list[torch.Tensor] = []
     views: dict[ParamKey, torch.Tensor] = {}
     attached: dict[ParamKey, nn.Parameter] = {}
@@ -194,37 +212,16 @@ def attach_grad_buffers(
       TypeError: a chunk is wrapped in a DDP with its own buffers.
       ValueError: as :func:`allocate`, or from group validation.
     """
-    from torch_impl import finalize as fin  # late: finalize imports this module's users
-
-    with fin.ranked():
-        chunks = fin._chunks(model)
-        for i, chunk in enumerate(chunks):
-            if fin._ddp_object(chunk) is not None:
-                raise TypeError(
-                    f"attach_grad_buffers: model[{i}] is wrapped in {type(fin._ddp_object(chunk)).__name__}, "
-                    "which owns its gradient buffers (finish_grad_sync); attach to unwrapped chunks only"
-                )
-        raw_config, ddp_config = fin.chunk_configs(chunks)
-        config = fin.resolve_config(raw_config, ddp_config)
-        requested = fin.Requested.from_config(raw_config)
-        state = fin.ModelState.of(chunks)
-        if pg_collection is None:  # as finalize_model_grads: Megatron's parallel_state if initialized
-            pg_collection = parallel_state_groups()
-        groups = state.resolve_groups(pg_collection, config, requested)
-        found = fin.discover(chunks, config)
-        grad_dtype = "float32" if config.grad_reduce_in_fp32 else None
-        specs = tuple(
-            dataclasses.replace(
-                spec,
-                has_grad=bool(found.tensors[spec.key].requires_grad),
-                dtype=grad_dtype or dtype_name(found.tensors[spec.key].dtype),
+    chunks = as_chunks(model)
+    for i, chunk in enumerate(chunks):
+        if ddp_object(chunk) is not None:
+            raise TypeError(
+                f"rank {world_rank()}: attach_grad_buffers: model[{i}] is wrapped in {type(ddp_object(chunk)).__name__}, "
+                "which owns its gradient buffers (finish_grad_sync); attach to unwrapped chunks only"
             )
-            for spec in found.params
-        )
-        planned = dataclasses.replace(found, params=specs)
-        bound = fin.build_plan(planned, config, groups.group_sizes(config), (None,) * len(chunks), force_all_reduce)
-        params = {k: p for k, p in found.tensors.items() if p.requires_grad}
-        layout = tuple((d, tuple(k for k in keys if k in params)) for d, keys in bound.plan.layout)
+    prepared = prepare(chunks, pg_collection, Request(force_all_reduce=force_all_reduce, layout=True))
+    params = {k: p for k, p in prepared.found.tensors.items() if p.requires_grad}
+    layout = tuple((d, tuple(k for k in keys if k in params)) for d, keys in prepared.bound.plan.layout)
     buffers = allocate(layout, params, attr=attr, device=device, lazy=lazy)
-    state.programs.clear()
+    prepared.state.programs.clear()
     return buffers

@@ -25,6 +25,7 @@ from torch import nn
 
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
+from torch_impl.grads import get_grad, grad_attr
 
 #: Parameter attributes copied into ParamSpec flags.
 FLAG_ATTRS = (
@@ -62,16 +63,6 @@ def find_attr(module: Any, attr: str) -> Any:
             return None
         module = module.module
     return None
-
-
-def grad_attr(param: torch.Tensor) -> str:
-    """``"main_grad"`` when the parameter has that attribute, else ``"grad"``."""
-    return "main_grad" if hasattr(param, "main_grad") else "grad"
-
-
-def get_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """The gradient finalization works on (``main_grad`` or ``grad``)."""
-    return getattr(param, grad_attr(param))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -229,6 +220,20 @@ def discover(model: Sequence[Any], config: FinalizeConfig) -> Discovered:
                 routers.append(spec)
                 router_modules[spec.key] = sub
     return Discovered(tuple(params), tuple(routers), tensors, router_modules, tuple(chunks))
+
+
+def one_weight(model: Sequence[Any], index: int, weight: torch.Tensor | None, role: Role) -> Discovered:
+    """The discovery of an embedding helper: the one weight it reduces (none: nothing).
+
+    The helper already chose chunk ``index`` (Megatron's chunk rule); the weight is
+    labelled chunk 0 so that the plan's chunk rule keeps it.
+    """
+    if weight is None:
+        return Discovered((), (), {}, {}, tuple(model))
+    module = unwrap(model[index])
+    name = next((n for n, p in module.named_parameters() if p is weight), "embedding.weight")
+    spec = param_spec(name, 0, weight, role)
+    return Discovered((spec,), (), {spec.key: weight}, {}, tuple(model))
 
 
 #: Name parts of the q / k layernorms that ``qk_layernorm`` reduces over tp (SPEC 2.4).

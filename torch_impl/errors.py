@@ -1,17 +1,146 @@
-"""Exception types of torch_impl, defined once.
+"""Exception types of torch_impl and the texts that name what failed, defined once.
 
 :class:`MegatronAssertionError` is raised where Megatron-Core's own
 ``finalize_model_grads`` module asserts (or fails on a ``None`` group): it derives from
 both ``ValueError`` (meshgrad's convention for bad input) and ``AssertionError`` (what
 code and tests written against Megatron catch). It is always a real ``raise``, raised
 before any collective or mutation.
+
+:class:`ConsistencyError` and :class:`NonFiniteGradError` are raised on every rank by the
+cross-rank rounds (:mod:`torch_impl.consensus`) before any gradient moves;
+:class:`CollectiveError` names a collective that failed (:func:`collective_guard`,
+:func:`action_failed`). :func:`describe` is the one line that names an action.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from meshgrad.axes import Group
+from meshgrad.plan import Action, ExpertBiasUpdate, QbBetaUpdate, Reduction, StageReduction
+from torch_impl.groups import TorchGroups, group_ranks, world_rank
 
 
 class MegatronAssertionError(ValueError, AssertionError):
     """Bad input that Megatron-Core rejects with an assertion (or a crash on None)."""
 
 
-__all__ = ["MegatronAssertionError"]
+class ConsistencyError(RuntimeError):
+    """Ranks of one group would launch different collectives (raised on every rank)."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective of finalize failed: a peer died, stalled past the timeout or raised."""
+
+
+class NonFiniteGradError(ValueError):
+    """A gradient holds NaN or Inf (``check_for_nan_in_grad``); raised on every rank."""
+
+
+_HINT = (
+    "a peer rank may have died, stalled past the process-group timeout or raised before "
+    "this collective; this step's gradients may be partly finalized"
+)
+
+
+@contextlib.contextmanager
+def ranked() -> Iterator[None]:
+    """Prefix the message of a ValueError / TypeError with this rank when it lacks one."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        text = str(err)
+        if text.startswith("rank "):
+            raise
+        try:
+            renamed = type(err)(f"rank {world_rank()}: {text}")
+        except Exception:  # an exception type with another constructor
+            raise err from None
+        raise renamed from err
+
+
+def first_line(err: BaseException) -> str:
+    """``TypeName: first line of the message`` (what is shared with other ranks)."""
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+
+
+def _ranks_text(groups: TorchGroups, group: Group | None) -> str:
+    if group is None:
+        return ""
+    pg = groups.group(group)
+    if pg is None:
+        return ""
+    try:
+        return f" (global ranks {group_ranks(pg)})"
+    except Exception:  # pragma: no cover - a group torch no longer knows
+        return ""
+
+
+def describe(action: Action, groups: TorchGroups | None = None) -> str:
+    """One line saying what an action communicates: step, op, group and tensor count.
+
+    Args:
+      action: a planned action.
+      groups: when given, each group's size is added.
+    """
+
+    def size(group: Group) -> str:
+        return f" (size {groups.size(group)})" if groups is not None else ""
+
+    if isinstance(action, Reduction):
+        steps = "+".join(str(s) for s in getattr(action, "steps", (action.step,)))
+        kind = "reduce-scatter" if action.scatter else "all-reduce"
+        return (
+            f"{steps}: {action.op} {kind} over group {str(action.group)!r}{size(action.group)} "
+            f"of {len(action.all_keys)} {action.dtype} tensor(s), first {action.keys[0][1]!r}"
+        )
+    if isinstance(action, StageReduction):
+        return (
+            f"{action.step}: sum all-reduce over group {str(action.group)!r} (pp stages "
+            f"{list(action.stages)}) of 1 {action.dtype} tensor"
+        )
+    if isinstance(action, (ExpertBiasUpdate, QbBetaUpdate)):
+        what = "sum" if isinstance(action, ExpertBiasUpdate) else "avg"
+        counts = "token counts" if isinstance(action, ExpertBiasUpdate) else "qb_beta means"
+        return (
+            f"{action.step}: {what} all-reduce over group {str(action.group)!r}{size(action.group)} "
+            f"of the {counts} of {len(action.routers)} router(s)"
+        )
+    return f"{action.step}: {type(action).__name__} (local)"
+
+
+def action_failed(action: Action, index: int, err: BaseException) -> CollectiveError:
+    """The :class:`CollectiveError` for action ``index`` of a plan that raised ``err``
+    (the executor raises it ``from err``)."""
+    return CollectiveError(
+        f"rank {world_rank()}: finalize action #{index + 1} ({describe(action)}) failed: "
+        f"{first_line(err)} -- {_HINT}"
+    )
+
+
+@contextlib.contextmanager
+def collective_guard(description: str, groups: TorchGroups, group: Group | None = None) -> Iterator[None]:
+    """Re-raise a RuntimeError of the collectives inside as a :class:`CollectiveError`
+    that names this rank, ``description`` and the group's global ranks."""
+    try:
+        yield
+    except (CollectiveError, ConsistencyError):
+        raise
+    except RuntimeError as err:
+        raise CollectiveError(
+            f"rank {groups.rank}: {description}{_ranks_text(groups, group)} failed: {first_line(err)} -- {_HINT}"
+        ) from err
+
+
+__all__ = [
+    "CollectiveError",
+    "ConsistencyError",
+    "MegatronAssertionError",
+    "NonFiniteGradError",
+    "action_failed",
+    "collective_guard",
+    "describe",
+    "first_line",
+    "ranked",
+]

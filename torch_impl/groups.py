@@ -231,51 +231,9 @@ class TorchGroups:
             # num_tokens / qb_beta reduce over dp_cp x gtp; without GTP that is dp_cp. The
             # alias is not "defined": a plan with GTP active still needs the real group.
             named[Group.DP_CP_GTP] = named[Group.DP_CP]
-        groups: dict[Group, ProcessGroup | None] = {}
-        sizes: dict[Group, int] = {}
-        member_ranks: dict[Group, list[int] | None] = {}
-        for group, value in named.items():
-            if value is _NON_MEMBER and group not in STAGE_GROUPS:
-                raise ValueError(
-                    f"rank {rank} is not a member of the {group.value!r} group given by the {source} "
-                    "(dist.new_group returned NON_GROUP_MEMBER here)"
-                )
-            if not _is_group(value):
-                groups[group], sizes[group] = None, 1
-                member_ranks[group] = None
-                continue
-            ranks = group_ranks(value)
-            if rank not in ranks:
-                if group in STAGE_GROUPS:
-                    groups[group], sizes[group] = None, 1
-                    member_ranks[group] = None
-                    continue
-                raise ValueError(
-                    f"rank {rank} is not a member of the {group.value!r} group {ranks} given by "
-                    f"the {source}"
-                )
-            groups[group], sizes[group] = value, len(ranks)
-            member_ranks[group] = ranks
+        groups, sizes, member_ranks = _memberships(named, rank, source)
         pp_ranks = tuple(member_ranks.get(Group.PP) or (rank,))
-        stages: dict[Group, tuple[int, ...] | None] = {}
-        for group in STAGE_GROUPS:
-            ranks = member_ranks.get(group)
-            if ranks is None:
-                # None / absent: a member of a size-1 group when pp == 1, else not a member.
-                stages[group] = (0,) if len(pp_ranks) == 1 and _is_none_group(named, group) else None
-                continue
-            outside = [r for r in ranks if r not in pp_ranks]
-            if outside and Group.PP not in defined_set:
-                raise ValueError(
-                    f"rank {rank}: process group 'pp' is missing from the {source}; it is required "
-                    f"(the {group.value!r} group {ranks} spans several pipeline stages)"
-                )
-            if outside:
-                raise ValueError(
-                    f"rank {rank}: the {group.value!r} group {ranks} of the {source} has ranks "
-                    f"{outside} outside this rank's pp group {list(pp_ranks)}"
-                )
-            stages[group] = tuple(sorted(pp_ranks.index(r) for r in ranks))
+        stages = _stages(named, member_ranks, pp_ranks, Group.PP in defined_set, rank, source)
         return cls(
             rank=rank,
             groups=groups,
@@ -285,6 +243,79 @@ class TorchGroups:
             missing=frozenset(Group) - defined_set,
             source=source,
         )
+
+
+def _memberships(
+    named: Mapping[Group, Any], rank: int, source: str
+) -> tuple[dict[Group, ProcessGroup | None], dict[Group, int], dict[Group, list[int] | None]]:
+    """Per group: the process group this rank communicates over (None: size 1 or, for
+    EMBD / POS_EMBD, not a member), its size and its members.
+
+    Raises:
+      ValueError: this rank is not a member of a group it was given (other than EMBD /
+        POS_EMBD).
+    """
+    groups: dict[Group, ProcessGroup | None] = {}
+    sizes: dict[Group, int] = {}
+    member_ranks: dict[Group, list[int] | None] = {}
+    for group, value in named.items():
+        if value is _NON_MEMBER and group not in STAGE_GROUPS:
+            raise ValueError(
+                f"rank {rank} is not a member of the {group.value!r} group given by the {source} "
+                "(dist.new_group returned NON_GROUP_MEMBER here)"
+            )
+        if not _is_group(value):
+            groups[group], sizes[group] = None, 1
+            member_ranks[group] = None
+            continue
+        ranks = group_ranks(value)
+        if rank not in ranks:
+            if group in STAGE_GROUPS:
+                groups[group], sizes[group] = None, 1
+                member_ranks[group] = None
+                continue
+            raise ValueError(
+                f"rank {rank} is not a member of the {group.value!r} group {ranks} given by "
+                f"the {source}"
+            )
+        groups[group], sizes[group] = value, len(ranks)
+        member_ranks[group] = ranks
+    return groups, sizes, member_ranks
+
+
+def _stages(
+    named: Mapping[Group, Any],
+    member_ranks: Mapping[Group, list[int] | None],
+    pp_ranks: tuple[int, ...],
+    pp_defined: bool,
+    rank: int,
+    source: str,
+) -> dict[Group, tuple[int, ...] | None]:
+    """For EMBD / POS_EMBD, the member pp stages (None: this rank is not a member).
+
+    Raises:
+      ValueError: the group has ranks outside this rank's pp group.
+    """
+    stages: dict[Group, tuple[int, ...] | None] = {}
+    for group in STAGE_GROUPS:
+        ranks = member_ranks.get(group)
+        if ranks is None:
+            # None / absent: a member of a size-1 group when pp == 1, else not a member.
+            stages[group] = (0,) if len(pp_ranks) == 1 and _is_none_group(named, group) else None
+            continue
+        outside = [r for r in ranks if r not in pp_ranks]
+        if outside and not pp_defined:
+            raise ValueError(
+                f"rank {rank}: process group 'pp' is missing from the {source}; it is required "
+                f"(the {group.value!r} group {ranks} spans several pipeline stages)"
+            )
+        if outside:
+            raise ValueError(
+                f"rank {rank}: the {group.value!r} group {ranks} of the {source} has ranks "
+                f"{outside} outside this rank's pp group {list(pp_ranks)}"
+            )
+        stages[group] = tuple(sorted(pp_ranks.index(r) for r in ranks))
+    return stages
 
 
 def _is_none_group(named: Mapping[Group, Any], group: Group) -> bool:

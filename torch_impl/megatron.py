@@ -12,8 +12,11 @@ imported them, so they are found in ``sys.modules``. This module reads
   group is looked up, passed on as torch.distributed's default group, or an error,
   exactly where Megatron does each;
 * a helper's None group argument (:func:`helper_group`), with the same per-helper rules;
-* Megatron configs and DDP chunks (:func:`chunk_configs`, :func:`ddp_object`,
-  :class:`Requested`);
+* Megatron configs and DDP chunks (:func:`chunk_configs`, :func:`resolve_config`,
+  :func:`ddp_object`, :class:`Requested` -- the one reader of the config's sizes, with
+  one strictness);
+* a group source of any kind a call accepts (:func:`resolve_groups`, and
+  :func:`status_groups` for a rank whose set-up failed);
 * the GTP fence (:func:`gtp_fence`): ``gtp_api.wait_for_gtp_grad_reduction_on_current_stream``.
 
 Where Megatron asserts (or fails on a None group), these functions raise
@@ -32,9 +35,10 @@ from typing import Any
 import torch.distributed as dist
 
 from meshgrad.axes import Group
+from meshgrad.config import FinalizeConfig
 from torch_impl.discover import find_attr
 from torch_impl.errors import MegatronAssertionError
-from torch_impl.groups import TorchGroups, group_ranks, world_rank, world_size
+from torch_impl.groups import MeshGroups, TorchGroups, group_ranks, is_device_mesh, mesh_groups, world_rank, world_size
 
 ProcessGroup = Any
 
@@ -163,6 +167,39 @@ def _size(group: Any) -> int:
     return len(group_ranks(group)) if group is not None else 1
 
 
+def _check_fields(collection: Any, rank: int) -> None:
+    """Megatron asserts ``hasattr(pg_collection, ...)`` for tp, pp, embd, pos_embd and
+    dp_cp: always true for a collection whose ``__getattr__`` answers unset fields
+    (current Megatron), false for one that does not.
+
+    Raises:
+      MegatronAssertionError: naming the attributes it lacks.
+    """
+    lacking = [g.value for g in (Group.TP, Group.PP, Group.EMBD, Group.POS_EMBD, Group.DP_CP) if not hasattr(collection, g.value)]
+    if lacking:
+        raise MegatronAssertionError(
+            f"rank {rank}: pg_collection has no attribute {', '.join(lacking)} (Megatron-Core asserts "
+            "hasattr for tp, pp, embd, pos_embd and dp_cp); set each, to None where there is no such group"
+        )
+
+
+def _parallel_state_embd(loaded: Any, *, pp_given: bool, rank: int) -> ProcessGroup | None:
+    """parallel_state's embedding group for a collection whose ``embd`` is None.
+
+    Raises:
+      MegatronAssertionError: it has several ranks and the collection's ``pp`` is set.
+    """
+    found = parallel_state_group(loaded, Group.EMBD)
+    found = None if found is _UNDEFINED else found
+    if found is not None and _size(found) > 1 and pp_given:
+        raise MegatronAssertionError(
+            f"rank {rank}: pg_collection.embd is None, so Megatron-Core takes parallel_state's "
+            f"embedding group {group_ranks(found)}, and then requires pg_collection.pp to be None "
+            "(it asserts); set pg_collection.embd"
+        )
+    return found
+
+
 def collection_groups(collection: Any, *, expert_bias: bool, flextron: bool = False) -> TorchGroups:
     """This rank's groups from a Megatron ``ProcessGroupCollection``, read as Megatron's
     ``finalize_model_grads`` reads it.
@@ -187,14 +224,7 @@ def collection_groups(collection: Any, *, expert_bias: bool, flextron: bool = Fa
     ps = parallel_state()
     loaded = loaded_parallel_state()
     rank = world_rank()
-    # Megatron asserts hasattr(pg_collection, ...) for these: always true for a collection
-    # whose __getattr__ answers unset fields (current Megatron), false for one that does not.
-    lacking = [g.value for g in (Group.TP, Group.PP, Group.EMBD, Group.POS_EMBD, Group.DP_CP) if not hasattr(collection, g.value)]
-    if lacking:
-        raise MegatronAssertionError(
-            f"rank {rank}: pg_collection has no attribute {', '.join(lacking)} (Megatron-Core asserts "
-            "hasattr for tp, pp, embd, pos_embd and dp_cp); set each, to None where there is no such group"
-        )
+    _check_fields(collection, rank)
     values: dict[Group, Any] = dict(given)
     for group, what in ((Group.TP, "tensor-parallel"), (Group.PP, "pipeline")):
         if values.get(group) is None:
@@ -209,15 +239,7 @@ def collection_groups(collection: Any, *, expert_bias: bool, flextron: bool = Fa
     values.setdefault(Group.POS_EMBD, None)
     values.setdefault(Group.EMBD, None)
     if values[Group.EMBD] is None and loaded is not None:
-        found = parallel_state_group(loaded, Group.EMBD)
-        found = None if found is _UNDEFINED else found
-        if found is not None and _size(found) > 1 and given.get(Group.PP) is not None:
-            raise MegatronAssertionError(
-                f"rank {rank}: pg_collection.embd is None, so Megatron-Core takes parallel_state's "
-                f"embedding group {group_ranks(found)}, and then requires pg_collection.pp to be None "
-                "(it asserts); set pg_collection.embd"
-            )
-        values[Group.EMBD] = found
+        values[Group.EMBD] = _parallel_state_embd(loaded, pp_given=given.get(Group.PP) is not None, rank=rank)
     values[Group.DP_CP_GTP] = given.get(Group.DP_CP_GTP) or given.get(Group.DP_CP) or _default_group()
     for group in (Group.GTP, Group.EGTP):
         if values.get(group) is None and loaded is not None:
@@ -333,7 +355,7 @@ class Requested:
       tp: ``tensor_model_parallel_size`` (None: not stated).
       pp: ``pipeline_model_parallel_size``.
       cp: ``context_parallel_size``.
-      ep: ``expert_model_parallel_size``.
+      ep: ``expert_model_parallel_size`` (None: not stated; :attr:`ep_size` is then 1).
       etp: ``expert_tensor_parallel_size`` (None = tp).
       gtp: ``gtp_weight_remat_size`` (1 = GTP inactive).
       egtp: ``expert_gtp_weight_remat_size``.
@@ -342,10 +364,15 @@ class Requested:
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
-    ep: int = 1
+    ep: int | None = None
     etp: int | None = None
     gtp: int = 1
     egtp: int = 1
+
+    @property
+    def ep_size(self) -> int:
+        """The expert-parallel size to build groups with (1 when not stated)."""
+        return self.ep or 1
 
     @property
     def gtp_active(self) -> bool:
@@ -354,17 +381,110 @@ class Requested:
 
     @classmethod
     def from_config(cls, config: Any) -> "Requested":
+        """The sizes ``config`` states (an object or a mapping; numpy integers too).
+
+        Raises:
+          ValueError: a size that is not a positive integer.
+        """
         if config is None or type(config).__name__ == "FinalizeConfig":
             return cls()
         return cls(
             tp=config_size(config, "tensor_model_parallel_size", None),
             pp=config_size(config, "pipeline_model_parallel_size", None),
             cp=config_size(config, "context_parallel_size", None),
-            ep=config_size(config, "expert_model_parallel_size", 1),
+            ep=config_size(config, "expert_model_parallel_size", None),
             etp=config_size(config, "expert_tensor_parallel_size", None),
             gtp=config_size(config, "gtp_weight_remat_size", 1),
             egtp=config_size(config, "expert_gtp_weight_remat_size", 1),
         )
+
+
+
+# =========================================================================== group sources
+
+
+def resolve_config(config: Any, ddp_config: Any = None) -> FinalizeConfig:
+    """A FinalizeConfig from a Megatron TransformerConfig, a duck-typed object, a mapping or
+    a FinalizeConfig, merged with a DDP config.
+
+    Raises:
+      TypeError: neither a config nor a DDP config is given.
+    """
+    if isinstance(config, FinalizeConfig) and ddp_config is None:
+        return config
+    if config is None and ddp_config is None:
+        raise TypeError(
+            f"rank {world_rank()}: no config found: set `config` (a Megatron TransformerConfig or a "
+            "meshgrad.FinalizeConfig) on the first model chunk (or on a module along its `.module` chain)"
+        )
+    return FinalizeConfig.from_megatron(config, ddp_config)
+
+
+def _no_groups() -> TorchGroups:
+    """``pg_collection=None`` without an initialized parallel_state: one rank only."""
+    if world_size() > 1:
+        raise MegatronAssertionError(
+            f"rank {world_rank()}: pg_collection is None in a world of {world_size()} ranks and "
+            "Megatron's parallel_state is not initialized; pass a ProcessGroupCollection (or any "
+            "object with its attribute names) or a torch DeviceMesh with meshgrad dim names "
+            "(pp, dp, cp, gtp, tp)"
+        )
+    return TorchGroups.trivial()
+
+
+def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Requested) -> TorchGroups:
+    """This rank's TorchGroups from whatever ``finalize_model_grads`` was given.
+
+    A Megatron ``ProcessGroupCollection`` and ``None`` (Megatron's ``parallel_state``) are
+    read as Megatron reads them; meshgrad's own sources (a DeviceMesh, MeshGroups,
+    TorchGroups, a mapping or any object with the collection's attribute names) name
+    every group they mean, None being size 1.
+
+    Raises:
+      MegatronAssertionError: where Megatron asserts (a field it needs is None or unset).
+      ValueError: no groups in a multi-rank world, or a DeviceMesh that does not fit.
+      TypeError: an object that is no group source.
+    """
+    if pg_collection is None:
+        from_megatron = parallel_state_groups()
+        return from_megatron if from_megatron is not None else _no_groups()
+    if isinstance(pg_collection, TorchGroups):
+        return pg_collection
+    if is_device_mesh(pg_collection) or isinstance(pg_collection, MeshGroups):
+        groups = mesh_groups(pg_collection) if is_device_mesh(pg_collection) else pg_collection
+        stages = {"embedding_stages": config.embedding_stages, "position_embedding_stages": config.position_embedding_stages}
+        return groups.resolve(ep=requested.ep_size, etp=requested.etp, egtp=requested.egtp, **stages)
+    if is_process_group_collection(pg_collection):
+        return collection_groups(
+            pg_collection, expert_bias=config.moe_router_enable_expert_bias, flextron=config.flextron
+        )
+    if isinstance(pg_collection, Mapping):
+        return TorchGroups.from_mapping(pg_collection, source="group mapping")
+    if not any(hasattr(pg_collection, g.value) for g in Group):
+        raise TypeError(
+            f"rank {world_rank()}: pg_collection must be None, a ProcessGroupCollection (or any object "
+            f"with its attribute names tp, pp, embd, pos_embd, dp_cp, ...), a torch DeviceMesh, a "
+            f"MeshGroups or a TorchGroups; got {type(pg_collection).__name__}"
+        )
+    return TorchGroups.from_collection(pg_collection)
+
+
+def status_groups(source: Any) -> TorchGroups | None:
+    """The groups of the status round for a rank that failed before resolving its
+    groups: built from ``source`` without creating any process group, or None."""
+    try:
+        if source is None:
+            groups = parallel_state_groups()
+            return groups if groups is not None else (TorchGroups.trivial() if world_size() == 1 else None)
+        if isinstance(source, TorchGroups):
+            return source
+        if is_device_mesh(source) or isinstance(source, MeshGroups):
+            return (mesh_groups(source) if is_device_mesh(source) else source).spanning()
+        if isinstance(source, Mapping):
+            return TorchGroups.from_mapping(source, source="group mapping")
+        return TorchGroups.from_collection(source)
+    except Exception:  # nothing to share over: the caller raises locally
+        return None
 
 
 __all__ = [
@@ -384,4 +504,7 @@ __all__ = [
     "parallel_state_group",
     "parallel_state_groups",
     "parallel_state_values",
+    "resolve_config",
+    "resolve_groups",
+    "status_groups",
 ]

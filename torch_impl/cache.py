@@ -1,0 +1,539 @@
+"""The one set-up path of every entry point, and the per-model state it caches.
+
+:func:`prepare` goes config -> groups -> model state -> discovery -> plan -> checks, for
+``finalize_model_grads`` (every step), each seed helper (its steps, its groups) and
+``attach_grad_buffers`` (the plan's layout only); :func:`run` runs what it prepared.
+
+**Model state.** :class:`ModelState` is the one object meshgrad writes onto objects it
+does not own: the attribute ``_meshgrad_finalize_state`` of ``chunks[0]``. It is made on
+the first call with a chunk list, replaced when the call's chunk list differs (another
+list, order or length), starts afresh when the model is copied or pickled, dies with
+the chunk, and is emptied by :func:`torch_impl.finalize.invalidate_plans`. Every cache
+in it is bounded: at most :data:`MAX_PLANS` plans (each with its bound program and its
+check record, evicted together, oldest first), one discovery per ``has_mtp`` (dropped
+with its bindings when the model watch fires), one resolved group source, and
+:data:`MAX_PLANS` helper group sets and embedding discoveries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from meshgrad.axes import Group
+from meshgrad.config import FinalizeConfig
+from meshgrad.params import ParamKey, Role
+from meshgrad.plan import FinalizePlan, GroupSizes, Step, plan_finalize
+from torch_impl.checks import collection_source, plan_keys, requirements
+from torch_impl.consensus import CheckSpec, PlanRecord, before_communication, share_local_error
+from torch_impl.discover import Discovered, chunk_facts, discover, dtype_name, one_weight, watched_keys
+from torch_impl.errors import ranked
+from torch_impl.execute import ExecStats, Program, run_actions
+from torch_impl.grads import GradAccess, ModelWatch, get_grad, is_dtensor
+from torch_impl.groups import MeshGroups, TorchGroups, is_device_mesh, world_rank, world_size
+from torch_impl.megatron import (
+    Requested,
+    accepts,
+    chunk_configs,
+    ddp_object,
+    is_process_group_collection,
+    parallel_state_groups,
+    resolve_config,
+    resolve_groups,
+)
+
+_STATE_ATTR = "_meshgrad_finalize_state"
+#: Most plans (and helper group sets, embedding discoveries) one model state keeps.
+MAX_PLANS = 16
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(FinalizeConfig))
+_ABSENT = object()
+
+
+def as_chunks(model: Any) -> list[Any]:
+    """The model as a non-empty list of chunks.
+
+    Raises:
+      TypeError: ``model`` is not a module or a sequence of modules.
+    """
+    if isinstance(model, nn.Module):
+        return [model]
+    if not isinstance(model, (list, tuple)) or not model:
+        raise TypeError(
+            f"rank {world_rank()}: model must be a non-empty list of nn.Module chunks, got {type(model).__name__}"
+        )
+    for i, chunk in enumerate(model):
+        if not isinstance(chunk, nn.Module):
+            raise TypeError(f"rank {world_rank()}: model[{i}] is a {type(chunk).__name__}, not an nn.Module")
+    return list(model)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BoundPlan:
+    """A plan with everything a step needs to run it (immutable; what the checks found
+    per plan is kept by :class:`ModelState`).
+
+    Args:
+      plan: the FinalizePlan (all steps; DP sync only for plain chunks).
+      ddp: the DDP objects whose ``finish_grad_sync`` does step 1 for their chunks.
+      ddp_force_kwarg: per DDP object, whether it accepts ``force_all_reduce``.
+      plain_scale_keys: gradients this backend scales by num_tokens (plain chunks).
+      checks: what a call of this plan checks before communicating (None: nothing).
+    """
+
+    plan: FinalizePlan
+    ddp: tuple[Any, ...]
+    ddp_force_kwarg: tuple[bool, ...]
+    plain_scale_keys: tuple[ParamKey, ...]
+    checks: CheckSpec | None = None
+
+
+def build_plan(
+    found: Discovered,
+    config: FinalizeConfig,
+    sizes: GroupSizes,
+    ddp: Sequence[Any],
+    force_all_reduce: bool,
+    stage: int | None = None,
+) -> BoundPlan:
+    """Plan every step; step 1 only for chunks without a DDP wrapper (``ddp[i]`` None)."""
+    plain = {i for i, obj in enumerate(ddp) if obj is None}
+    if len(plain) == len(ddp):
+        plan = plan_finalize(
+            found.params, config, sizes, found.routers, force_all_reduce=force_all_reduce, stage=stage
+        )
+    else:
+        plan = plan_finalize(found.params, config, sizes, found.routers, dp_sync=False, stage=stage)
+        if plain:
+            dp = plan_finalize(
+                [p for p in found.params if p.chunk in plain], config, sizes, force_all_reduce=force_all_reduce
+            ).for_step(Step.DP_SYNC)
+            plan = dataclasses.replace(plan, actions=tuple(dp) + plan.actions)
+    objects: list[Any] = []
+    for obj in ddp:
+        if obj is not None and all(obj is not o for o in objects):
+            objects.append(obj)
+    return BoundPlan(
+        plan=plan,
+        ddp=tuple(objects),
+        ddp_force_kwarg=tuple(accepts(o.finish_grad_sync, "force_all_reduce") for o in objects),
+        plain_scale_keys=tuple(k for k in plan.token_scale.keys if k[0] in plain),
+    )
+
+
+def _config_snapshot(source: Any) -> tuple[Any, ...]:
+    """The values FinalizeConfig.from_megatron reads from ``source`` (absent ones marked)."""
+    if source is None:
+        return ()
+    if isinstance(source, Mapping):
+        return tuple([source.get(name, _ABSENT) for name in _CONFIG_FIELDS])
+    return tuple([getattr(source, name, _ABSENT) for name in _CONFIG_FIELDS])
+
+
+def _put(cache: dict[Any, Any], key: Any, value: Any, limit: int = MAX_PLANS) -> Any:
+    """``cache[key] = value``, first evicting the oldest entry when ``cache`` is full."""
+    if key not in cache and len(cache) >= limit:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
+
+
+class ModelState:
+    """What meshgrad caches on a model (on its first chunk; lifetime in the module doc).
+
+    Discovery is keyed on the chunk objects, resolved groups on the group source, and
+    plans on everything that can change them: parameters' requires_grad / gradient
+    presence and dtype, router modes, the config, the groups and the call's options.
+    Each plan is bound once to the gradient tensors (:class:`~torch_impl.execute.Program`);
+    a :class:`~torch_impl.grads.ModelWatch` tells, at C speed, whether a step still sees
+    the same model (structure, flags, requires_grad, gradient tensors, routers), so a
+    repeated step neither re-discovers nor re-binds. ``stats`` counts calls, plans built,
+    bindings and the bytes coalescing had to copy.
+    """
+
+    def __init__(self, chunks: Sequence[Any]) -> None:
+        self.chunk_ids = tuple(id(c) for c in chunks)
+        self.found: dict[bool, tuple[int, Discovered, ModelWatch]] = {}
+        self.tokens: dict[tuple[Any, ...], int] = {}  # specs -> token
+        self.next_token = 0
+        self.groups: dict[tuple[Any, ...], tuple[Any, TorchGroups]] = {}
+        self.plans: dict[tuple[Any, ...], BoundPlan] = {}
+        self.programs: dict[int, tuple[BoundPlan, Program, Discovered]] = {}
+        self.records: dict[int, tuple[BoundPlan, PlanRecord]] = {}
+        self.last_config: tuple[Any, Any, tuple[Any, ...], FinalizeConfig] | None = None
+        self.embeddings: dict[tuple[Any, ...], tuple[Any, Any, bool, Discovered]] = {}
+        self.explicit_groups: dict[tuple[Any, ...], tuple[dict[Group, Any], TorchGroups]] = {}
+        self.stats = ExecStats()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A cache: copying or pickling the model (deepcopy, torch.save) starts it afresh
+        # instead of trying to copy process groups.
+        return (ModelState, ((),))
+
+    @classmethod
+    def of(cls, chunks: Sequence[Any]) -> "ModelState":
+        """The state of this chunk list (made, or replaced when the list differs)."""
+        state = getattr(chunks[0], _STATE_ATTR, None)
+        if not isinstance(state, cls) or state.chunk_ids != tuple(id(c) for c in chunks):
+            state = cls(chunks)
+            object.__setattr__(chunks[0], _STATE_ATTR, state)
+        return state
+
+    def _token(self, found: Discovered) -> int:
+        """A small int standing for the specs (cheap to hash in plan keys): equal specs,
+        equal tokens, so an unchanged plan is found again in the cache."""
+        fingerprint = (found.params, found.routers)
+        token = self.tokens.get(fingerprint)
+        if token is None:
+            if len(self.tokens) >= 4 * MAX_PLANS:
+                self.tokens.clear()
+            token = self.tokens[fingerprint] = self.next_token
+            self.next_token += 1
+        return token
+
+    def discovered(self, chunks: Sequence[Any], config: FinalizeConfig) -> tuple[Any, Discovered]:
+        """(fingerprint token, Discovered) for this step.
+
+        While the :class:`~torch_impl.grads.ModelWatch` sees the same model (structure,
+        watched parameters' flags, requires_grad and gradient tensors, routers, chunk
+        facts), nothing is re-read. Otherwise every bound program is dropped and the
+        model is discovered again (structure changed) or its specs re-read.
+        """
+        cached = self.found.get(config.has_mtp)
+        if cached is not None and cached[2].same():
+            return cached[0], cached[1]
+        self.programs.clear()
+        if cached is None or not cached[2].structure_same():
+            found = discover(chunks, config)
+        else:
+            found = cached[1].refresh()
+        if cached is not None:
+            cached[2].close()
+        token = self._token(found)
+        plain = [ddp_object(c) is None for c in chunks]
+        has_mtp = config.has_mtp
+        watch = ModelWatch(
+            found, chunks, lambda: chunk_facts(chunks, found, has_mtp, ddp_object), watched_keys(found, plain)
+        )
+        self.found[config.has_mtp] = (token, found, watch)
+        return token, found
+
+    def invalidate(self) -> None:
+        """Forget every discovery, plan and binding: the next call reads the model anew."""
+        for _, _, watch in self.found.values():
+            watch.close()
+        self.found.clear()
+        self.plans.clear()
+        self.programs.clear()
+        self.records.clear()
+        self.embeddings.clear()
+
+    def config(self, raw: Any, ddp_config: Any) -> FinalizeConfig:
+        """``resolve_config(raw, ddp_config)``, memoized: the same two objects with the same
+        values of every attribute FinalizeConfig reads give the last result (a config
+        mutated between steps is resolved again)."""
+        if isinstance(raw, FinalizeConfig) and ddp_config is None:
+            return raw
+        snapshot = _config_snapshot(raw) + _config_snapshot(ddp_config)
+        hit = self.last_config
+        if hit is not None and hit[0] is raw and hit[1] is ddp_config and hit[2] == snapshot:
+            return hit[3]
+        resolved = resolve_config(raw, ddp_config)
+        self.last_config = (raw, ddp_config, snapshot, resolved)
+        return resolved
+
+    def program(self, bound: BoundPlan, found: Discovered, groups: TorchGroups, config: FinalizeConfig) -> Program | None:
+        """The plan bound to this step's gradient tensors (cached until the watch fires),
+        or None when gradients are DTensors (they are unsharded per step)."""
+        hit = self.programs.get(id(bound))
+        if hit is not None and hit[0] is bound and hit[2] is found:
+            return hit[1]
+        cached = self.found.get(config.has_mtp)
+        if cached is not None and cached[1] is found:
+            cached[2].cover(plan_keys(bound.plan, bound.plain_scale_keys))  # what the plan reads is watched
+            if cached[2].has_dtensor():
+                return None
+        elif any(is_dtensor(get_grad(t)) for t in found.tensors.values()):  # a helper's own discovery
+            return None
+        grads = GradAccess(found.tensors, config.use_megatron_fsdp)
+        program = Program(bound.plan.actions, grads, found.router_modules, groups, self.stats, bound.plain_scale_keys)
+        _put(self.programs, id(bound), (bound, program, found))
+        return program
+
+    def resolve_groups(self, source: Any, config: FinalizeConfig, requested: Requested) -> TorchGroups:
+        """Resolved groups, cached per group source (DeviceMesh groups cache themselves)."""
+        if isinstance(source, TorchGroups) or is_device_mesh(source) or isinstance(source, MeshGroups):
+            return resolve_groups(source, config, requested)
+        if isinstance(source, Mapping):
+            fields = tuple((k, id(v)) for k, v in source.items())
+        else:
+            fields = tuple(id(getattr(source, g.value, None)) for g in Group)
+        key = (id(source), fields, world_size(), config.moe_router_enable_expert_bias, config.flextron)
+        hit = self.groups.get(key)
+        if hit is None or hit[0] is not source:
+            hit = (source, resolve_groups(source, config, requested))
+            self.groups = {key: hit}
+        return hit[1]
+
+    def explicit(self, values: Mapping[Group, Any]) -> TorchGroups:
+        """TorchGroups from a seed helper's groups, memoized on the group objects'
+        identity (the memo holds the groups, so their ids stay theirs)."""
+        key = tuple(sorted((g.value, id(v)) for g, v in values.items()))
+        hit = self.explicit_groups.get(key)
+        if hit is not None and all(hit[0][g] is v for g, v in values.items()):
+            return hit[1]
+        resolved = TorchGroups.from_mapping(dict(values), source="the helper's groups")
+        return _put(self.explicit_groups, key, (dict(values), resolved))[1]
+
+    def plan(self, key: tuple[Any, ...], make: Callable[[], BoundPlan]) -> BoundPlan:
+        """The cached plan for ``key``, or ``make()``'s (evicting the oldest plan, with its
+        program and record, when :data:`MAX_PLANS` are kept)."""
+        bound = self.plans.get(key)
+        if bound is None:
+            bound = make()
+            self.stats.plans_built += 1
+            if len(self.plans) >= MAX_PLANS:
+                old = self.plans.pop(next(iter(self.plans)))
+                self.programs.pop(id(old), None)
+                self.records.pop(id(old), None)
+            self.plans[key] = bound
+        return bound
+
+    def record(self, bound: BoundPlan) -> PlanRecord | None:
+        """What the once-per-plan checks found for ``bound`` (None before they passed)."""
+        hit = self.records.get(id(bound))
+        return hit[1] if hit is not None and hit[0] is bound else None
+
+    def keep_record(self, bound: BoundPlan, record: PlanRecord | None) -> None:
+        """Keep what the checks found for ``bound`` (bounded like the plans)."""
+        if record is not None:
+            _put(self.records, id(bound), (bound, record))
+
+    def embedding(self, chunks: Sequence[Any], index: int, weight: Any, role: Role) -> Discovered:
+        """An embedding helper's own discovery of its one weight (of chunk ``index``),
+        kept while the weight, its gradient tensor and ``requires_grad`` stay the same."""
+        grad = get_grad(weight) if weight is not None else None
+        trained = bool(getattr(weight, "requires_grad", False))
+        key = (role, id(weight), index)
+        hit = self.embeddings.get(key)
+        if hit is not None and hit[0] is weight and hit[1] is grad and hit[2] == trained:
+            return hit[3]
+        found = one_weight(chunks, index, weight, role)
+        return _put(self.embeddings, key, (weight, grad, trained, found))[3]
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What one call asks of :func:`prepare`.
+
+    Args:
+      steps: the steps a seed helper runs; empty: every step (``finalize_model_grads``).
+      config: a helper's config (a Megatron config, a mapping or a FinalizeConfig; None:
+        the chunks' ``config``), merged with the chunks' ``ddp_config`` unless
+        ``merge_ddp_config`` is False.
+      merge_ddp_config: merge the chunks' ``ddp_config`` into ``config``.
+      overrides: FinalizeConfig fields a helper sets (Megatron's helpers skip some gates).
+      num_tokens: the call's ``num_tokens`` (checked every step).
+      force_all_reduce: all-reduce instead of the distributed optimizer's reduce-scatter.
+      found: a helper's own discovery (the embedding helpers' one weight).
+      over: the groups a helper communicates over: its status round and comparison.
+      layout: plan only, as ``finalize_model_grads`` will, for ``attach_grad_buffers``
+        (every trainable parameter counted as having a gradient; no checks).
+    """
+
+    steps: tuple[Step, ...] = ()
+    config: Any = None
+    merge_ddp_config: bool = True
+    overrides: tuple[tuple[str, Any], ...] = ()
+    num_tokens: Any = None
+    force_all_reduce: bool = False
+    found: Discovered | None = None
+    over: tuple[Group, ...] = ()
+    layout: bool = False
+
+    @property
+    def finalize(self) -> bool:
+        """Whether this is ``finalize_model_grads`` (or its layout): every step."""
+        return not self.steps
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Prepared:
+    """Everything a call needs after :func:`prepare`: the plan and what it runs on."""
+
+    bound: BoundPlan
+    found: Discovered
+    groups: TorchGroups
+    config: FinalizeConfig
+    requested: Requested
+    state: ModelState
+
+
+def _config(state: ModelState, chunks: Sequence[Any], request: Request) -> tuple[FinalizeConfig, tuple[Any, Any]]:
+    """The call's FinalizeConfig and the raw configs it came from."""
+    raw, ddp_config = chunk_configs(chunks)
+    if request.config is not None:
+        raw = request.config
+    if not request.merge_ddp_config:
+        ddp_config = None
+    config = state.config(raw, ddp_config)
+    if request.overrides:
+        config = config.replace(**dict(request.overrides))
+    if not request.finalize and (config.embedding_stages is not None or config.position_embedding_stages is not None):
+        # No embedding step of finalize runs here: the configured stage sets do not apply.
+        config = config.replace(embedding_stages=None, position_embedding_stages=None)
+    return config, (raw, ddp_config)
+
+
+def _layout_found(chunks: Sequence[Any], config: FinalizeConfig) -> Discovered:
+    """The model as ``attach_grad_buffers`` plans it: every trainable parameter with a
+    gradient of the dtype the DP sync will reduce."""
+    found = discover(chunks, config)
+    grad_dtype = "float32" if config.grad_reduce_in_fp32 else None
+    specs = tuple(
+        dataclasses.replace(
+            spec,
+            has_grad=bool(found.tensors[spec.key].requires_grad),
+            dtype=grad_dtype or dtype_name(found.tensors[spec.key].dtype),
+        )
+        for spec in found.params
+    )
+    return dataclasses.replace(found, params=specs)
+
+
+def _finalize_plan(
+    found: Discovered, config: FinalizeConfig, groups: TorchGroups, requested: Requested,
+    ddp: tuple[Any, ...], request: Request, source: Any,
+) -> BoundPlan:
+    """``finalize_model_grads``' plan, after checking the groups it needs."""
+    plain = {i for i, obj in enumerate(ddp) if obj is None}
+    required, expected = requirements(
+        config,
+        [p for p in found.params if p.chunk in plain],
+        groups,
+        requested,
+        plain_dp_sync=bool(plain),
+        num_tokens=request.num_tokens is not None,
+        megatron_groups=source is None or is_process_group_collection(source),
+    )
+    groups.check(required, expected, strict=config.strict_groups)
+    bound = build_plan(found, config, groups.group_sizes(config), ddp, request.force_all_reduce, groups.pp_stage)
+    own = tuple(s.key for s in found.params if s.has_grad and ddp[s.chunk] is None)
+    checks = CheckSpec(
+        keys=tuple(dict.fromkeys(own + tuple(plan_keys(bound.plan, bound.plain_scale_keys)))),
+        nan_keys=own,
+        ddp=bound.ddp,
+        requested=requested,
+        experts=any(p.expert and p.has_grad for p in found.params),
+        collection=collection_source(source),
+    )
+    return dataclasses.replace(bound, checks=checks)
+
+
+def _helper_plan(found: Discovered, config: FinalizeConfig, groups: TorchGroups, request: Request) -> BoundPlan:
+    """A seed helper's plan: only its steps, no DP sync, checked over its own groups."""
+    plan = plan_finalize(found.params, config, groups.group_sizes(config), found.routers, dp_sync=False)
+    plan = dataclasses.replace(plan, actions=plan.for_step(*request.steps))
+    checks = CheckSpec(keys=tuple(plan_keys(plan, ())), nan=False, over=request.over, compared=request.over)
+    return BoundPlan(plan, (), (), (), checks)
+
+
+def _prepare(model: Any, source: Any, request: Request, known: dict[str, Any]) -> Prepared:
+    """:func:`prepare`; ``known`` records what resolved (for sharing an error)."""
+    chunks = as_chunks(model)
+    state = ModelState.of(chunks)
+    config, known["raw"] = _config(state, chunks, request)
+    known["config"] = config
+    requested = Requested.from_config(known["raw"][0]) if request.finalize else Requested()
+    groups = state.resolve_groups(parallel_state_groups() if source is None else source, config, requested)
+    known["groups"] = groups
+    if request.layout:
+        found = _layout_found(chunks, config)
+        bound = build_plan(found, config, groups.group_sizes(config), (None,) * len(chunks), request.force_all_reduce)
+        return Prepared(bound, found, groups, config, requested, state)
+    if request.found is not None:
+        token, found = (request.found.params, request.found.routers), request.found
+    else:
+        token, found = state.discovered(chunks, config)
+    ddp = tuple(ddp_object(c) for c in chunks) if request.finalize else (None,) * len(chunks)
+    key = (request.steps, token, config, groups, requested, request.force_all_reduce,
+           request.num_tokens is not None, tuple(map(id, ddp)))
+    if request.finalize:
+        bound = state.plan(key, lambda: _finalize_plan(found, config, groups, requested, ddp, request, source))
+    else:
+        bound = state.plan(key, lambda: _helper_plan(found, config, groups, request))
+    known["shared"] = True  # from here on, the checks' own status round shares errors
+    checks = bound.checks if bound.checks is not None else CheckSpec(keys=())
+    record = before_communication(checks, bound.plan, found, groups, config, request.num_tokens, state.record(bound))
+    state.keep_record(bound, record)
+    return Prepared(bound, found, groups, config, requested, state)
+
+
+def prepare(model: Any, source: Any, request: Request = Request()) -> Prepared:
+    """The one set-up path: config, groups, model state, discovery, plan (cached on the
+    model) and every check before communication.
+
+    Args:
+      model: the model chunks (or one module).
+      source: the group source (``pg_collection``; a seed helper's TorchGroups).
+      request: what the call asks for.
+
+    Returns:
+      The :class:`Prepared` call.
+
+    Raises:
+      TypeError / ValueError: a local check failed -- on every rank: a local error found
+        before the status round is shared through it (:func:`~torch_impl.consensus.share_local_error`).
+      ConsistencyError / NonFiniteGradError / CollectiveError: from the cross-rank rounds.
+    """
+    with ranked():
+        return _shared(model, source, request)
+
+
+def _shared(model: Any, source: Any, request: Request) -> Prepared:
+    """:func:`_prepare`, sharing a local error found before the status round with the
+    other ranks through that round (the caller prefixes this rank to the message)."""
+    known: dict[str, Any] = {}
+    try:
+        return _prepare(model, source, request, known)
+    except (TypeError, ValueError) as err:
+        if not request.layout and not known.get("shared"):
+            extra = {"over": request.over} if not request.finalize else {}
+            share_local_error(
+                err, known.get("groups"), known.get("config"), source=source, raw=known.get("raw", ()), **extra
+            )
+        raise
+
+
+def run(prepared: Prepared) -> Program | None:
+    """Run the prepared plan's actions: through its bound program, or (DTensor gradients)
+    binding each action as it runs.
+
+    Returns:
+      The bound program (None for DTensor gradients).
+    """
+    bound, found, groups, config, state = (
+        prepared.bound, prepared.found, prepared.groups, prepared.config, prepared.state
+    )
+    program = state.program(bound, found, groups, config)
+    if program is not None:
+        program.run()
+    else:
+        grads = GradAccess(found.tensors, config.use_megatron_fsdp)
+        run_actions(bound.plan.actions, grads, found.router_modules, groups, stats=state.stats)
+    return program
+
+
+__all__ = [
+    "MAX_PLANS",
+    "BoundPlan",
+    "ModelState",
+    "Prepared",
+    "Request",
+    "as_chunks",
+    "build_plan",
+    "prepare",
+    "run",
+]

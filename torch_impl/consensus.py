@@ -1,0 +1,408 @@
+"""Cross-rank rounds before any gradient moves: every rank raises together, or none.
+
+``config.consistency_check`` (``"off"`` | ``"once"`` per plan, the default |
+``"every_step"``). Each call starts with one **status round** (:func:`agree`: a few
+integers MAX-reduced with all-gathers over the call's spanning groups -- tp, dp_cp, gtp
+and pp for ``finalize_model_grads``, the helper's own groups for a seed helper) saying
+whether any rank failed a local check (:mod:`torch_impl.checks`), needs a comparison (a
+new plan, another kind of num_tokens, ``"every_step"``) or found NaN / Inf. Every rank
+then takes the same path: raise, compare, or go on. In a **comparison**
+(:func:`exchange_signatures`) the members of every group of size > 1 all-gather a hash
+of what they will launch on it (:func:`signatures`); only on a mismatch are the full
+lines gathered, and :class:`~torch_impl.errors.ConsistencyError` names the group, the
+ranks and the first differing line. A rank that failed before its groups resolved still
+joins the round (:func:`share_local_error`), so that its peers raise at once.
+
+Every rank of a model must use the same ``consistency_check`` and
+``check_for_nan_in_grad``: they decide which of these collectives run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshgrad.axes import Group
+from meshgrad.config import FinalizeConfig
+from meshgrad.params import ParamKey
+from meshgrad.plan import ExpertBiasUpdate, FinalizePlan, QbBetaUpdate, StageReduction
+from torch_impl.checks import (
+    check_gradients,
+    check_layout,
+    check_modes,
+    check_num_tokens,
+    device_for,
+    nonfinite,
+    nonfinite_message,
+    uses_nccl,
+)
+from torch_impl.discover import Discovered
+from torch_impl.errors import ConsistencyError, NonFiniteGradError, collective_guard, first_line
+from torch_impl.groups import MeshGroups, TorchGroups, group_ranks, is_device_mesh, mesh_groups, world_size
+from torch_impl.megatron import Requested, status_groups
+
+#: Groups whose sequential MAX-reduction reaches every rank of a model (SPEC 1 axes).
+SPANNING_GROUPS = (Group.TP, Group.DP_CP, Group.GTP, Group.PP)
+_BIG = 1 << 40  # status value = _BIG - rank, so MAX picks the lowest rank
+
+
+_NAME_BEFORE_SHAPE = re.compile(r"(?<=[\[,])[^\[\],]+(?=\[)")
+
+
+def signatures(
+    plan: FinalizePlan, groups: TorchGroups, config: FinalizeConfig, num_tokens: Any
+) -> dict[Group, tuple[str, ...]]:
+    """Per group of size > 1, what this rank will launch on it, one line per item: the
+    config (one line per field), the plan's collectives and the num_tokens collectives.
+
+    Over pp (whose members hold different layers) parameter names are dropped: the
+    coalesced pp reductions need equal shapes and order, not equal names.
+    """
+    config_lines = tuple(f"config.{f.name} = {getattr(config, f.name)!r}" for f in dataclasses.fields(config))
+    planned = plan.group_signatures(groups.pp_stage)
+    extra: dict[Group, list[str]] = {}
+    # Identities, not only shapes and counts: which routers' counts are summed into each
+    # other, which pp stages an embedding group spans.
+    for action in plan.actions:
+        if isinstance(action, (ExpertBiasUpdate, QbBetaUpdate)):
+            names = ",".join(f"{chunk}:{name}" for chunk, name in action.routers)
+            extra.setdefault(action.group, []).append(f"{action.step} routers [{names}]")
+        elif isinstance(action, StageReduction):
+            extra.setdefault(action.group, []).append(f"{action.step} stages {list(action.stages)}")
+    if isinstance(num_tokens, torch.Tensor):
+        wide = "float64" if num_tokens.is_floating_point() else "int64"  # reduced in this dtype
+        what = f"num_tokens {wide}[{num_tokens.numel()}]"
+        extra.setdefault(Group.PP, []).append(f"token_scale broadcast {what} from the last stage")
+        extra.setdefault(plan.token_scale.group, []).append(f"token_scale sum {what}")
+    out: dict[Group, tuple[str, ...]] = {}
+    for group in Group:
+        if groups.group(group) is None:
+            continue
+        lines = list(planned.get(group, ())) + extra.get(group, [])
+        if group is Group.PP:
+            lines = [_NAME_BEFORE_SHAPE.sub("", line) for line in lines]
+        out[group] = config_lines + tuple(lines)
+    return out
+
+
+def _digest(lines: Sequence[str]) -> int:
+    raw = hashlib.blake2b("\n".join(lines).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little", signed=True)
+
+
+def _mismatch(group: Group, ranks: Sequence[int], gathered: Sequence[Sequence[str]], rank: int) -> str:
+    """The error text for one group whose members' lines differ."""
+    variants: dict[tuple[str, ...], list[int]] = {}
+    for r, lines in zip(ranks, gathered):
+        variants.setdefault(tuple(lines), []).append(r)
+    ordered = sorted(variants.items(), key=lambda item: (-len(item[1]), item[1][0]))
+    (lines_a, ranks_a), (lines_b, ranks_b) = ordered[0], ordered[1]
+    index = next(
+        (i for i, (a, b) in enumerate(zip(lines_a, lines_b)) if a != b), min(len(lines_a), len(lines_b))
+    )
+    line_a = lines_a[index] if index < len(lines_a) else "(nothing more)"
+    line_b = lines_b[index] if index < len(lines_b) else "(nothing more)"
+    more = f" (and {len(ordered) - 2} more variant(s))" if len(ordered) > 2 else ""
+    return (
+        f"rank {rank}: the ranks of group {group.value!r} (global ranks {list(ranks)}) would launch "
+        f"different collectives: ranks {ranks_a} vs ranks {ranks_b}{more}; first difference, line "
+        f"{index + 1}: ranks {ranks_a}: {line_a!r}; ranks {ranks_b}: {line_b!r}. Nothing was reduced"
+    )
+
+
+def exchange_signatures(
+    lines: Mapping[Group, Sequence[str]], groups: TorchGroups, compared: Sequence[Group] | None = None
+) -> list[str]:
+    """All-gather a hash of ``lines`` in every group (Group order); gather the full lines
+    of the groups whose hashes differ.
+
+    Args:
+      lines: per group, what this rank will launch on it (:func:`signatures`).
+      groups: this rank's groups.
+      compared: the groups to compare (default: every group of size > 1).
+
+    Returns:
+      One :func:`_mismatch` message per group of this rank whose members differ.
+    """
+    differing: list[Group] = []
+    for group in Group if compared is None else compared:
+        pg = groups.group(group)
+        if pg is None:
+            continue
+        mine = tuple(lines.get(group, ()))
+        local = torch.tensor([_digest(mine), len(mine)], dtype=torch.int64, device=device_for(pg))
+        out = [torch.empty_like(local) for _ in range(groups.size(group))]
+        with collective_guard(f"consistency check over {group.value!r}", groups, group):
+            dist.all_gather(out, local, group=pg)
+        if len({tuple(t.tolist()) for t in out}) > 1:
+            differing.append(group)
+    messages = []
+    for group in differing:
+        pg = groups.group(group)
+        gathered: list[Any] = [None] * groups.size(group)
+        with collective_guard(f"consistency check (details) over {group.value!r}", groups, group):
+            dist.all_gather_object(gathered, tuple(lines.get(group, ())), group=pg)
+        messages.append(_mismatch(group, group_ranks(pg), gathered, groups.rank))
+    return messages
+
+
+def _distinct(groups: TorchGroups, over: Sequence[Group]) -> list[tuple[Group, Any]]:
+    """The process groups of ``over`` of size > 1, each process group once."""
+    out: list[tuple[Group, Any]] = []
+    for group in over:
+        pg = groups.group(group)
+        if pg is not None and all(pg is not seen for _, seen in out):
+            out.append((group, pg))
+    return out
+
+
+def agree(status: Sequence[int], groups: TorchGroups, what: str, over: Sequence[Group] = SPANNING_GROUPS) -> list[int]:
+    """MAX-reduce small integers over the groups ``over`` in turn (default tp, dp_cp, gtp
+    and pp: the result is the maximum over every rank of the model; all-gathers: a few
+    bytes per rank)."""
+    pgs: list[tuple[Group | None, Any]] = list(_distinct(groups, over))
+    if not pgs:
+        return list(status)
+    value = torch.tensor(list(status), dtype=torch.int64, device=device_for(pgs[0][1]))
+    span = 1
+    for group, _ in pgs:
+        span *= groups.size(group)
+    if tuple(over) == SPANNING_GROUPS and span == world_size() and len(pgs) > 1:
+        # The model spans the world: one all-gather over it reaches every rank at once.
+        pgs = [(None, dist.group.WORLD)]
+    for group, pg in pgs:
+        # An all-gather and a local max (not an all_reduce): the checks' collectives stay
+        # apart from the plan's all-reduces (which tests and benchmarks count).
+        out = [torch.empty_like(value) for _ in range(groups.size(group) if group else world_size())]
+        with collective_guard(f"{what} over {group.value if group else 'the world'!r}", groups, group):
+            dist.all_gather(out, value, group=pg)
+        value = torch.stack(out).amax(dim=0)
+    return [int(v) for v in value.tolist()]
+
+
+def share_texts(text: str | None, groups: TorchGroups, over: Sequence[Group] = SPANNING_GROUPS) -> dict[int, str]:
+    """Error texts of every failing rank of the model (all-gathers over the groups
+    ``over`` in turn; run only once a status round found a failure)."""
+    known = {groups.rank: text} if text else {}
+    for group, pg in _distinct(groups, over):
+        out: list[Any] = [None] * groups.size(group)
+        with collective_guard(f"finalize error report over {group.value!r}", groups, group):
+            dist.all_gather_object(out, known, group=pg)
+        for item in out:
+            known.update(item or {})
+    return known
+
+
+def capturing() -> bool:
+    """Inside a CUDA graph capture (no host sync possible: the checks are skipped)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def share_local_error(
+    err: BaseException,
+    groups: TorchGroups | None,
+    config: FinalizeConfig | None = None,
+    *,
+    source: Any = None,
+    raw: Sequence[Any] = (),
+    over: Sequence[Group] = SPANNING_GROUPS,
+) -> None:
+    """Join the status round the other ranks run before their first collective, so that
+    a check that failed on this rank alone makes every rank raise at once instead of
+    waiting for it. The caller re-raises ``err`` afterwards.
+
+    Args:
+      err: the local error.
+      groups: this rank's groups, or None when they did not resolve (then groups are
+        taken from ``source`` without creating any).
+      config: the finalize config, or None when it did not resolve (then the check
+        modes are read leniently from ``raw``).
+      source: the call's ``pg_collection``.
+      raw: the raw config objects (Megatron config, DDP config).
+      over: the groups of the status round.
+    """
+    mode, nan = (config.consistency_check, config.check_for_nan_in_grad) if config is not None else check_modes(*raw)
+    if (mode == "off" and not nan) or capturing():
+        return
+    if groups is None and (is_device_mesh(source) or isinstance(source, MeshGroups)):
+        try:
+            mesh = mesh_groups(source) if is_device_mesh(source) else source
+            if mesh.join_failure(first_line(err)):  # the peers' first round: the layout agreement
+                return
+        except (RuntimeError, ValueError):
+            return
+    groups = groups if groups is not None else status_groups(source)
+    if groups is None:
+        return
+    agree([_BIG - groups.rank, 0, 0], groups, "finalize status check", over)
+    share_texts(first_line(err), groups, over)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckSpec:
+    """What the calls of one plan check before communicating (fixed per plan).
+
+    Args:
+      keys: gradients checked once per binding (what the plan reads or writes).
+      nan_keys: gradients looked at for NaN / Inf every step (``check_for_nan_in_grad``).
+      nan: whether the NaN check applies at all (not for Megatron's seed helpers).
+      ddp: DDP objects of the chunks (with num_tokens they need ``scale_gradients``).
+      requested: the config's sizes to check the groups against (None: not checked).
+      experts: whether expert parameters have gradients (for the layout check).
+      collection: groups from a collection or mapping (members checked against the mesh).
+      over: the groups of the status round (together they reach every rank of the call).
+      compared: the groups whose signatures are compared (None: every group of size > 1).
+    """
+
+    keys: tuple[ParamKey, ...]
+    nan_keys: tuple[ParamKey, ...] = ()
+    nan: bool = True
+    ddp: tuple[Any, ...] = ()
+    requested: Requested | None = None
+    experts: bool = False
+    collection: bool = False
+    over: tuple[Group, ...] = SPANNING_GROUPS
+    compared: tuple[Group, ...] | None = None
+
+
+@dataclasses.dataclass
+class PlanRecord:
+    """What the once-per-plan checks found (kept by the model state, one per plan): the
+    gradients' device, whether the groups use NCCL, the discovery they checked, whether
+    the consistency check passed and for which num_tokens (dtype, numel)."""
+
+    device: torch.device | None
+    nccl: bool
+    found: Any = None
+    consistent: bool = False
+    tokens: Any = None
+
+
+def _local_checks(
+    spec: CheckSpec,
+    found: Discovered,
+    groups: TorchGroups,
+    config: FinalizeConfig,
+    num_tokens: Any,
+    record: PlanRecord | None,
+) -> tuple[BaseException | None, PlanRecord | None]:
+    """The local checks of one call: gradients and layout once per binding (every step
+    with ``"every_step"``), ``num_tokens`` every step.
+
+    Returns:
+      (the local error or None, the plan's record).
+    """
+    try:
+        if record is None or config.consistency_check == "every_step" or record.found is not found:
+            device = check_gradients(found, groups, config, spec.keys)
+            if spec.requested is not None:
+                check_layout(
+                    groups, spec.requested, experts=spec.experts, collection=spec.collection, strict=config.strict_groups
+                )
+            if record is None:
+                record = PlanRecord(device, uses_nccl(groups))
+            record.device, record.found = device, found
+        check_num_tokens(num_tokens, record.device, groups, spec.ddp, record.nccl)
+    except (TypeError, ValueError) as err:
+        return err, record
+    return None, record
+
+
+def _raise_failed(error: BaseException | None, failed: int, groups: TorchGroups, over: Sequence[Group]) -> None:
+    """After a status round found a local error somewhere: every rank raises."""
+    texts = share_texts(first_line(error) if error is not None else None, groups, over)
+    if error is not None:
+        raise error
+    who = _BIG - failed
+    raise ConsistencyError(
+        f"rank {groups.rank}: rank {who} failed its own checks: {texts.get(who, '(no message)')}; "
+        "found before any collective: nothing was reduced or changed"
+    )
+
+
+def _compare(spec: CheckSpec, plan: FinalizePlan, groups: TorchGroups, config: FinalizeConfig, num_tokens: Any) -> None:
+    """The comparison of signatures and the agreement on its outcome (every rank raises)."""
+    messages = exchange_signatures(signatures(plan, groups, config, num_tokens), groups, spec.compared)
+    (mismatch,) = agree([_BIG - groups.rank if messages else 0], groups, "finalize consistency status", spec.over)
+    if messages:
+        raise ConsistencyError("\n".join(messages))
+    if mismatch:
+        raise ConsistencyError(
+            f"rank {groups.rank}: rank {_BIG - mismatch} found ranks of one of its groups that would launch "
+            "different collectives (its error names them); nothing was reduced"
+        )
+
+
+def before_communication(
+    spec: CheckSpec,
+    plan: FinalizePlan,
+    found: Discovered,
+    groups: TorchGroups,
+    config: FinalizeConfig,
+    num_tokens: Any,
+    record: PlanRecord | None,
+) -> PlanRecord | None:
+    """Every check a call runs before its first collective.
+
+    Local checks (:func:`_local_checks`), then, unless ``consistency_check="off"`` (and no
+    NaN check), one status round (MAX of [local error, comparison due, NaN found] over
+    ``spec.over``) tells every rank whether any rank failed, needs a consistency
+    comparison (a new plan, another kind of num_tokens, or ``"every_step"``) or found NaN
+    / Inf; every rank then takes the same path: raise, compare signatures (and agree on
+    the outcome), or go on. A change on one rank only is thus compared on every rank.
+
+    Returns:
+      The plan's record, to keep for the next call (None while no check passed).
+
+    Raises:
+      TypeError / ValueError: a local check failed (nothing communicated but the status).
+      ConsistencyError: ranks of a group would launch different collectives, or another
+        rank failed its own checks.
+      NonFiniteGradError: NaN / Inf in a gradient of this or another rank.
+      CollectiveError: a check's collective failed.
+    """
+    mode, nan_check = config.consistency_check, config.check_for_nan_in_grad and spec.nan
+    error, record = _local_checks(spec, found, groups, config, num_tokens, record)
+    if (mode == "off" and not nan_check) or capturing():
+        if error is not None:
+            raise error
+        return record
+    tokens = (num_tokens.dtype, num_tokens.numel()) if error is None and isinstance(num_tokens, torch.Tensor) else None
+    compare = error is None and mode != "off" and (mode == "every_step" or not record.consistent or record.tokens != tokens)
+    bad = nonfinite(found, spec.nan_keys) if nan_check and error is None else []
+    me = _BIG - groups.rank
+    status = [me if error is not None else 0, me if compare else 0, me if bad else 0]
+    failed, compare_any, nan = agree(status, groups, "finalize status check", spec.over)
+    if failed:
+        _raise_failed(error, failed, groups, spec.over)
+    if compare_any:
+        _compare(spec, plan, groups, config, num_tokens)
+        record.consistent, record.tokens = True, tokens
+    if bad:
+        raise NonFiniteGradError(nonfinite_message(groups.rank, bad))
+    if nan:
+        raise NonFiniteGradError(
+            f"rank {groups.rank}: rank {_BIG - nan} has NaN or Inf in a gradient (check_for_nan_in_grad; its "
+            "error names the parameter); found before any collective: no gradient was changed"
+        )
+    return record
+
+
+__all__ = [
+    "SPANNING_GROUPS",
+    "CheckSpec",
+    "PlanRecord",
+    "agree",
+    "before_communication",
+    "capturing",
+    "exchange_signatures",
+    "share_local_error",
+    "share_texts",
+    "signatures",
+]
