@@ -15,7 +15,7 @@ import numpy as np
 
 from meshgrad.params import ParamKey, ParamSpec, RouterSpec
 
-_FLAGS = frozenset(f.name for f in dataclasses.fields(ParamSpec)) - {"name", "chunk", "shape", "dtype"}
+_FLAGS = frozenset(f.name for f in dataclasses.fields(ParamSpec) if f.init) - {"name", "chunk", "shape", "dtype"}
 _ALIASES = {"requires_grad": "has_grad"}
 
 

@@ -1,4 +1,4 @@
-"""Mesh axes, parallel dimensions and the named groups of SPEC.md section 1.
+"""Mesh axes, parallel dimensions and the named groups of docs/semantics.md.
 
 Dense parameters see the ranks as ``pp, dp, cp, gtp, tp`` (slowest to fastest);
 expert parameters see the same ranks as ``pp, edp, egtp, ep, etp``. A size-1 axis means
@@ -37,7 +37,7 @@ EXPERT_AXES: tuple[Axis, ...] = (Axis.PP, Axis.EDP, Axis.EGTP, Axis.EP, Axis.ETP
 
 
 class Group(str, enum.Enum):
-    """Named groups of SPEC.md section 1 (Megatron ``ProcessGroupCollection`` fields)."""
+    """Named groups of docs/semantics.md, "Ranks, axes and groups" (Megatron ``ProcessGroupCollection`` fields)."""
 
     TP = "tp"
     PP = "pp"

@@ -20,7 +20,7 @@ LOAD_BALANCING_TYPES = frozenset(
 
 @dataclasses.dataclass(frozen=True)
 class FinalizeConfig:
-    """Every option that changes what finalization does (SPEC.md section 2).
+    """Every option that changes what finalization does (docs/semantics.md).
 
     Args:
       sequence_parallel: sum ``sequence_parallel`` params over tp (2.4).

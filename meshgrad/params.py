@@ -30,7 +30,7 @@ ParamKey = tuple[int, str]
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-    """One parameter of one model chunk, with the flags of SPEC.md section 2.
+    """One parameter of one model chunk, with the flags of docs/semantics.md.
 
     Args:
       name: the parameter's qualified name inside its chunk.
@@ -59,30 +59,32 @@ class ParamSpec:
     is_gtp_weight_remat: bool = False
     has_grad: bool = True
     role: Role = Role.NONE
+    #: ``(chunk, name)``, computed once (plans look it up for every parameter).
+    key: ParamKey = dataclasses.field(init=False, repr=False, compare=False)
+    #: Number of elements of ``shape``, computed once.
+    numel: int = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
+        if type(self.name) is not str or not self.name:
             raise ValueError(f"ParamSpec.name must be a non-empty str, got {self.name!r}")
-        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 0:
+        if type(self.chunk) is not int or self.chunk < 0:
             raise ValueError(f"ParamSpec {self.name!r}: chunk must be an int >= 0, got {self.chunk!r}")
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        shape = self.shape
+        if type(shape) is not tuple or not all(type(s) is int for s in shape):
+            shape = tuple(int(s) for s in shape)
+            object.__setattr__(self, "shape", shape)
         if self.dtype not in FLOAT_DTYPES:
             raise TypeError(
                 f"ParamSpec {self.name!r} (chunk {self.chunk}): gradient dtype {self.dtype!r} "
                 f"is not a floating type in {sorted(FLOAT_DTYPES)}"
             )
-        object.__setattr__(self, "role", Role(self.role))
-
-    @property
-    def key(self) -> ParamKey:
-        return (self.chunk, self.name)
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        if type(self.role) is not Role:
+            object.__setattr__(self, "role", Role(self.role))
+        numel = 1
+        for s in shape:
+            numel *= s
+        object.__setattr__(self, "key", (self.chunk, self.name))
+        object.__setattr__(self, "numel", numel)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ def row_mean(x: Array) -> Array:
 
 
 def expert_bias_update(bias: Array, tokens: Array, rate: float, xp: Any) -> Array:
-    """SPEC 2.8: ``bias + rate * sign(mean(tokens) - tokens)`` per row (sign(0) = 0).
+    """semantics `expert_bias`: ``bias + rate * sign(mean(tokens) - tokens)`` per row (sign(0) = 0).
 
     Args:
       bias: expert bias, [..., E].
@@ -39,16 +39,16 @@ def cast(x: Array, like: Array) -> Array:
 
 
 def qb_local(accum: Array, count: Array, xp: Any) -> Array:
-    """SPEC 2.9: this rank's quantile estimate ``accum / max(count, 1)``."""
+    """semantics `qb_beta`: this rank's quantile estimate ``accum / max(count, 1)``."""
     return accum / xp.maximum(count, xp.ones_like(count))
 
 
 def qb_beta_update(qb_beta: Array, mean_local: Array, ema: float) -> Array:
-    """SPEC 2.9: ``ema*qb_beta + (1-ema)*mean_local``, minus its mean over the last dim."""
+    """semantics `qb_beta`: ``ema*qb_beta + (1-ema)*mean_local``, minus its mean over the last dim."""
     new = qb_beta * ema + mean_local * (1.0 - ema)
     return new - row_mean(new)
 
 
 def token_scale(num_tokens: Array, xp: Any) -> Array:
-    """SPEC 2.11: ``1 / max(num_tokens, 1)`` as an array (no host sync)."""
+    """semantics `token_scale`: ``1 / max(num_tokens, 1)`` as an array (no host sync)."""
     return 1.0 / xp.maximum(num_tokens, xp.ones_like(num_tokens))

@@ -122,12 +122,13 @@ def _rank_file(directory: str, path: str, step: int, rank: int, cache: dict[Any,
     static, positions = _read_plan(directory, rank, str(meta["plan"]), cache)
     params = [dict(p) for p in static["params"]]
     try:
-        grads = np.asarray(arrays["grads"], dtype=np.float64)
+        before = np.asarray(arrays["grads_before"], dtype=np.float64)
+        after = np.asarray(arrays["grads_after"], dtype=np.float64)
         has = np.asarray(arrays["has_grad"], dtype=bool)
-        if grads.shape != (2, positions.size) or has.shape != (2, len(params)):
-            raise ValueError(f"grads {grads.shape} / has_grad {has.shape} do not fit the plan's "
+        if before.shape != (positions.size,) or after.shape != before.shape or has.shape != (2, len(params)):
+            raise ValueError(f"grads {before.shape} / {after.shape}, has_grad {has.shape} do not fit the plan's "
                              f"{positions.size} samples of {len(params)} parameters")
-        out = {"grad_before": grads[0], "grad_after": grads[1], "positions": positions}
+        out = {"grad_before": before, "grad_after": after, "positions": positions}
         for when, fields in (("before", static["router_fields"]), ("after", meta.get("router_fields_after", static["router_fields"]))):
             flat = np.asarray(arrays.get(f"routers_{when}", np.zeros(0)), dtype=np.float64)
             start = 0

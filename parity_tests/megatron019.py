@@ -1,4 +1,4 @@
-"""megatron-core 0.19.2 (the seed's API) as a black-box oracle, in its own process worlds.
+"""megatron-core 0.19.2 (the current finalize_model_grads API) as a black-box oracle, in its own process worlds.
 
 megatron-core 0.19.2 is published as a Python 3.12 wheel only; its Python sources run on
 3.11. :func:`fetch` downloads the wheel once (``pip download``) into
@@ -426,7 +426,7 @@ def snapshot(model: list[Any], num_tokens: Any = None) -> dict[str, Any]:
 
 def fake_ddp(module: Any, ddp_config: Any, dp_cp: Any, expt_dp: Any) -> Any:
     """A Megatron-DDP-like chunk (megatron-core's DDP needs CUDA): ``finish_grad_sync`` does
-    SPEC 2.1 as an all-reduce per gradient over the DDP's own groups, ``scale_gradients``
+    semantics `dp_sync` as an all-reduce per gradient over the DDP's own groups, ``scale_gradients``
     multiplies; both record their calls."""
     import torch.distributed as dist
     from torch import nn

@@ -1,9 +1,9 @@
-"""Independent numpy reference of SPEC.md section 2 (gradient finalization), global view.
+"""Independent numpy reference of docs/semantics.md (gradient finalization), global view.
 
-All ranks' inputs go in, all ranks' outputs come out. Written from SPEC.md alone: this
+All ranks' inputs go in, all ranks' outputs come out. Written from docs/semantics.md alone: this
 module imports nothing from ``meshgrad``, ``torch_impl`` or ``jax_impl`` (it exists to
-check them). Each step of SPEC.md section 2 is one small function below; they run in the
-SPEC order 1..11 on a deep copy of the inputs.
+check them). Each step of docs/semantics.md is one small function below; they run in the
+order of docs/semantics.md on a deep copy of the inputs.
 
 Numerics (the project's conventions):
 
@@ -20,7 +20,7 @@ into it (router updates, chunk-copy syncs), or applies a data-dependent operatio
 (the per-token scale, listed even when the global count makes it 1). A size-1 group with
 no scale is "no communication" and lists nothing.
 
-Decisions where SPEC.md is open are marked ``DECISION`` in the code.
+Decisions where docs/semantics.md is open are marked ``DECISION`` in the code.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 
 from parity_tests.scenarios import Key, ParamLayout, RankData, RouterLayout, Scenario, to_dtype
 
-#: Step names of ``ReferenceResult.touched``, in SPEC order.
+#: Step names of ``ReferenceResult.touched``, in the order of docs/semantics.md.
 STEPS: tuple[str, ...] = (
     "dp_sync",
     "cond_embedder",
@@ -49,7 +49,7 @@ STEPS: tuple[str, ...] = (
     "token_scale",
 )
 
-#: Axis order, slowest to fastest varying, of the two views of one rank (SPEC 1).
+#: Axis order, slowest to fastest varying, of the two views of one rank (docs/semantics.md: ranks, axes and groups).
 DENSE_AXES: tuple[str, ...] = ("pp", "dp", "cp", "gtp", "tp")
 EXPERT_AXES: tuple[str, ...] = ("pp", "edp", "egtp", "ep", "etp")
 
@@ -97,7 +97,7 @@ class ReferenceResult:
 
 @dataclasses.dataclass(frozen=True)
 class Mesh:
-    """Axis sizes of both views of the job; ranks in Megatron order (SPEC 1).
+    """Axis sizes of both views of the job; ranks in Megatron order (docs/semantics.md: ranks, axes and groups).
 
     Dense rank = ((((pp*DP + dp)*CP + cp)*GTP + gtp)*TP + tp); expert rank =
     ((((pp*EDP + edp)*EGTP + egtp)*EP + ep)*ETP + etp).
@@ -287,7 +287,7 @@ def _allreduce_param(
 ) -> set[Touch]:
     """All-reduce the grad ``key`` within each group, optionally pre-scaled.
 
-    DECISION: a rank whose grad is None contributes nothing and keeps None (SPEC: a None
+    DECISION: a rank whose grad is None contributes nothing and keeps None (the contract: a None
     gradient is skipped); in the scenarios None is consistent across ranks.
 
     Args:
@@ -332,7 +332,7 @@ def _params(ctx: Context, **flags: bool) -> list[ParamLayout]:
 
 
 def step_dp_sync(ctx: Context, *, force_all_reduce: bool = False) -> set[Touch]:
-    """SPEC 2.1: DP sync of dense grads over dp_cp and expert grads over edp.
+    """semantics `dp_sync`: DP sync of dense grads over dp_cp and expert grads over edp.
 
     Args:
       ctx: the state.
@@ -413,7 +413,7 @@ def _keep_own_shard(
 
 
 def _pp_chunk_sync(ctx: Context, flag: str) -> set[Touch]:
-    """SPEC 2.2/2.3: sum the chunk copies, SUM over pp, write into every copy.
+    """semantics `cond_embedder`/`router`: sum the chunk copies, SUM over pp, write into every copy.
 
     Megatron adds each later chunk copy into the first one in place (one rounding to the
     dtype per addition), then all-reduces the first copy.
@@ -453,24 +453,24 @@ def _pp_chunk_sync(ctx: Context, flag: str) -> set[Touch]:
 
 
 def step_cond_embedder(ctx: Context) -> set[Touch]:
-    """SPEC 2.2: ``pipeline_parallel`` params, if PP > 1 and ``has_cond_embedder``."""
+    """semantics `cond_embedder`: ``pipeline_parallel`` params, if PP > 1 and ``has_cond_embedder``."""
     if ctx.mesh.pp <= 1 or not ctx.cfg.has_cond_embedder:
         return set()
     return _pp_chunk_sync(ctx, "pipeline_parallel")
 
 
 def step_router(ctx: Context) -> set[Touch]:
-    """SPEC 2.3: ``flextron_router_pp_sync`` params, if PP > 1 and ``flextron``."""
+    """semantics `router`: ``flextron_router_pp_sync`` params, if PP > 1 and ``flextron``."""
     if ctx.mesh.pp <= 1 or not ctx.cfg.flextron:
         return set()
     return _pp_chunk_sync(ctx, "flextron_router_pp_sync")
 
 
 def step_non_tp(ctx: Context) -> set[Touch]:
-    """SPEC 2.4: AVG over tp (``average_gradients_across_tp_domain``) or SUM over tp
+    """semantics `non_tp`: AVG over tp (``average_gradients_across_tp_domain``) or SUM over tp
     (sequence-parallel / qk-layernorm), only if TP > 1.
 
-    Expert params are included when flagged, over the dense tp group (SPEC, literally).
+    Expert params are included when flagged, over the dense tp group (the contract, literally).
 
     Returns:
       The entries touched.
@@ -494,7 +494,7 @@ def step_non_tp(ctx: Context) -> set[Touch]:
 
 
 def step_gtp(ctx: Context) -> set[Touch]:
-    """SPEC 2.5: params not ``is_gtp_weight_remat``: dense over gtp, expert over egtp;
+    """semantics `gtp`: params not ``is_gtp_weight_remat``: dense over gtp, expert over egtp;
     SUM under per-token loss, else AVG. No-op on size-1 axes.
 
     Returns:
@@ -522,10 +522,10 @@ def _stage_set(ctx: Context, stages: Sequence[int] | None, default: Sequence[int
 
 
 def _embedding_chunk(ctx: Context, stage: int, role: str) -> int:
-    """Chunk holding the embedding on ``stage`` (SPEC 2.6): first stage -> first chunk,
+    """Chunk holding the embedding on ``stage`` (semantics `word_embedding`): first stage -> first chunk,
     last stage -> last chunk, other stages -> last chunk with MTP, else first chunk.
 
-    DECISION (megatron-core 0.16.1 wins over SPEC 2.7's "same"): the MTP rule applies to
+    DECISION (megatron-core 0.16.1 wins over semantics `pos_embedding`'s "same"): the MTP rule applies to
     the word embedding only; a middle stage's position embedding comes from the first
     chunk even with MTP layers.
     """
@@ -572,7 +572,7 @@ def _embedding_sync(ctx: Context, role: str, stages: list[int], *, none_is_error
             key = (_embedding_chunk(ctx, stage, role), param.name)
             if ctx.grad(r, key) is None:
                 if none_is_error:
-                    raise ValueError(f"rank {r}: {role} grad {key} is None (SPEC 2.7: an error)")
+                    raise ValueError(f"rank {r}: {role} grad {key} is None (semantics `pos_embedding`: an error)")
                 continue
             members.append((r, key))
         if not members:
@@ -585,7 +585,7 @@ def _embedding_sync(ctx: Context, role: str, stages: list[int], *, none_is_error
 
 
 def step_word_embedding(ctx: Context) -> set[Touch]:
-    """SPEC 2.6: tied word embedding, SUM over the embd stages (default first and last)."""
+    """semantics `word_embedding`: tied word embedding, SUM over the embd stages (default first and last)."""
     cfg = ctx.cfg
     if not (cfg.share_embeddings_and_output_weights or cfg.mtp_num_layers):
         return set()
@@ -594,7 +594,7 @@ def step_word_embedding(ctx: Context) -> set[Touch]:
 
 
 def step_pos_embedding(ctx: Context) -> set[Touch]:
-    """SPEC 2.7: position embedding, SUM over the pos_embd stages (default first only)."""
+    """semantics `pos_embedding`: position embedding, SUM over the pos_embd stages (default first only)."""
     stages = _stage_set(ctx, ctx.cfg.position_embedding_stages, (0,), "position_embedding_stages")
     return _embedding_sync(ctx, "position_embedding", stages, none_is_error=True)
 
@@ -605,7 +605,7 @@ def _router_keys(ctx: Context, pred: Any) -> list[tuple[RouterLayout, Key]]:
 
 
 def step_expert_bias(ctx: Context) -> set[Touch]:
-    """SPEC 2.8: tokens SUM over tp_dp_cp (tp x gtp x dp x cp), ``bias += rate * sign(mean - tokens)``.
+    """semantics `expert_bias`: tokens SUM over tp_dp_cp (tp x gtp x dp x cp), ``bias += rate * sign(mean - tokens)``.
 
     Each router is updated separately (layers may have different expert counts). All
     arithmetic after the reduction is float32; sign(0) = 0. ``local_tokens_per_expert``
@@ -633,7 +633,7 @@ def step_expert_bias(ctx: Context) -> set[Touch]:
 
 
 def step_qb_beta(ctx: Context) -> set[Touch]:
-    """SPEC 2.9: quantile-balancing bias EMA over dp_cp (dp_cp_gtp when GTP > 1).
+    """semantics `qb_beta`: quantile-balancing bias EMA over dp_cp (dp_cp_gtp when GTP > 1).
 
     ``local = accum / max(count, 1)``; AVG over the group; ``new = ema*qb_beta +
     (1-ema)*local``; ``new -= mean(new)``; float32 arithmetic in that order.
@@ -672,7 +672,7 @@ def step_qb_beta(ctx: Context) -> set[Touch]:
 
 
 def step_reset(ctx: Context) -> set[Touch]:
-    """SPEC 2.10: zero the per-batch router temporaries, training or not.
+    """semantics `reset`: zero the per-batch router temporaries, training or not.
 
     Returns:
       The routers touched.
@@ -701,7 +701,7 @@ def step_reset(ctx: Context) -> set[Touch]:
 
 
 def step_token_scale(ctx: Context) -> set[Touch]:
-    """SPEC 2.11: n = last stage's num_tokens, SUM over dp_cp (dp_cp_gtp when GTP > 1);
+    """semantics `token_scale`: n = last stage's num_tokens, SUM over dp_cp (dp_cp_gtp when GTP > 1);
     every grad is multiplied by ``float32(1) / float32(max(n, 1))``.
 
     Returns:
@@ -761,12 +761,12 @@ def _check_finite(outputs: Sequence[RankData]) -> None:
 def reference_finalize(
     scenario: Scenario, inputs: list[RankData], *, force_all_reduce: bool = False
 ) -> ReferenceResult:
-    """Run SPEC.md section 2, steps 1 to 11, over all ranks at once.
+    """Run docs/semantics.md, every step, over all ranks at once.
 
     Args:
       scenario: mesh, layout, config and dtype.
       inputs: per global rank; not mutated.
-      force_all_reduce: SPEC 2.1: an all-reduce even under a distributed optimizer
+      force_all_reduce: semantics `dp_sync`: an all-reduce even under a distributed optimizer
         (also taken from ``scenario.force_all_reduce``).
 
     Returns:

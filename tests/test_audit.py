@@ -53,6 +53,7 @@ CASES: dict[int, list[tuple[Scenario, str | None, int]]] = {
         (_scen("dp2cp2-pertoken", dp=2, cp=2, ep=2, config=dict(BIAS, calculate_per_token_loss=True)), None, 0),
         (_scen("bug-skip-tp2pp2", pp=2, tp=2, num_chunks=2), "skip", 0),
         (_scen("bug-double-dp2tp2", dp=2, tp=2, ep=2), "double", 5),
+        (_scen("bug-replace-dp2tp2", dp=2, tp=2, ep=2), "replace", 0),
         (_scen("bug-group-dp2tp2", dp=2, tp=2, ep=2), "group", 0),
         (_scen("bug-router-dp2tp2", dp=2, tp=2, ep=2), "router", 0),
     ],
@@ -68,8 +69,10 @@ CASES: dict[int, list[tuple[Scenario, str | None, int]]] = {
 }
 #: Cases recorded for two steps through one recorder (steps ``step`` and ``step + 1``).
 REPEATED = {"tp2pp2-vpp2", "dp2tp2-ep2-distopt", "bug-double-dp2tp2"}
+#: ... of which the second step gets new gradient tensors.
+FRESH = {"dp2tp2-ep2-distopt"}
 #: The parameter (or router) each planted bug must be named by.
-PLANTED = {"skip": FC1, "double": QKV, "group": EXPERT, "router": "decoder.layers.1.mlp.router.expert_bias"}
+PLANTED = {"skip": FC1, "double": QKV, "replace": QKV, "group": EXPERT, "router": "decoder.layers.1.mlp.router.expert_bias"}
 
 #: megatron-core cases per world size: (name, Layout kwargs, config, wrapped in DDP-like chunks, lookup groups).
 MEGATRON: dict[int, list[tuple[str, dict[str, Any], dict[str, Any], bool]]] = {
@@ -106,6 +109,9 @@ def _buggy(kind: str) -> Any:
             _grad(params[FC1]).copy_(saved[FC1])
         elif kind == "double":  # the DP pre-scale applied twice
             _grad(params[QKV]).mul_(0.5)
+        elif kind == "replace":  # the same, into a new gradient tensor (the old one keeps the right values)
+            param = params[QKV]
+            setattr(param, "main_grad" if hasattr(param, "main_grad") else "grad", _grad(param) * 0.5)
         elif kind == "group":  # reduced over tp instead of expt_dp
             g = _grad(params[EXPERT])
             g.copy_(saved[EXPERT])
@@ -153,11 +159,14 @@ def _torch_case(scen: Scenario, bug: str | None, step: int, rank: int, directory
     fn = torch_impl.finalize_model_grads if bug is None else _buggy(bug)
     with audit.record(directory, sample=5, finalize=fn, start_step=step) as finalize:
         finalize(model, n, groups)
-        if scen.name in REPEATED:  # a second step: new values in the same gradient tensors, the same plan
+        if scen.name in REPEATED:  # a second step: new values, the same plan file
             data = make_rank_inputs(dataclasses.replace(scen, seed=scen.seed + 1), rank)
-            _load_in_place(model, data)
+            if scen.name in FRESH:  # new gradient tensors (as after zero_grad(set_to_none=True))
+                load_inputs(model, scen, data)
+            else:  # the same gradient tensors: nothing is planned again
+                _load_in_place(model, data)
             finalize(model, None if data.num_tokens is None else torch.tensor(data.num_tokens), groups)
-            if finalize.plans_made != 1:
+            if finalize.plans_made != (2 if scen.name in FRESH else 1):
                 raise RuntimeError(f"{finalize.plans_made} plans for two steps of one model")
 
 
@@ -216,6 +225,18 @@ def _has_megatron() -> bool:
 
 
 _WORLDS: dict[int, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_recordings() -> Any:
+    """The recorded directories are removed when the module's tests are done."""
+    yield
+    import shutil
+
+    for directory in list(_WORLDS.values()) + list(_WORLD019.values()):
+        shutil.rmtree(directory, ignore_errors=True)
+    _WORLDS.clear()
+    _WORLD019.clear()
 
 
 def _world(world: int) -> str:
@@ -329,8 +350,9 @@ def test_clear_errors(tmp_path: Any) -> None:
     # np.load without pickle reads every file; a step file holds only the per-step values.
     for name in names:
         with np.load(os.path.join(src, name), allow_pickle=False) as data:
-            assert set(data.files) <= {"meta", "grads", "has_grad", "routers_before", "routers_after"}
-            assert data["grads"].dtype == np.float32 and data["grads"].shape[0] == 2
+            assert {"meta", "grads_before", "grads_after", "has_grad"} <= set(data.files)
+            assert set(data.files) <= {"meta", "grads_before", "grads_after", "has_grad", "routers_before", "routers_after"}
+            assert data["grads_before"].dtype == np.float32 and data["grads_before"].shape == data["grads_after"].shape
     for name in plans:
         with np.load(os.path.join(src, name), allow_pickle=False) as data:
             assert set(data.files) == {"plan", "positions"}

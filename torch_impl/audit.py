@@ -52,6 +52,7 @@ import json
 import operator
 import os
 import struct
+import threading
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -157,13 +158,26 @@ def resolve_layout(
 
     raw, ddp_config = chunk_configs(model)
     state = model_state(model)
-    config = state.config(raw, ddp_config)
     source = parallel_state_groups() if pg_collection is None else pg_collection
-    groups = state.resolve_groups(source, config, Requested.from_config(raw))
     if validated_by is not None and validated_by[0] is state and state.stats.calls == validated_by[1] + 1:
+        # What finalize resolved in this very call (it does not change the config or groups).
+        last = getattr(state, "last_config", None)
+        if isinstance(raw, FinalizeConfig) and ddp_config is None:
+            config = raw
+        elif last is not None and last[0] is raw and last[1] is ddp_config:
+            config = last[3]
+        else:
+            config = state.config(raw, ddp_config)
+        hit = next(iter(getattr(state, "groups", {}).values()), None)
+        if hit is not None and hit[0] is source:
+            groups = hit[1]
+        else:
+            groups = state.resolve_groups(source, config, Requested.from_config(raw))
         cached = state.found.get(config.has_mtp)
         if cached is not None:
             return config, groups, raw, cached[1]
+    config = state.config(raw, ddp_config)
+    groups = state.resolve_groups(source, config, Requested.from_config(raw))
     _, found = state.discovered(model, config)  # cached while the model stays the same
     return config, groups, raw, found
 
@@ -293,6 +307,15 @@ class _Watch:
             and list(map(_REQUIRES_GRAD, self.params)) == self.requires
             and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
         )
+
+    def same_tensors(self) -> bool:
+        """True while every parameter holds the same gradient tensor at the same address
+        (what reading the values with the sampler needs; after the call)."""
+        try:
+            grads = list(map(_MAIN_GRAD, self.main)) + list(map(_GRAD, self.plain))
+        except AttributeError:
+            return False
+        return all(map(operator.is_, grads, self.grads)) and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
 
 
 #: How a sampling op reads: from a storage's flat view, from a tensor, from a DTensor's parameter.
@@ -466,6 +489,16 @@ def _concat64(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
 
 
+def _scalar(t: torch.Tensor) -> float:
+    """A one-element tensor's value (the first element of a larger one)."""
+    return float(t) if t.numel() == 1 else float(t.reshape(-1)[0])
+
+
+def _host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` on the host, copied in this thread (in stream order) when it is on a device."""
+    return t if t is None or t.device.type == "cpu" else t.cpu()
+
+
 def _numpy(t: torch.Tensor | None) -> np.ndarray | None:
     return None if t is None else t.detach().cpu().numpy()
 
@@ -545,7 +578,7 @@ class Recorder:
             before = plan.sampler.read(plan.fsdp)
             present_before = plan.sampler.present
             routers_before = _concat64(buffers)
-            tokens_before = None if num_tokens is None else num_tokens.detach().reshape(-1)[:1].clone()
+            tokens_before = None if num_tokens is None else num_tokens.detach().clone()
         result = self.finalize(chunks, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         checked = self._current_plan(chunks, pg_collection, resolve_layout(chunks, pg_collection, (state, calls)), check=False)
         if checked is not plan:
@@ -557,13 +590,11 @@ class Recorder:
                 return result
             plan = checked
         with torch.no_grad():
-            sampler = plan.sampler if plan.sampler.watch.same() else _sampler(plan.entries, plan.params, plan.fsdp)
+            sampler = plan.sampler if plan.sampler.watch.same_tensors() else _sampler(plan.entries, plan.params, plan.fsdp)
             after = sampler.read(plan.fsdp)
             fields_after, buffers = _router_values(plan.routers)
             routers_after = _concat64(buffers)
-            tokens = None
-            if tokens_before is not None:
-                tokens = torch.cat([tokens_before, num_tokens.detach().reshape(-1)[:1]]).to(torch.float64).cpu().tolist()
+            tokens = None if tokens_before is None else (_scalar(tokens_before), _scalar(num_tokens))
         rank = plan.rank
         meta = {
             "format": FORMAT_VERSION,
@@ -579,15 +610,8 @@ class Recorder:
         }
         if fields_after != plan.router_fields:
             meta["router_fields_after"] = fields_after
-        arrays: dict[str, np.ndarray] = {
-            "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-            "grads": np.stack([_numpy(before), _numpy(after)]),
-            "has_grad": np.stack([present_before, sampler.present]),
-        }
-        if routers_before is not None:
-            arrays["routers_before"] = _numpy(routers_before)
-        if routers_after is not None:
-            arrays["routers_after"] = _numpy(routers_after)
+        before, after, routers_before, routers_after = map(_host, (before, after, routers_before, routers_after))
+        values = (meta, before, after, present_before, sampler.present, routers_before, routers_after)
         path = os.path.join(self.directory, file_name(self.step, rank))
         plan_path = None
         if plan.digest not in self._written:
@@ -597,11 +621,12 @@ class Recorder:
         self.step += 1
         if self.background:
             if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-writer")
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="audit-writer", initializer=_background_priority)
             self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
-            self._pending.append(self._executor.submit(self._write, arrays, path, plan.arrays, plan_path))
+            self._pending.append(self._executor.submit(self._write, values, path, plan.arrays, plan_path))
         else:
-            self._write(arrays, path, plan.arrays, plan_path)
+            self._write(values, path, plan.arrays, plan_path)
         return result
 
     def flush(self) -> None:
@@ -718,9 +743,26 @@ class Recorder:
         return entry
 
     # ------------------------------------------------------------------ write
-    def _write(self, arrays: dict[str, np.ndarray], path: str, plan: dict[str, np.ndarray], plan_path: str | None) -> None:
-        """Write the plan file (first time only) and the step file, each atomically."""
+    def _write(self, values: tuple[Any, ...], path: str, plan: dict[str, np.ndarray], plan_path: str | None) -> None:
+        """Write the plan file (first time only) and the step file, each atomically.
+
+        Args:
+          values: (meta, values before, values after, has_grad before, has_grad after,
+            router buffers before, after): tensors this recorder made (nothing else
+            holds them).
+        """
         try:
+            meta, before, after, present_before, present_after, routers_before, routers_after = values
+            arrays: dict[str, np.ndarray] = {
+                "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+                "grads_before": _numpy(before),
+                "grads_after": _numpy(after),
+                "has_grad": np.stack([present_before, present_after]),
+            }
+            if routers_before is not None:
+                arrays["routers_before"] = _numpy(routers_before)
+            if routers_after is not None:
+                arrays["routers_after"] = _numpy(routers_after)
             if not self._made_dir:
                 os.makedirs(self.directory, exist_ok=True)
                 self._made_dir = True
@@ -729,6 +771,15 @@ class Recorder:
             _save(path, arrays)
         except Exception as err:  # reported by flush()
             raise OSError(f"audit: could not write {path}: {type(err).__name__}: {err}") from err
+
+
+def _background_priority() -> None:
+    """Run the writer thread at the lowest CPU priority (Linux: per thread), so that it
+    uses idle time rather than delaying the training ranks."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the default priority
+        pass
 
 
 def _same(a: Any, b: Any) -> bool:

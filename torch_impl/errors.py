@@ -6,7 +6,8 @@ both ``ValueError`` (meshgrad's convention for bad input) and ``AssertionError``
 code and tests written against Megatron catch). It is always a real ``raise``, raised
 before any collective or mutation.
 
-:class:`ConsistencyError` and :class:`NonFiniteGradError` are raised on every rank by the
+:class:`ConsistencyError` and :class:`NonFiniteGradError` (defined once in
+:mod:`meshgrad.errors`, shared with jax_impl) are raised on every rank by the
 cross-rank rounds (:mod:`torch_impl.consensus`) before any gradient moves;
 :class:`CollectiveError` names a collective that failed (:func:`collective_guard`,
 :func:`action_failed`). :func:`describe` is the one line that names an action.
@@ -18,24 +19,15 @@ import contextlib
 from collections.abc import Iterator
 
 from meshgrad.axes import Group
+# The cross-rank and NaN error types are meshgrad's, shared with jax_impl (same class for
+# the same failure in both backends).
+from meshgrad.errors import CollectiveError, ConsistencyError, NonFiniteGradError
 from meshgrad.plan import Action, ExpertBiasUpdate, QbBetaUpdate, Reduction, StageReduction
 from torch_impl.groups import TorchGroups, group_ranks, world_rank
 
 
 class MegatronAssertionError(ValueError, AssertionError):
     """Bad input that Megatron-Core rejects with an assertion (or a crash on None)."""
-
-
-class ConsistencyError(RuntimeError):
-    """Ranks of one group would launch different collectives (raised on every rank)."""
-
-
-class CollectiveError(RuntimeError):
-    """A collective of finalize failed: a peer died, stalled past the timeout or raised."""
-
-
-class NonFiniteGradError(ValueError):
-    """A gradient holds NaN or Inf (``check_for_nan_in_grad``); raised on every rank."""
 
 
 _HINT = (
