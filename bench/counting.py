@@ -25,6 +25,7 @@ COLLECTIVES = (
     "_reduce_scatter_base",
     "reduce_scatter",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_gather",
     "all_reduce_coalesced",
     "all_to_all_single",
@@ -32,7 +33,7 @@ COLLECTIVES = (
 
 
 #: Collectives that torch_impl's checks use (a few bytes per rank; never for data).
-CHECK_COLLECTIVES = frozenset({"all_gather", "all_gather_into_tensor"})
+CHECK_COLLECTIVES = frozenset({"all_gather", "all_gather_into_tensor", "all_gather_single"})
 
 
 class CollectiveCounter:

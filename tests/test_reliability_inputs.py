@@ -279,14 +279,19 @@ def case_check_collectives_per_mode(rank: int, world: int) -> dict[str, list[int
 
     groups = timed_collection(DP_TP)
     calls: list[int] = []
-    original = dist.all_gather
+    names = [n for n in ("all_gather", "all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return original(*args, **kwargs)
+    def counting(original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        return call
 
     out: dict[str, list[int]] = {}
-    dist.all_gather = counting
+    for n in names:
+        setattr(dist, n, counting(originals[n]))
     try:
         for mode in ("off", "once", "every_step"):
             model = setup_model(DP_TP, rank, {"consistency_check": mode})
@@ -297,7 +302,8 @@ def case_check_collectives_per_mode(rank: int, world: int) -> dict[str, list[int
                 counts.append(len(calls) - start)
             out[mode] = counts
     finally:
-        dist.all_gather = original
+        for n in names:
+            setattr(dist, n, originals[n])
     return out
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey
-from meshgrad.plan import ExpertBiasUpdate, FinalizePlan, QbBetaUpdate, StageReduction
+from meshgrad.plan import FinalizePlan
 from torch_impl.checks import (
     check_gradients,
     check_layout,
@@ -52,29 +51,19 @@ SPANNING_GROUPS = (Group.TP, Group.DP_CP, Group.GTP, Group.PP)
 _BIG = 1 << 40  # status value = _BIG - rank, so MAX picks the lowest rank
 
 
-_NAME_BEFORE_SHAPE = re.compile(r"(?<=[\[,])[^\[\],]+(?=\[)")
-
-
 def signatures(
     plan: FinalizePlan, groups: TorchGroups, config: FinalizeConfig, num_tokens: Any
 ) -> dict[Group, tuple[str, ...]]:
     """Per group of size > 1, what this rank will launch on it, one line per item: the
-    config (one line per field), the plan's collectives and the num_tokens collectives.
+    config (one line per field), the plan's collectives with their identities (the
+    actions' :class:`~meshgrad.actions.Signature`) and the num_tokens collectives.
 
     Over pp (whose members hold different layers) parameter names are dropped: the
     coalesced pp reductions need equal shapes and order, not equal names.
     """
     config_lines = tuple(f"config.{f.name} = {getattr(config, f.name)!r}" for f in dataclasses.fields(config))
-    planned = plan.group_signatures(groups.pp_stage)
+    planned = plan.signatures(groups.pp_stage)
     extra: dict[Group, list[str]] = {}
-    # Identities, not only shapes and counts: which routers' counts are summed into each
-    # other, which pp stages an embedding group spans.
-    for action in plan.actions:
-        if isinstance(action, (ExpertBiasUpdate, QbBetaUpdate)):
-            names = ",".join(f"{chunk}:{name}" for chunk, name in action.routers)
-            extra.setdefault(action.group, []).append(f"{action.step} routers [{names}]")
-        elif isinstance(action, StageReduction):
-            extra.setdefault(action.group, []).append(f"{action.step} stages {list(action.stages)}")
     if isinstance(num_tokens, torch.Tensor):
         wide = "float64" if num_tokens.is_floating_point() else "int64"  # reduced in this dtype
         what = f"num_tokens {wide}[{num_tokens.numel()}]"
@@ -84,10 +73,11 @@ def signatures(
     for group in Group:
         if groups.group(group) is None:
             continue
-        lines = list(planned.get(group, ())) + extra.get(group, [])
+        sigs = planned.get(group, ())
         if group is Group.PP:
-            lines = [_NAME_BEFORE_SHAPE.sub("", line) for line in lines]
-        out[group] = config_lines + tuple(lines)
+            sigs = tuple(s.without_names() for s in sigs)
+        lines = [s.line() for s in sigs] + [line for s in sigs for line in s.identity_lines()]
+        out[group] = config_lines + tuple(lines + extra.get(group, []))
     return out
 
 
@@ -177,13 +167,20 @@ def agree(status: Sequence[int], groups: TorchGroups, what: str, over: Sequence[
         # The model spans the world: one all-gather over it reaches every rank at once.
         pgs = [(None, dist.group.WORLD)]
     for group, pg in pgs:
-        # An all-gather and a local max (not an all_reduce): the checks' collectives stay
-        # apart from the plan's all-reduces (which tests and benchmarks count).
-        out = [torch.empty_like(value) for _ in range(groups.size(group) if group else world_size())]
+        # An all-gather into one tensor and a local max (not an all_reduce): the checks'
+        # collectives stay apart from the plan's all-reduces (which tests and benchmarks count).
+        members = groups.size(group) if group else world_size()
+        out = value.new_empty(members * value.numel())
         with collective_guard(f"{what} over {group.value if group else 'the world'!r}", groups, group):
-            dist.all_gather(out, value, group=pg)
-        value = torch.stack(out).amax(dim=0)
+            _gather_single()(out, value, group=pg)
+        value = out.view(members, -1).amax(dim=0)
     return [int(v) for v in value.tolist()]
+
+
+def _gather_single() -> Any:
+    """torch.distributed's all-gather into one tensor (``all_gather_into_tensor`` before
+    ``all_gather_single`` existed), looked up at call time."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def share_texts(text: str | None, groups: TorchGroups, over: Sequence[Group] = SPANNING_GROUPS) -> dict[int, str]:

@@ -66,32 +66,62 @@ def find_attr(module: Any, attr: str) -> Any:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    """``torch.float32`` -> ``"float32"``."""
+    return _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
-def param_spec(name: str, chunk: int, param: torch.Tensor, role: Role = Role.NONE) -> ParamSpec:
+_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+def param_spec(
+    name: str, chunk: int, param: torch.Tensor, role: Role = Role.NONE, class_flags: dict[str, Any] | None = None
+) -> ParamSpec:
     """The ParamSpec of one parameter.
+
+    Megatron's flags are instance attributes, read from the parameter's ``__dict__``; a
+    flag defined on the parameter's class counts too (``class_flags``: the class's values,
+    :func:`class_flags`, computed here when not given).
 
     Raises:
       TypeError: its gradient is not a floating tensor.
     """
-    grad = get_grad(param)
-    has_grad = bool(param.requires_grad) and grad is not None
+    attrs = vars(param)
+    flags = class_flags if class_flags is not None else _class_flags(type(param))
+    own = attrs.keys() & _FLAG_NAMES
+    if own:
+        flags = {**flags, **{k: attrs[k] for k in own}}
+    if "main_grad" in attrs or flags["main_grad"]:
+        attr, grad = "main_grad", attrs["main_grad"] if "main_grad" in attrs else getattr(param, "main_grad")
+    else:
+        attr, grad = "grad", param.grad
     ref = grad if grad is not None else param
     if grad is not None and not isinstance(grad, torch.Tensor):
-        raise TypeError(
-            f"parameter {name!r} (chunk {chunk}): {grad_attr(param)} is a {type(grad).__name__}, not a tensor"
-        )
+        raise TypeError(f"parameter {name!r} (chunk {chunk}): {attr} is a {type(grad).__name__}, not a tensor")
     return ParamSpec(
-        name=name,
-        chunk=chunk,
-        shape=tuple(ref.shape),
-        dtype=dtype_name(ref.dtype),
-        expert=getattr(param, "allreduce", True) is False,
-        has_grad=has_grad,
-        role=role,
-        **{flag: bool(getattr(param, flag, False)) for flag in FLAG_ATTRS},
+        name,
+        chunk,
+        tuple(ref.shape),
+        dtype_name(ref.dtype),
+        flags["allreduce"] is False,
+        bool(flags["sequence_parallel"]),
+        bool(flags["average_gradients_across_tp_domain"]),
+        bool(flags["pipeline_parallel"]),
+        bool(flags["flextron_router_pp_sync"]),
+        bool(flags["is_gtp_weight_remat"]),
+        bool(param.requires_grad) and grad is not None,
+        role,
     )
+
+
+#: Attributes a parameter's ParamSpec reads, and their values when absent.
+_FLAG_DEFAULTS = {"allreduce": True, **{flag: False for flag in FLAG_ATTRS}}
+_FLAG_NAMES = frozenset(_FLAG_DEFAULTS)
+
+
+def _class_flags(cls: type) -> dict[str, Any]:
+    """The flag values a parameter class defines (defaults for the rest), and whether it
+    defines ``main_grad``."""
+    return {**{k: getattr(cls, k, v) for k, v in _FLAG_DEFAULTS.items()}, "main_grad": hasattr(cls, "main_grad")}
 
 
 def shared_word_embedding(module: Any, has_mtp: bool) -> torch.Tensor | None:
@@ -200,6 +230,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig) -> Discovered:
     tensors: dict[ParamKey, torch.Tensor] = {}
     router_modules: dict[ParamKey, nn.Module] = {}
     chunks = []
+    by_class: dict[type, dict[str, Any]] = {}
     for index, chunk in enumerate(model):
         module = unwrap(chunk)
         chunks.append(module)
@@ -211,7 +242,10 @@ def discover(model: Sequence[Any], config: FinalizeConfig) -> Discovered:
         if pos is not None:
             roles.setdefault(id(pos), Role.POSITION_EMBEDDING)
         for name, param in module.named_parameters():
-            spec = param_spec(name, index, param, roles.get(id(param), Role.NONE))
+            cls = type(param)
+            if cls not in by_class:
+                by_class[cls] = _class_flags(cls)
+            spec = param_spec(name, index, param, roles.get(id(param), Role.NONE), by_class[cls])
             params.append(spec)
             tensors[spec.key] = param
         for name, sub in module.named_modules():

@@ -22,7 +22,7 @@ from meshgrad.axes import Group
 # The cross-rank and NaN error types are meshgrad's, shared with jax_impl (same class for
 # the same failure in both backends).
 from meshgrad.errors import CollectiveError, ConsistencyError, NonFiniteGradError
-from meshgrad.plan import Action, ExpertBiasUpdate, QbBetaUpdate, Reduction, StageReduction
+from meshgrad.actions import Action
 from torch_impl.groups import TorchGroups, group_ranks, world_rank
 
 
@@ -70,36 +70,9 @@ def _ranks_text(groups: TorchGroups, group: Group | None) -> str:
 
 
 def describe(action: Action, groups: TorchGroups | None = None) -> str:
-    """One line saying what an action communicates: step, op, group and tensor count.
-
-    Args:
-      action: a planned action.
-      groups: when given, each group's size is added.
-    """
-
-    def size(group: Group) -> str:
-        return f" (size {groups.size(group)})" if groups is not None else ""
-
-    if isinstance(action, Reduction):
-        steps = "+".join(str(s) for s in getattr(action, "steps", (action.step,)))
-        kind = "reduce-scatter" if action.scatter else "all-reduce"
-        return (
-            f"{steps}: {action.op} {kind} over group {str(action.group)!r}{size(action.group)} "
-            f"of {len(action.all_keys)} {action.dtype} tensor(s), first {action.keys[0][1]!r}"
-        )
-    if isinstance(action, StageReduction):
-        return (
-            f"{action.step}: sum all-reduce over group {str(action.group)!r} (pp stages "
-            f"{list(action.stages)}) of 1 {action.dtype} tensor"
-        )
-    if isinstance(action, (ExpertBiasUpdate, QbBetaUpdate)):
-        what = "sum" if isinstance(action, ExpertBiasUpdate) else "avg"
-        counts = "token counts" if isinstance(action, ExpertBiasUpdate) else "qb_beta means"
-        return (
-            f"{action.step}: {what} all-reduce over group {str(action.group)!r}{size(action.group)} "
-            f"of the {counts} of {len(action.routers)} router(s)"
-        )
-    return f"{action.step}: {type(action).__name__} (local)"
+    """One line saying what an action communicates (the action's own
+    :meth:`describe`), with each group's size when ``groups`` is given."""
+    return action.describe(groups.size if groups is not None else None)
 
 
 def action_failed(action: Action, index: int, err: BaseException) -> CollectiveError:
