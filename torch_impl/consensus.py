@@ -63,6 +63,9 @@ def signatures(
     """
     config_lines = tuple(f"config.{f.name} = {getattr(config, f.name)!r}" for f in dataclasses.fields(config))
     planned = plan.signatures(groups.pp_stage)
+    if groups.first_stage_for:
+        first = plan.signatures(0)
+        planned = {**planned, **{g: first.get(g, ()) for g in groups.first_stage_for}}
     extra: dict[Group, list[str]] = {}
     if isinstance(num_tokens, torch.Tensor):
         wide = "float64" if num_tokens.is_floating_point() else "int64"  # reduced in this dtype

@@ -243,7 +243,7 @@ def bind_stage_reduction(
     Returns:
       The bound reduction, or None when this rank has nothing to do.
     """
-    key = action.key_for(groups.pp_stage)
+    key = action.key_for(groups.embedding_stage(action.group))
     group = groups.group(action.group)
     if key is None or group is None:
         return None
@@ -335,7 +335,10 @@ def global_token_scale(num_tokens: torch.Tensor, action: TokenScale, groups: Tor
     wide = torch.float64 if num_tokens.is_floating_point() else torch.int64
     total = num_tokens.detach().to(wide, copy=True)
     pp = groups.group(Group.PP)
-    if pp is not None:
+    if groups.token_broadcast is not None:
+        group, source = groups.token_broadcast
+        dist.broadcast(total, src=source, group=group)
+    elif pp is not None:
         dist.broadcast(total, src=groups.pp_last_rank, group=pp)
     all_reduce(total, groups.group(action.group), ReduceOp.SUM, groups.size(action.group))
     num_tokens.detach().copy_(total)

@@ -71,6 +71,10 @@ class TorchGroups:
         member.
       missing: groups the source does not define at all (collections only).
       source: a short description of where the groups came from (for errors).
+      first_stage_for: embedding groups whose chunk rule treats this rank as the first
+        pipeline stage (Megatron does so for a collection without ``pp``).
+      token_broadcast: (group, source rank) of the num_tokens broadcast when it is not
+        the pp group's last stage (Megatron: the world's last rank without ``pp``).
     """
 
     rank: int
@@ -80,6 +84,8 @@ class TorchGroups:
     stages: Mapping[Group, tuple[int, ...] | None]
     missing: frozenset[Group] = frozenset()
     source: str = "process groups"
+    first_stage_for: frozenset[Group] = frozenset()
+    token_broadcast: tuple[ProcessGroup, int] | None = None
 
     # ------------------------------------------------------------------ queries
     def group(self, group: Group) -> ProcessGroup | None:
@@ -96,6 +102,10 @@ class TorchGroups:
     @property
     def pp_stage(self) -> int:
         return self.pp_ranks.index(self.rank)
+
+    def embedding_stage(self, group: Group) -> int:
+        """The pp stage whose chunk rule an embedding group's step applies on this rank."""
+        return 0 if group in self.first_stage_for else self.pp_stage
 
     @property
     def pp_last_rank(self) -> int:

@@ -256,7 +256,21 @@ def collection_groups(collection: Any, *, expert_bias: bool, flextron: bool = Fa
             f"enabled (it is {'None' if Group.TP_DP_CP in given else 'not set'}); Megatron-Core asserts "
             "the same"
         )
-    return TorchGroups.from_mapping(values, defined=frozenset(values), source="ProcessGroupCollection")
+    groups = TorchGroups.from_mapping(values, defined=frozenset(values), source="ProcessGroupCollection")
+    if given.get(Group.PP) is None:
+        groups = _without_pp(groups, embd_given=given.get(Group.EMBD) is not None)
+    return groups
+
+
+def _without_pp(groups: TorchGroups, *, embd_given: bool) -> TorchGroups:
+    """What Megatron's finalize does with a collection whose ``pp`` is None: its embedding
+    helpers see no pipeline group and take this rank for the first stage (the word
+    embedding only when ``embd`` was given: otherwise it uses parallel_state's groups),
+    and ``num_tokens`` is broadcast over the world from its last rank."""
+    first = frozenset({Group.POS_EMBD, Group.EMBD} if embd_given else {Group.POS_EMBD})
+    world = _default_group()
+    broadcast = (world, world_size() - 1) if world is not None and world_size() > 1 else None
+    return dataclasses.replace(groups, first_stage_for=first, token_broadcast=broadcast)
 
 
 # =========================================================================== helpers' groups
