@@ -275,6 +275,20 @@ def case_gtp_coalesces_over_dtypes(rank: int, world: int) -> Any:
     return calls, _state(model)
 
 
+def case_helper_bad_model_on_one_rank(rank: int, world: int) -> Any:
+    import time
+
+    import torch_impl
+
+    g = _groups()
+    model, _ = _model(rank)
+    before = _state(model)
+    call = (p for p in model) if rank == 1 else model  # rank 1 passes a generator
+    start = time.perf_counter()
+    err = _error(lambda: torch_impl._allreduce_non_tensor_model_parallel_grads(call, model[0].config, g["tp"]))
+    return err, time.perf_counter() - start, all(np.array_equal(before[k], v) for k, v in _state(model).items())
+
+
 CASES = [name for name in dir(sys.modules[__name__]) if name.startswith("case_")]
 
 
@@ -373,3 +387,16 @@ def test_gtp_step_is_one_collective_over_the_promoted_dtype(world: dict[str, Any
         assert calls == ["torch.float32"]  # fp32 and bf16 grads in one float32 collective
         for name in ("dense", "norm", "replicated"):
             assert np.array_equal(state[name], _grads(rank)[name] + _grads(TP_PEER[rank])[name])
+
+
+def test_helper_error_on_one_rank_reaches_its_group(world: dict[str, Any]) -> None:
+    for rank, ((kind, _, message), seconds, untouched) in enumerate(
+        case_values(world, "case_helper_bad_model_on_one_rank")
+    ):
+        if rank == 1:
+            assert kind == "TypeError" and "rank 1" in message
+        elif rank == 0:  # rank 1's tp peer: raises at once, naming rank 1
+            assert kind == "ConsistencyError" and "rank 1" in message and seconds < 30, (kind, message)
+        else:  # the other tp group runs normally
+            assert kind == "no error"
+        assert untouched or rank > 1

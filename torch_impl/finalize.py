@@ -30,6 +30,7 @@ from meshgrad.config import FinalizeConfig
 from meshgrad.params import Role
 from meshgrad.plan import Step, embedding_chunk
 from torch_impl.cache import ModelState, Prepared, Request, as_chunks, prepare, run
+from torch_impl.consensus import share_local_error
 from torch_impl.discover import grad_attr, position_embedding, shared_word_embedding, unwrap
 from torch_impl.errors import MegatronAssertionError, collective_guard, ranked
 from torch_impl.execute import ExecStats, global_token_scale, scale_grads
@@ -144,8 +145,17 @@ def _scale_by_tokens(prepared: Prepared, program: Any, num_tokens: torch.Tensor)
 
 
 def _run_helper(model: Any, groups: Mapping[Group, Any] | TorchGroups, request: Request) -> None:
-    """Prepare and run a seed helper's steps over its own groups (checked over them)."""
-    chunks = as_chunks(model)
+    """Prepare and run a seed helper's steps over its own groups (checked over them).
+
+    A bad model list on one rank joins the status round its peers run over the same
+    groups, so they raise at once instead of waiting for it."""
+    try:
+        chunks = as_chunks(model)
+    except (TypeError, ValueError) as err:
+        if not isinstance(groups, TorchGroups):
+            explicit = TorchGroups.from_mapping(groups, source="the helper's groups")
+            share_local_error(err, explicit, None, raw=(request.config,), over=request.over or tuple(groups))
+        raise
     if not isinstance(groups, TorchGroups):
         request = dataclasses.replace(request, over=request.over or tuple(groups))
         groups = ModelState.of(chunks).explicit(groups)
