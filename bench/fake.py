@@ -10,7 +10,7 @@ Three models of the same layout:
 * ``meshgrad buffers``: torch_impl on plain chunks whose gradients live in meshgrad's
   flat buffers (:func:`torch_impl.buffers.attach_grad_buffers`; meshgrad does DP sync).
 
-Per step, the seed API's helper is timed for each (Megatron's DP sync is the DDP's
+Per step, each helper of Megatron's API is timed for each (Megatron's DP sync is the DDP's
 ``finish_grad_sync``; meshgrad's, with its own buffers, is timed as the bound action
 inside finalize), then the whole ``finalize_model_grads``; collectives and copied bytes
 are counted per finalize call.

@@ -326,7 +326,7 @@ def _check_members(groups: TorchGroups, strict: bool) -> None:
         if group in STAGE_GROUPS or pg is None or groups.size(group) <= 1:
             continue
         have = sorted(group_ranks(pg))
-        implied = f"under the sizes its groups imply ({sizes}; SPEC rank order, tp fastest)"
+        implied = f"under the sizes its groups imply ({sizes}; meshgrad's rank order, tp fastest)"
         if spans and have != dims.group_ranks(group, rank):
             return _layout_mismatch(
                 strict,
@@ -355,7 +355,7 @@ def check_layout(
     dp_cp x gtp x tp (each when the config states it: :class:`~torch_impl.megatron.Requested`).
 
     Members (``collection``): the sizes of tp, pp, dp_cp, gtp, expt_dp and
-    expt_gtp_remat imply a mesh (SPEC.md section 1 rank order: tp fastest, then gtp,
+    expt_gtp_remat imply a mesh (docs/semantics.md (ranks, axes and groups) rank order: tp fastest, then gtp,
     cp, dp, pp; experts etp, ep, egtp, edp, pp). When it spans the world, every group
     must hold exactly this rank's peers on that mesh; on a model over part of the world,
     every group must have the mesh's shape (its members' offsets from the smallest).

@@ -46,7 +46,7 @@ from torch_impl.errors import ConsistencyError, NonFiniteGradError, collective_g
 from torch_impl.groups import MeshGroups, TorchGroups, group_ranks, is_device_mesh, mesh_groups, world_size
 from torch_impl.megatron import Requested, status_groups
 
-#: Groups whose sequential MAX-reduction reaches every rank of a model (SPEC 1 axes).
+#: Groups whose sequential MAX-reduction reaches every rank of a model (docs/semantics.md (ranks, axes and groups) axes).
 SPANNING_GROUPS = (Group.TP, Group.DP_CP, Group.GTP, Group.PP)
 _BIG = 1 << 40  # status value = _BIG - rank, so MAX picks the lowest rank
 

@@ -5,7 +5,7 @@ Conventions read (all optional):
 * ``param.allreduce = False``: an expert parameter (reduced over expert DP).
 * ``param.sequence_parallel``, ``param.average_gradients_across_tp_domain``,
   ``param.pipeline_parallel``, ``param.flextron_router_pp_sync``,
-  ``param.is_gtp_weight_remat``: the flags of SPEC.md section 2.
+  ``param.is_gtp_weight_remat``: the flags of docs/semantics.md.
 * gradient: ``param.main_grad`` when the attribute exists, else ``param.grad``.
 * word embedding: ``module.shared_embedding_or_output_weight()`` when the module's
   ``share_embeddings_and_output_weights`` is True or the config has MTP layers;
@@ -125,7 +125,7 @@ def _class_flags(cls: type) -> dict[str, Any]:
 
 
 def shared_word_embedding(module: Any, has_mtp: bool) -> torch.Tensor | None:
-    """SPEC 2.6: the tied word-embedding weight of an unwrapped chunk, or None."""
+    """semantics `word_embedding`: the tied word-embedding weight of an unwrapped chunk, or None."""
     if not (getattr(module, "share_embeddings_and_output_weights", False) or has_mtp):
         return None
     getter = getattr(module, "shared_embedding_or_output_weight", None)
@@ -133,7 +133,7 @@ def shared_word_embedding(module: Any, has_mtp: bool) -> torch.Tensor | None:
 
 
 def position_embedding(module: Any) -> torch.Tensor | None:
-    """SPEC 2.7: ``module.position_embeddings.weight``, or None."""
+    """semantics `pos_embedding`: ``module.position_embeddings.weight``, or None."""
     emb = getattr(module, "position_embeddings", None)
     return getattr(emb, "weight", None) if emb is not None else None
 
@@ -270,7 +270,7 @@ def one_weight(model: Sequence[Any], index: int, weight: torch.Tensor | None, ro
     return Discovered((spec,), (), {spec.key: weight}, {}, tuple(model))
 
 
-#: Name parts of the q / k layernorms that ``qk_layernorm`` reduces over tp (SPEC 2.4).
+#: Name parts of the q / k layernorms that ``qk_layernorm`` reduces over tp (semantics `non_tp`).
 _QK_NAMES = ("q_layernorm", "k_layernorm")
 
 

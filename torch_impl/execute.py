@@ -177,7 +177,7 @@ def _bind_scale_only(
 def bind_reduction(
     action: Reduction, grads: Mapping[ParamKey, torch.Tensor], groups: TorchGroups, stats: ExecStats
 ) -> Callable[[], None]:
-    """One coalesced collective (SPEC 2.1-2.5) bound to its gradient tensors.
+    """One coalesced collective (semantics `dp_sync` to `gtp`) bound to its gradient tensors.
 
     Binding finds, once, whether the reduced gradients lie back to back in one storage
     in key order and in the collective's dtype (then the collective runs on that span in
@@ -238,7 +238,7 @@ def bind_reduction(
 def bind_stage_reduction(
     action: StageReduction, grads: Mapping[ParamKey, torch.Tensor], groups: TorchGroups, stats: ExecStats
 ) -> Callable[[], None] | None:
-    """SPEC 2.6 / 2.7: SUM over the embedding group, only on member stages with a key.
+    """semantics `word_embedding` / `pos_embedding`: SUM over the embedding group, only on member stages with a key.
 
     Returns:
       The bound reduction, or None when this rank has nothing to do.
@@ -266,7 +266,7 @@ def _split(flat: torch.Tensor, lengths: Iterable[int]) -> list[torch.Tensor]:
 
 
 def run_expert_bias(action: ExpertBiasUpdate, routers: Mapping[ParamKey, nn.Module], groups: TorchGroups) -> None:
-    """SPEC 2.8: one SUM of every router's token counts over tp_dp_cp, then the sign update."""
+    """semantics `expert_bias`: one SUM of every router's token counts over tp_dp_cp, then the sign update."""
     modules = [routers[k] for k in action.routers]
     biases = [m.expert_bias for m in modules]
     tokens = [m.local_tokens_per_expert for m in modules]
@@ -290,7 +290,7 @@ def run_expert_bias(action: ExpertBiasUpdate, routers: Mapping[ParamKey, nn.Modu
 
 
 def run_qb_beta(action: QbBetaUpdate, routers: Mapping[ParamKey, nn.Module], groups: TorchGroups) -> None:
-    """SPEC 2.9: one AVG of accum/max(count,1) over the group, EMA blend, re-centre."""
+    """semantics `qb_beta`: one AVG of accum/max(count,1) over the group, EMA blend, re-centre."""
     modules = [routers[k] for k in action.routers]
     local = torch.cat(
         [
@@ -305,7 +305,7 @@ def run_qb_beta(action: QbBetaUpdate, routers: Mapping[ParamKey, nn.Module], gro
 
 
 def run_reset(action: ResetTemporaries, routers: Mapping[ParamKey, nn.Module]) -> None:
-    """SPEC 2.10: zero token counts and qb accumulators, reset the global aux-loss tracker."""
+    """semantics `reset`: zero token counts and qb accumulators, reset the global aux-loss tracker."""
     zero = []
     for key in action.zero_tokens:
         tokens = getattr(routers[key], "local_tokens_per_expert", None)

@@ -1,6 +1,6 @@
 """Megatron-Core's ``finalize_model_grads`` API, executed from a meshgrad plan.
 
-Every function of the seed API page is here with its name and signature; each is a thin
+Every function of Megatron-Core's `finalize_model_grads` module is here with its name and signature; each is a thin
 entry point over the one set-up path, :func:`torch_impl.cache.prepare` (config, groups,
 model state, discovery, plan, checks before communication, all cached on the model) and
 :func:`torch_impl.cache.run`. A seed helper plans only its steps over its own groups and
@@ -71,7 +71,7 @@ def finalize_model_grads(
     gtp_fence: Callable[[], None] | None = None,
 ) -> None:
     """Finalize gradients: DP sync, pipeline/tensor-parallel fix-ups, router updates,
-    temporaries reset and num_tokens scaling (SPEC.md section 2, steps 1 to 11).
+    temporaries reset and num_tokens scaling (docs/semantics.md, every step).
 
     Args:
       model: this rank's model chunks (virtual pipeline chunks), possibly wrapped in
@@ -438,6 +438,6 @@ def _update_router_qb_beta(model: list[nn.Module], config: Any, dp_cp_group: Pro
 @ranked()
 def reset_model_temporary_tensors(config: Any, model: list[nn.Module]) -> None:
     """Reset the temporary tensors of the model: token counts, qb accumulators, the global
-    aux-loss tracker (SPEC 2.10)."""
+    aux-loss tracker (semantics `reset`)."""
     request = Request(steps=(Step.RESET,), config=resolve_config(config), merge_ddp_config=False)
     _run_helper(model, {}, request)  # no groups: nothing is communicated

@@ -1,6 +1,6 @@
 """Named meshgrad groups as torch ProcessGroups, from a DeviceMesh or a group collection.
 
-:class:`TorchGroups` is one rank's view of the named groups of SPEC.md section 1: the
+:class:`TorchGroups` is one rank's view of the named groups of docs/semantics.md (ranks, axes and groups): the
 process group of each :class:`meshgrad.Group` (``None`` = size 1, no communication), its
 pipeline stage and the pp stages of the embedding groups. It comes from
 
