@@ -69,10 +69,8 @@ class ParamSpec:
             raise ValueError(f"ParamSpec.name must be a non-empty str, got {self.name!r}")
         if type(self.chunk) is not int or self.chunk < 0:
             raise ValueError(f"ParamSpec {self.name!r}: chunk must be an int >= 0, got {self.chunk!r}")
-        shape = self.shape
-        if type(shape) is not tuple or not all(type(s) is int for s in shape):
-            shape = tuple(int(s) for s in shape)
-            object.__setattr__(self, "shape", shape)
+        shape = tuple(map(int, self.shape))
+        object.__setattr__(self, "shape", shape)
         if self.dtype not in FLOAT_DTYPES:
             raise TypeError(
                 f"ParamSpec {self.name!r} (chunk {self.chunk}): gradient dtype {self.dtype!r} "

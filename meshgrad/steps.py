@@ -17,6 +17,11 @@ from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
 
 QK_LAYERNORM_NAMES = ("q_layernorm", "k_layernorm")
 
+
+def is_qk_layernorm(name: str) -> bool:
+    """Whether a parameter name is a q / k layernorm's (``qk_layernorm`` sums it over tp)."""
+    return "_layernorm" in name and any(n in name for n in QK_LAYERNORM_NAMES)
+
 #: num_tokens and qb_beta reduce over every distinct-data rank: dp x cp x gtp (dp_cp when
 #: GTP is inactive), as Megatron's dp_cp_gtp_remat group.
 DISTINCT_DATA_GROUP = Group.DP_CP_GTP
@@ -100,9 +105,7 @@ def non_tp(params: Sequence[ParamSpec], config: FinalizeConfig) -> list[Reductio
             continue
         if spec.average_gradients_across_tp_domain:
             avg.append(spec)
-        elif (config.sequence_parallel and spec.sequence_parallel) or (
-            config.qk_layernorm and any(n in spec.name for n in QK_LAYERNORM_NAMES)
-        ):
+        elif (config.sequence_parallel and spec.sequence_parallel) or (config.qk_layernorm and is_qk_layernorm(spec.name)):
             total.append(spec)
     return _reductions(Step.NON_TP, Group.TP, ReduceOp.SUM, total) + _reductions(
         Step.NON_TP, Group.TP, ReduceOp.AVG, avg

@@ -25,6 +25,7 @@ from torch import nn
 
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
+from meshgrad.steps import is_qk_layernorm
 from torch_impl.grads import get_grad, grad_attr
 
 #: Parameter attributes copied into ParamSpec flags.
@@ -270,8 +271,6 @@ def one_weight(model: Sequence[Any], index: int, weight: torch.Tensor | None, ro
     return Discovered((spec,), (), {spec.key: weight}, {}, tuple(model))
 
 
-#: Name parts of the q / k layernorms that ``qk_layernorm`` reduces over tp (semantics `non_tp`).
-_QK_NAMES = ("q_layernorm", "k_layernorm")
 
 
 def candidate(spec: ParamSpec) -> bool:
@@ -284,7 +283,7 @@ def candidate(spec: ParamSpec) -> bool:
         or spec.pipeline_parallel
         or spec.flextron_router_pp_sync
         or spec.is_gtp_weight_remat
-        or any(n in spec.name for n in _QK_NAMES)
+        or is_qk_layernorm(spec.name)
     )
 
 
