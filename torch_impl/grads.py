@@ -17,7 +17,7 @@ import operator
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import repeat
+from itertools import chain
 from typing import Any
 
 import torch
@@ -111,11 +111,6 @@ _PARAMETERS = operator.itemgetter("_parameters")
 _BUFFERS = operator.itemgetter("_buffers")
 
 
-def _value_ids(dicts: Sequence[dict[str, Any]]) -> list[tuple[int, ...]]:
-    """Per dict, the ids of its values (C-level maps, no per-item Python)."""
-    return list(map(tuple, map(map, repeat(id), map(dict.values, dicts))))
-
-
 class GradWatch:
     """Whether parameters still look as they did at construction, at C speed.
 
@@ -138,9 +133,9 @@ class GradWatch:
         # .grad matters where main_grad is absent (its appearing changes the dict keys).
         self.grad_params = [p for p, d in zip(self.params, self.dicts) if "main_grad" not in d]
         self.grads = list(map(_GRAD, self.grad_params))
-        self._values = list(map(tuple, map(dict.values, self.dicts)))  # keeps ids from being reused
-        self.ids = list(map(tuple, map(map, repeat(id), self._values)))
         self.keys = list(map(tuple, self.dicts))
+        # Every attribute value in dict order (held: an identity check needs live objects).
+        self.values = list(chain.from_iterable(map(dict.values, self.dicts)))
         tensors = []
         for p in self.params:
             g = get_grad(p)
@@ -156,8 +151,8 @@ class GradWatch:
         return (
             list(map(_REQUIRES_GRAD, params)) == self.requires
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
-            and _value_ids(self.dicts) == self.ids
-            and list(map(tuple, self.dicts)) == self.keys
+            and list(map(tuple, self.dicts)) == self.keys  # same keys: the values line up
+            and all(map(operator.is_, chain.from_iterable(map(dict.values, self.dicts)), self.values))
             and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
             and list(map(torch.Tensor.size, self.tensors)) == self.sizes
         )
@@ -213,9 +208,9 @@ class ModelWatch:
         routers = list(found.router_modules.values())
         self.router_dicts = list(map(vars, routers))
         self.router_buffers = list(map(_BUFFERS, self.router_dicts))
-        self._router_values = [tuple(d.values()) for d in self.router_dicts + self.router_buffers]
-        self.router_ids = _value_ids(self.router_dicts + self.router_buffers)
-        self.router_keys = list(map(tuple, self.router_dicts + self.router_buffers))
+        self.router_all = self.router_dicts + self.router_buffers
+        self.router_keys = list(map(tuple, self.router_all))
+        self.router_values = list(chain.from_iterable(map(dict.values, self.router_all)))
         self._edges(chunks, found)
         self.dirty = [False]
         ids = set(self.module_ids)
@@ -308,11 +303,11 @@ class ModelWatch:
 
     def same(self) -> bool:
         """True when the cached discovery (and every plan made from it) still holds."""
-        dicts = self.router_dicts + self.router_buffers
+        dicts = self.router_all
         return (
             self.structure_same()
-            and _value_ids(dicts) == self.router_ids
-            and list(map(tuple, dicts)) == self.router_keys
+            and list(map(tuple, dicts)) == self.router_keys  # same keys: the values line up
+            and all(map(operator.is_, chain.from_iterable(map(dict.values, dicts)), self.router_values))
             and self.grads.same()
         )
 
