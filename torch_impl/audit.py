@@ -64,6 +64,11 @@ from torch import nn
 
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
+from torch_impl.cache import ModelState
+from torch_impl.finalize import finalize_model_grads
+from torch_impl.grads import is_dtensor
+from torch_impl.groups import group_ranks
+from torch_impl.megatron import Requested, chunk_configs, parallel_state_groups
 
 #: Version of the file layout written here (parity_tests.audit checks it).
 FORMAT_VERSION = 2
@@ -154,8 +159,6 @@ def resolve_layout(
     Returns:
       (FinalizeConfig, TorchGroups, the raw chunk config, the discovered model).
     """
-    from torch_impl.finalize import Requested, chunk_configs, parallel_state_groups
-
     raw, ddp_config = chunk_configs(model)
     state = model_state(model)
     source = parallel_state_groups() if pg_collection is None else pg_collection
@@ -184,16 +187,12 @@ def resolve_layout(
 
 def model_state(model: Sequence[Any]) -> Any:
     """torch_impl's cached finalize state of the chunks (created when missing)."""
-    from torch_impl.finalize import ModelState
-
     return ModelState.of(model)
 
 
 def _members(groups: Any, group: Group, rank: int) -> list[int]:
     """Global ranks of this rank's ``group`` ([] where it is not a member, [rank] for a
     group of size 1)."""
-    from torch_impl.groups import group_ranks
-
     pg = groups.groups.get(group)
     if pg is not None and groups.size(group) > 1:
         return [int(r) for r in group_ranks(pg)]
@@ -364,8 +363,6 @@ class _Sampler:
 
 def _sampler(entries: list[_Entry], params: list[torch.Tensor], fsdp: bool) -> _Sampler:
     """Group the sampled positions by gradient storage (one ``index_select`` each)."""
-    from torch_impl.execute import is_dtensor
-
     dtype = torch.float64 if any(e.info["dtype"] == "float64" for e in entries) else torch.float32
     watch = _Watch(params)
     groups: dict[Any, tuple[torch.Tensor, list[np.ndarray], list[np.ndarray]]] = {}
@@ -529,8 +526,6 @@ class Recorder:
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"audit: start_step must be an int >= 0, got {start_step!r}")
         if finalize is None:
-            from torch_impl.finalize import finalize_model_grads
-
             finalize = finalize_model_grads
         if not callable(finalize):
             raise TypeError(f"audit: finalize must be callable, got {type(finalize).__name__}")
@@ -595,11 +590,19 @@ class Recorder:
             fields_after, buffers = _router_values(plan.routers)
             routers_after = _concat64(buffers)
             tokens = None if tokens_before is None else (_scalar(tokens_before), _scalar(num_tokens))
-        rank = plan.rank
-        meta = {
+        meta = self._meta(plan, num_tokens, tokens, force_all_reduce)
+        if fields_after != plan.router_fields:
+            meta["router_fields_after"] = fields_after
+        before, after, routers_before, routers_after = map(_host, (before, after, routers_before, routers_after))
+        self._submit(plan, (meta, before, after, present_before, sampler.present, routers_before, routers_after))
+        return result
+
+    def _meta(self, plan: Any, num_tokens: Any, tokens: Any, force_all_reduce: Any) -> dict[str, Any]:
+        """The step file's header: format, step, rank, plan digest and num_tokens."""
+        return {
             "format": FORMAT_VERSION,
             "step": self.step,
-            "rank": rank,
+            "rank": plan.rank,
             "plan": plan.digest,
             "force_all_reduce": bool(force_all_reduce),
             "num_tokens": {
@@ -608,26 +611,25 @@ class Recorder:
                 "dtype": None if num_tokens is None else str(num_tokens.dtype).removeprefix("torch."),
             },
         }
-        if fields_after != plan.router_fields:
-            meta["router_fields_after"] = fields_after
-        before, after, routers_before, routers_after = map(_host, (before, after, routers_before, routers_after))
-        values = (meta, before, after, present_before, sampler.present, routers_before, routers_after)
-        path = os.path.join(self.directory, file_name(self.step, rank))
+
+    def _submit(self, plan: Any, values: tuple[Any, ...]) -> None:
+        """Write this step's file (and the plan's, the first time), in the background
+        thread unless ``background`` is off."""
+        path = os.path.join(self.directory, file_name(self.step, plan.rank))
         plan_path = None
         if plan.digest not in self._written:
             self._written.add(plan.digest)
-            plan_path = os.path.join(self.directory, plan_file_name(rank, plan.digest))
+            plan_path = os.path.join(self.directory, plan_file_name(plan.rank, plan.digest))
         self.files.append(path)
         self.step += 1
-        if self.background:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="audit-writer", initializer=_background_priority)
-            self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
-            self._pending.append(self._executor.submit(self._write, values, path, plan.arrays, plan_path))
-        else:
+        if not self.background:
             self._write(values, path, plan.arrays, plan_path)
-        return result
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="audit-writer", initializer=_background_priority)
+        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
+        self._pending.append(self._executor.submit(self._write, values, path, plan.arrays, plan_path))
 
     def flush(self) -> None:
         """Wait until every file is written (re-raises the first error of the writer)."""

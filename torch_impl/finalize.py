@@ -39,9 +39,6 @@ from torch_impl.groups import TorchGroups, group_ranks, world_rank
 from torch_impl.megatron import chunk_configs, helper_group, resolve_config
 from torch_impl.megatron import gtp_fence as megatron_gtp_fence
 
-# Names torch_impl.audit imports from this module (their homes: cache and megatron).
-from torch_impl.megatron import Requested, parallel_state_groups  # noqa: F401  (re-exported)
-
 ProcessGroup = Any
 
 
