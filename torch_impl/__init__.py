@@ -23,6 +23,7 @@ from torch_impl.finalize import (
     _update_router_expert_bias,
     _update_router_qb_beta,
     execution_stats,
+    invalidate_plans,
     finalize_model_grads,
     reset_model_temporary_tensors,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "attach_grad_buffers",
     "discover",
     "execution_stats",
+    "invalidate_plans",
     "finalize_model_grads",
     "mesh_groups",
     "reset_model_temporary_tensors",
