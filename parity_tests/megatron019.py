@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from parity_tests.megatron_state import initialize_parallel_state
+
 VERSION = "0.19.2"
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / f"megatron-core-{VERSION}"
@@ -192,23 +194,11 @@ class Env:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         self.layout, self.rank, self.ps = layout, rank, ps
-        kwargs: dict[str, Any] = {}
-        if layout.pos is not None:
-            kwargs["get_position_embedding_ranks"] = lambda pp_ranks, split=None, s=layout.pos: [pp_ranks[i] for i in s]
+        initialize_parallel_state(
+            ps, layout, gtp_remat_size=layout.gtp, expert_gtp_remat_size=layout.egtp, order=layout.order
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ps.initialize_model_parallel(
-                tensor_model_parallel_size=layout.tp,
-                pipeline_model_parallel_size=layout.pp,
-                context_parallel_size=layout.cp,
-                expert_model_parallel_size=layout.ep,
-                expert_tensor_parallel_size=layout.etp,
-                gtp_remat_size=layout.gtp,
-                expert_gtp_remat_size=layout.egtp,
-                order=layout.order,
-                create_gloo_process_groups=False,
-                **kwargs,
-            )
             self.mpu = ProcessGroupCollection.use_mpu_process_groups()
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.last_stage = self.stage == layout.pp - 1

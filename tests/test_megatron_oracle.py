@@ -45,6 +45,7 @@ from parity_tests.scenarios import (  # noqa: E402
     make_rank_inputs,
 )
 from parity_tests.torch_world import build_model, load_inputs, read_outputs, run_cases  # noqa: E402
+from parity_tests.megatron_state import initialize_parallel_state  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,21 +137,9 @@ class _Env:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         self.layout, self.rank, self.ps = layout, rank, ps
-        kwargs = {}
-        for key, stages in (("get_embedding_ranks", layout.embd), ("get_position_embedding_ranks", layout.pos)):
-            if stages is not None:
-                kwargs[key] = lambda pp_ranks, split=None, stages=stages: [pp_ranks[s] for s in stages]
+        initialize_parallel_state(ps, layout)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ps.initialize_model_parallel(
-                tensor_model_parallel_size=layout.tp,
-                pipeline_model_parallel_size=layout.pp,
-                context_parallel_size=layout.cp,
-                expert_model_parallel_size=layout.ep,
-                expert_tensor_parallel_size=layout.etp,
-                create_gloo_process_groups=False,
-                **kwargs,
-            )
             self.pgc = ProcessGroupCollection.use_mpu_process_groups()
         self.stage = rank // (layout.world // layout.pp)
 
