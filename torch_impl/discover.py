@@ -88,7 +88,7 @@ def param_spec(
     """
     attrs = vars(param)
     flags = class_flags if class_flags is not None else _class_flags(type(param))
-    own = attrs.keys() & _FLAG_NAMES
+    own = () if _FLAG_NAMES.isdisjoint(attrs) else attrs.keys() & _FLAG_NAMES
     if own:
         flags = {**flags, **{k: attrs[k] for k in own}}
     if "main_grad" in attrs or flags["main_grad"]:
