@@ -234,26 +234,9 @@ def format_scale(result: dict[str, Any]) -> str:
         lines.append("  (megatron-core not installed or --no-megatron: its column is skipped)")
     for kind in MODELS:
         lines.append(f"  meshgrad on {LABELS[kind]}")
-        head = f"    {'layers x experts':<17}{'params':>7}{'non-TP':>7}"
-        if have_mc:
-            head += f"{'mcore ms/step':>15}"
-        head += f"{'first call ms':>15}{'ms/step':>10}"
-        if have_mc:
-            head += f"{'/mcore':>8}"
-        head += f"{'/' + ref:>8}{'coll/call' + (' (mcore)' if have_mc else ''):>18}{'copied/call':>13}"
-        lines.append(head)
-        for r in rows:
-            line = f"    {r['row']:<17}{r['params']:>7}{r['non_tp_tensors']:>7}"
-            if have_mc:
-                line += f"{_ms(r['step'].get('megatron', {}).get('median')):>15}"
-            line += f"{_ms(r['first_call'][kind], 1):>15}{_ms(r['step'][kind]['median']):>10}"
-            if have_mc:
-                line += f"{_r(r['vs_megatron'][kind]):>8}"
-            coll = f"{r['collectives'][kind]:g}"
-            if "megatron" in r["collectives"]:
-                coll += f" ({r['collectives']['megatron']:g})"
-            line += f"{_r(r['vs_reference'][kind]):>8}{coll:>18}{int(r['bytes_copied'][kind]):>13}"
-            lines.append(line)
+        columns = _columns(kind, ref, have_mc)
+        lines.append("    " + "".join(_cell(title, width) for title, width, _ in columns))
+        lines += ["    " + "".join(_cell(value(r), width) for _, width, value in columns) for r in rows]
         big = max(rows, key=lambda r: r["params"])
         slope = big.get("us_per_param_over_reference", {}).get(kind)
         if slope is not None and big["row"] != ref:
@@ -265,6 +248,33 @@ def format_scale(result: dict[str, Any]) -> str:
                 extra += f"; attach_grad_buffers at {big['row']}: {1e3 * big['attach_grad_buffers']:.1f} ms"
             lines.append(extra)
     return "\n".join(lines)
+
+
+def _columns(kind: str, ref: str, have_mc: bool) -> list[tuple[str, int, Callable[[dict[str, Any]], Any]]]:
+    """The scale table's columns for one meshgrad model: title, width (negative: left
+    aligned) and the cell of a row."""
+    def collectives(r: dict[str, Any]) -> str:
+        coll = f"{r['collectives'][kind]:g}"
+        return coll + (f" ({r['collectives']['megatron']:g})" if "megatron" in r["collectives"] else "")
+
+    mc = [("mcore ms/step", 15, lambda r: _ms(r["step"].get("megatron", {}).get("median")))] if have_mc else []
+    vs_mc = [("/mcore", 8, lambda r: _r(r["vs_megatron"][kind]))] if have_mc else []
+    return [
+        ("layers x experts", -17, lambda r: r["row"]),
+        ("params", 7, lambda r: r["params"]),
+        ("non-TP", 7, lambda r: r["non_tp_tensors"]),
+        *mc,
+        ("first call ms", 15, lambda r: _ms(r["first_call"][kind], 1)),
+        ("ms/step", 10, lambda r: _ms(r["step"][kind]["median"])),
+        *vs_mc,
+        ("/" + ref, 8, lambda r: _r(r["vs_reference"][kind])),
+        ("coll/call" + (" (mcore)" if have_mc else ""), 18, collectives),
+        ("copied/call", 13, lambda r: int(r["bytes_copied"][kind])),
+    ]
+
+
+def _cell(value: Any, width: int) -> str:
+    return f"{value!s:<{-width}}" if width < 0 else f"{value!s:>{width}}"
 
 
 def _ms(seconds: float | None, digits: int = 4) -> str:

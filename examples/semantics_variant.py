@@ -118,7 +118,8 @@ def _torch_rank(rank: int, plan: FinalizePlan, grads: dict[tuple[int, str], np.n
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torch_impl.execute import GradAccess, run_actions
+    from torch_impl.execute import run_actions
+    from torch_impl.grads import GradAccess
     from torch_impl.groups import MeshGroups
 
     dist.init_process_group(

@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-#: Values of FinalizeConfig.consistency_check (see torch_impl.validate).
+#: Values of FinalizeConfig.consistency_check (see torch_impl.consensus).
 CONSISTENCY_CHECKS = ("off", "once", "every_step")
 
 #: Load-balancing types Megatron knows; anything else is rejected as a typo.

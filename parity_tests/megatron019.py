@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from parity_tests.megatron_state import initialize_parallel_state
+from parity_tests.megatron_state import fake_ddp, initialize_parallel_state
 
 VERSION = "0.19.2"
 REPO = Path(__file__).resolve().parent.parent
@@ -412,46 +412,6 @@ def snapshot(model: list[Any], num_tokens: Any = None) -> dict[str, Any]:
     if num_tokens is not None:
         out["num_tokens"] = _value(num_tokens)
     return out
-
-
-def fake_ddp(module: Any, ddp_config: Any, dp_cp: Any, expt_dp: Any) -> Any:
-    """A Megatron-DDP-like chunk (megatron-core's DDP needs CUDA): ``finish_grad_sync`` does
-    semantics `dp_sync` as an all-reduce per gradient over the DDP's own groups, ``scale_gradients``
-    multiplies; both record their calls."""
-    import torch.distributed as dist
-    from torch import nn
-
-    class DDPLike(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.module = module
-            self.ddp_config = ddp_config
-            self.calls: list[Any] = []
-
-        def _grads(self) -> list[tuple[bool, Any]]:
-            out = []
-            for p in self.module.parameters():
-                g = p.main_grad if hasattr(p, "main_grad") else p.grad
-                if p.requires_grad and g is not None:
-                    out.append((getattr(p, "allreduce", True) is False, g))
-            return out
-
-        def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-            self.calls.append(("finish", bool(force_all_reduce)))
-            cfg = self.module.config
-            n_dense, n_expert = dist.get_world_size(dp_cp), dist.get_world_size(expt_dp)
-            for expert, g in self._grads():
-                group, n = (expt_dp, n_expert) if expert else (dp_cp, n_dense)
-                if not cfg.calculate_per_token_loss:
-                    g.mul_(1.0 / n_dense)
-                dist.all_reduce(g, group=group)
-
-        def scale_gradients(self, scale: Any) -> None:
-            self.calls.append(("scale", str(getattr(scale, "dtype", type(scale).__name__)), float(scale)))
-            for _, g in self._grads():
-                g.mul_(scale)
-
-    return DDPLike()
 
 
 # =========================================================================== worker: one comparison

@@ -1,4 +1,5 @@
-"""Megatron's ``parallel_state`` for a test layout, shared by the megatron-core oracles.
+"""What the megatron-core oracles (0.16.1 and 0.19.2) share: Megatron's ``parallel_state``
+for a test layout, and a Megatron-DDP-like chunk (megatron-core's DDP needs CUDA).
 
 Megatron is a black box here: only its public ``initialize_model_parallel`` is called.
 """
@@ -34,3 +35,60 @@ def initialize_parallel_state(ps: Any, layout: Any, **extra: Any) -> None:
             create_gloo_process_groups=False,
             **kwargs,
         )
+
+
+def fake_ddp(module: Any, ddp_config: Any, dp_cp: Any, expt_dp: Any) -> Any:
+    """A Megatron-DDP-like chunk around ``module``: ``finish_grad_sync`` does the `dp_sync`
+    step of docs/semantics.md as an all-reduce per gradient over ``dp_cp`` / ``expt_dp``
+    (with the DDP config's pre-scale and average), ``scale_gradients`` multiplies; both
+    record their calls in ``.calls``.
+
+    Args:
+      module: the model chunk (with ``config``).
+      ddp_config: a DistributedDataParallelConfig-like object (``average_in_collective``).
+      dp_cp: the dense data-parallel group.
+      expt_dp: the expert data-parallel group.
+    """
+    import torch.distributed as dist
+    from torch import nn
+
+    class DDPLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = module
+            self.ddp_config = ddp_config
+            self.calls: list[Any] = []
+
+        def _grads(self) -> list[tuple[bool, Any]]:
+            out = []
+            for p in self.module.parameters():
+                g = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad
+                if hasattr(g, "to_local"):  # DTensor: its shards line up across DP ranks
+                    g = g.to_local()
+                if p.requires_grad and g is not None:
+                    out.append((getattr(p, "allreduce", True) is False, g))
+            return out
+
+        def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+            self.calls.append(("finish", bool(force_all_reduce)))
+            cfg = self.module.config
+            dp_size, edp_size = dist.get_world_size(dp_cp), dist.get_world_size(expt_dp)
+            for expert, g in self._grads():
+                group = expt_dp if expert else dp_cp
+                if cfg.calculate_per_token_loss:
+                    scale, avg = 1.0, False
+                elif getattr(self.ddp_config, "average_in_collective", False):
+                    scale, avg = (edp_size / dp_size if expert else 1.0), True
+                else:
+                    scale, avg = 1.0 / dp_size, False
+                g.mul_(scale)
+                dist.all_reduce(g, group=group)
+                if avg:
+                    g.div_(dist.get_world_size(group))
+
+        def scale_gradients(self, scale: Any) -> None:
+            self.calls.append(("scale", str(getattr(scale, "dtype", type(scale).__name__)), float(scale)))
+            for _, g in self._grads():
+                g.mul_(scale)
+
+    return DDPLike()

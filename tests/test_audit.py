@@ -26,6 +26,7 @@ pytest.importorskip("torch")
 
 from parity_tests import megatron019 as m19  # noqa: E402
 from parity_tests.audit import AuditError, format_report, load, main as audit_main, replay  # noqa: E402
+from parity_tests.megatron_state import fake_ddp  # noqa: E402
 from parity_tests.scenarios import RouterLayout, Scenario, gpt_params  # noqa: E402
 from parity_tests.torch_world import spawn_world  # noqa: E402
 
@@ -186,7 +187,7 @@ def _megatron_case(spec: tuple[str, dict[str, Any], dict[str, Any], bool], rank:
         base = build_model(scen, rank, cfg)
         data = make_rank_inputs(scen, rank)
         load_inputs(base, scen, data)
-        model = [oracle.OracleDDP(c, oracle._ddp_config({}), env.pgc.dp_cp, env.pgc.expt_dp) for c in base]
+        model = [fake_ddp(c, oracle._ddp_config({}), env.pgc.dp_cp, env.pgc.expt_dp) for c in base]
         n = torch.tensor(data.num_tokens)
         finalize = audit.audited(oracle._mf().finalize_model_grads, directory, sample=6)
         finalize(model, n, None if lookup else env.pgc)
@@ -434,7 +435,7 @@ def audit019_world(rank: int, world: int, payload: tuple[str, str], sink: Any) -
             base = m19.build(env, scen, cfg, m19.ROUTERS)
             for chunk in base:
                 chunk.config, chunk.ddp_config = cfg, ddp_cfg
-            model = [m19.fake_ddp(c, ddp_cfg, env.mpu.dp_cp, env.mpu.expt_dp) for c in base] if wrap else base
+            model = [fake_ddp(c, ddp_cfg, env.mpu.dp_cp, env.mpu.expt_dp) for c in base] if wrap else base
             fn = mf.finalize_model_grads
             if layout is BUG019[0]:
                 def fn(model: Any, num_tokens: Any = None, pg_collection: Any = None, force_all_reduce: bool = False) -> None:

@@ -45,7 +45,7 @@ from parity_tests.scenarios import (  # noqa: E402
     make_rank_inputs,
 )
 from parity_tests.torch_world import build_model, load_inputs, read_outputs, run_cases  # noqa: E402
-from parity_tests.megatron_state import initialize_parallel_state  # noqa: E402
+from parity_tests.megatron_state import fake_ddp, initialize_parallel_state  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,59 +153,6 @@ class _Env:
         return Scenario(lay.name, **base)
 
 
-class OracleDDP:
-    """A minimal Megatron-DDP-like chunk: ``finish_grad_sync`` does SPEC 2.1 (all-reduce)
-    per parameter, ``scale_gradients`` multiplies; both record their calls."""
-
-    def __new__(cls, module: Any, ddp_config: Any, dp_cp: Any, expt_dp: Any) -> Any:
-        import torch
-        import torch.distributed as dist
-        from torch import nn
-
-        class _DDP(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.module = module
-                self.ddp_config = ddp_config
-                self.calls: list[Any] = []
-                self._groups = {"dense": dp_cp, "expert": expt_dp}
-
-            def _grads(self) -> list[tuple[bool, torch.Tensor]]:
-                out = []
-                for p in self.module.parameters():
-                    g = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad
-                    if hasattr(g, "to_local"):  # DTensor: its shards line up across DP ranks
-                        g = g.to_local()
-                    if p.requires_grad and g is not None:
-                        out.append((getattr(p, "allreduce", True) is False, g))
-                return out
-
-            def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-                self.calls.append(("finish", bool(force_all_reduce)))
-                cfg = self.module.config
-                dp_size = dist.get_world_size(self._groups["dense"])
-                edp_size = dist.get_world_size(self._groups["expert"])
-                for expert, g in self._grads():
-                    group = self._groups["expert" if expert else "dense"]
-                    if cfg.calculate_per_token_loss:
-                        scale, avg = 1.0, False
-                    elif self.ddp_config.average_in_collective:
-                        scale, avg = (edp_size / dp_size if expert else 1.0), True
-                    else:
-                        scale, avg = 1.0 / dp_size, False
-                    g.mul_(scale)
-                    dist.all_reduce(g, group=group)
-                    if avg:
-                        g.div_(dist.get_world_size(group))
-
-            def scale_gradients(self, scale: Any) -> None:
-                self.calls.append(("scale", str(getattr(scale, "dtype", type(scale).__name__)), float(scale)))
-                for _, g in self._grads():
-                    g.mul_(scale)
-
-        return _DDP()
-
-
 def _side(call: Callable[[], Any]) -> tuple[Any, ...]:
     try:
         return ("ok", call())
@@ -231,7 +178,7 @@ def _pair(
       call: the call; ``impl`` is megatron's module or ``torch_impl``.
       config: TransformerConfig fields.
       ddp: DistributedDataParallelConfig fields (set as ``ddp_config`` on every chunk).
-      wrap: "none", "module" (a ``.module`` wrapper) or "ddp" (an :class:`OracleDDP`).
+      wrap: "none", "module" (a ``.module`` wrapper) or "ddp" (a :func:`~parity_tests.megatron_state.fake_ddp` chunk).
       scenario: Scenario overrides (dtype, params, routers, num_chunks, ...).
       prepare: called on each copy after its inputs are loaded (e.g. DTensor gradients).
 
@@ -259,7 +206,7 @@ def _pair(
         if prepare is not None:
             prepare(inner, env)
         if wrap == "ddp":
-            model = [OracleDDP(c, ddp_cfg, env.pgc.dp_cp, env.pgc.expt_dp) for c in inner]
+            model = [fake_ddp(c, ddp_cfg, env.pgc.dp_cp, env.pgc.expt_dp) for c in inner]
         elif wrap == "module":
             model = [_Wrapper(c, ddp_cfg) for c in inner]
         else:

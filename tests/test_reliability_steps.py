@@ -37,7 +37,7 @@ from torch import nn  # noqa: E402
 
 from meshgrad import FinalizeConfig  # noqa: E402
 from parity_tests.scenarios import make_rank_inputs  # noqa: E402
-from parity_tests.torch_world import load_inputs, run_cases  # noqa: E402
+from parity_tests.torch_world import case_values, load_inputs, run_cases  # noqa: E402
 from test_reliability_inputs import (  # noqa: E402
     DP_TP,
     LINEAR,
@@ -297,13 +297,6 @@ def world() -> dict[str, list[tuple[str, Any]]]:
     return run_cases(__name__, CASES, WORLD, timeout=300)
 
 
-def _values(world: dict[str, list[tuple[str, Any]]], name: str) -> list[Any]:
-    got = world[name]
-    problems = [f"rank {r}: {s}: {v}" for r, (s, v) in enumerate(got) if s != "ok"]
-    assert not problems, "\n".join(problems)
-    return [v for _, v in got]
-
-
 LIVE = [
     ("a parameter added after step 1 (plain chunks)", "case_param_added_after_step1"),
     ("a parameter replaced by a new Parameter after step 1", "case_param_replaced_after_step1"),
@@ -316,7 +309,7 @@ LIVE = [
 
 @pytest.mark.parametrize("label,name", LIVE, ids=[c[1] for c in LIVE])
 def test_a_changed_model_gets_the_numbers_of_a_fresh_call(world, reliability, label, name):
-    for rank, (live, fresh, same, message) in enumerate(_values(world, name)):
+    for rank, (live, fresh, same, message) in enumerate(case_values(world, name)):
         assert live == fresh == "ok", (name, rank, live, fresh, message)
         assert same, (name, rank, "the long-lived model differs from a fresh call")
     reliability("bad input", f"{label} [4 ranks]", "replanned: bit-identical to a fresh call on every rank")
@@ -326,7 +319,7 @@ def test_a_changed_model_gets_the_numbers_of_a_fresh_call(world, reliability, la
 def test_a_change_on_one_rank_raises_on_every_rank_before_anything_moves(world, reliability, name):
     bad, _, kind, text = ONE_RANK[name]
     slowest = 0.0
-    for rank, (got, message, untouched, seconds) in enumerate(_values(world, name)):
+    for rank, (got, message, untouched, seconds) in enumerate(case_values(world, name)):
         assert untouched, (name, rank, "gradients or router state changed")
         assert seconds < TIMEOUT / 2, (name, rank, seconds)
         slowest = max(slowest, seconds)
@@ -344,7 +337,7 @@ def test_a_change_on_one_rank_raises_on_every_rank_before_anything_moves(world, 
 
 def test_groups_meshgrad_creates_inherit_the_timeout_and_agree_on_the_layout(world, reliability):
     slowest = 0.0
-    for rank, got in enumerate(_values(world, "case_mesh_groups_inherit_timeout_and_agree")):
+    for rank, got in enumerate(case_values(world, "case_mesh_groups_inherit_timeout_and_agree")):
         assert got["timeouts"] and set(got["timeouts"].values()) == {got["default"]}, (rank, got)
         kind, message = got["mismatch"]
         assert kind == "ValueError" and "ask for different DeviceMesh group layouts" in message, (rank, got)

@@ -40,12 +40,8 @@ from meshgrad.plan import (
     scatter_shard,
 )
 from torch_impl.errors import action_failed
-# GradWatch, ModelWatch and the DTensor helpers lived here before torch_impl.grads: re-exported.
-from torch_impl.grads import GradAccess, GradWatch, ModelWatch, is_dtensor, reshard, unshard  # noqa: F401
+from torch_impl.grads import GradAccess
 from torch_impl.groups import TorchGroups
-
-# --------------------------------------------------------------------------- DTensor
-
 
 # --------------------------------------------------------------------------- collectives
 
@@ -513,7 +509,7 @@ class Program:
     buffers and their views, copy lists, the groups of each collective, the spans the
     num_tokens scale multiplies -- is computed here once; :meth:`run` then does
     O(collectives) work. Valid while the parameters hold the same gradient tensors
-    (:class:`GradWatch`); not for DTensor gradients (they are unsharded per step).
+    (:class:`~torch_impl.grads.GradWatch`); not for DTensor gradients (they are unsharded per step).
 
     Args:
       actions: the actions to run (TokenScale excluded).
