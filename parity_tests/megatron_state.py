@@ -66,7 +66,7 @@ def fake_ddp(module: Any, ddp_config: Any, dp_cp: Any, expt_dp: Any) -> Any:
                 if hasattr(g, "to_local"):  # DTensor: its shards line up across DP ranks
                     g = g.to_local()
                 if p.requires_grad and g is not None:
-                    out.append((getattr(p, "allreduce", True) is False, g))
+                    out.append((not getattr(p, "allreduce", True), g))
             return out
 
         def finish_grad_sync(self, force_all_reduce: bool = False) -> None:

@@ -179,6 +179,33 @@ def test_grad_watch_detects_each_change():
     assert not watch.same()
 
 
+def test_grad_watch_sees_equal_valued_replacements_and_in_place_changes():
+    one, many = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(3))
+    one.main_grad, many.main_grad = torch.ones(1), torch.ones(3)
+    many.sequence_parallel = False
+    watch = GradWatch([one, many])
+    assert watch.same()
+    one.main_grad = torch.ones(1)  # equal value, another tensor
+    assert not watch.same()
+    watch = GradWatch([one, many])
+    many.main_grad = torch.ones(3)  # equal values, another tensor
+    assert not watch.same()
+    watch = GradWatch([one, many])
+    many.sequence_parallel = True
+    assert not watch.same()
+    watch = GradWatch([one, many])
+    many.main_grad.resize_(2)  # the same tensor object, another size
+    assert not watch.same()
+    watch = GradWatch([one, many])
+    many.main_grad.data = torch.zeros(2)  # the same tensor object, other storage
+    assert not watch.same()
+    watch = GradWatch([one, many])
+    many.note = "added"
+    assert not watch.same()
+    del many.note
+    assert watch.same()
+
+
 class Router(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -274,36 +274,33 @@ def case_plan_changes_on_one_rank_every_step(rank: int, world: int) -> tuple:
 
 
 def case_check_collectives_per_mode(rank: int, world: int) -> dict[str, list[int]]:
-    """all_gather calls of the checks over two steps, per consistency_check mode."""
-    import torch.distributed as dist
+    """The checks' collectives (status rounds, the comparison's all-gathers) over two
+    steps, per consistency_check mode, and the data collectives of the second step."""
+    from bench.counting import CollectiveCounter
+    from torch_impl import consensus
 
     groups = timed_collection(DP_TP)
-    calls: list[int] = []
-    names = [n for n in ("all_gather", "all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
-    originals = {n: getattr(dist, n) for n in names}
+    rounds: list[int] = []
+    original = consensus.all_reduce_max
 
-    def counting(original: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(1)
-            return original(*args, **kwargs)
-
-        return call
+    def counting(*args: Any) -> None:
+        rounds.append(1)
+        original(*args)
 
     out: dict[str, list[int]] = {}
-    for n in names:
-        setattr(dist, n, counting(originals[n]))
+    consensus.all_reduce_max = counting
     try:
         for mode in ("off", "once", "every_step"):
             model = setup_model(DP_TP, rank, {"consistency_check": mode})
             counts = []
             for _ in range(2):
-                start = len(calls)
-                finalize_model_grads(model, pg_collection=groups)
-                counts.append(len(calls) - start)
-            out[mode] = counts
+                start = len(rounds)
+                with CollectiveCounter() as counter:
+                    finalize_model_grads(model, pg_collection=groups)
+                counts.append(counter.checks + len(rounds) - start)
+            out[mode] = counts + [counter.total]
     finally:
-        for n in names:
-            setattr(dist, n, originals[n])
+        consensus.all_reduce_max = original
     return out
 
 
@@ -413,16 +410,18 @@ def test_nan_and_inf_are_found_on_every_rank_before_communication(world, reliabi
 
 def test_consistency_check_runs_once_per_plan_or_every_step(world, reliability):
     for rank, counts in enumerate(_results(world, "case_check_collectives_per_mode")):
-        assert counts["off"] == [0, 0], rank
+        data = counts["off"][2]
+        assert counts["off"] == [0, 0, data], rank
         first = counts["once"][0]
-        # groups of size > 1 on a 2x2 dp x tp mesh with ep 2: the status round (one
-        # all-gather over the world, which the model spans); on a new plan, a hash exchange
-        # over tp, dp_cp, expt_dp, tp_dp_cp, dp_cp_gtp_remat (= dp_cp) and the outcome's
-        # status round.
-        assert counts["once"] == [first, 1] and first == 1 + 5 + 1, (rank, counts)
-        assert counts["every_step"] == [first, first], (rank, counts)
+        # groups of size > 1 on a 2x2 dp x tp mesh with ep 2: the status round (a MAX
+        # all-reduce over tp, then dp_cp: the world's timeout is longer than theirs); on a
+        # new plan, a hash exchange (all-gather) over tp, dp_cp, expt_dp, tp_dp_cp,
+        # dp_cp_gtp_remat (= dp_cp) and the outcome's status round.
+        assert counts["once"] == [first, 2, data] and first == 2 + 5 + 2, (rank, counts)
+        assert counts["every_step"] == [first, first, data], (rank, counts)
     reliability("check cost", "consistency_check off / once / every_step [4 ranks]",
-                "0 / 7 then 1 / 7 every step small all-gathers (status, 5 groups, outcome); no extra all-reduce")
+                "0 / 9 then 2 / 9 every step small collectives (status all-reduces over tp and dp_cp, 5 group "
+                "hashes, outcome); the same data collectives in every mode")
 
 
 # =========================================================================== in-process (world of one)

@@ -112,6 +112,16 @@ def test_discover_flags_roles_and_routers():
     assert found.router_modules[router.key] is model.router
 
 
+@pytest.mark.parametrize("value,expert", [(False, True), (None, True), (0, True), (True, False), (1, False)])
+def test_allreduce_flag_is_read_by_truth_value_as_megatron_does(value, expert):
+    # Megatron DDP and finalize: `not getattr(param, "allreduce", True)` marks expert params.
+    model = Model()
+    _give_grads(model)
+    model.norm.weight.allreduce = value
+    specs = {s.name: s for s in discover([model], FinalizeConfig()).params}
+    assert specs["norm.weight"].expert is expert
+
+
 def test_word_embedding_role_needs_sharing_or_mtp():
     model = Model(share=False)
     _give_grads(model)

@@ -181,7 +181,7 @@ def resolve_layout(
             return config, groups, raw, cached[1]
     config = state.config(raw, ddp_config)
     groups = state.resolve_groups(source, config, Requested.from_config(raw))
-    _, found = state.discovered(model, config)  # cached while the model stays the same
+    _, found, _ = state.discovered(model, config)  # cached while the model stays the same
     return config, groups, raw, found
 
 

@@ -49,6 +49,17 @@ _STATE_ATTR = "_meshgrad_finalize_state"
 #: Most plans (and helper group sets, embedding discoveries) one model state keeps.
 MAX_PLANS = 16
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(FinalizeConfig))
+#: What Requested.from_config reads, besides the FinalizeConfig fields.
+_SIZE_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "gtp_weight_remat_size",
+    "expert_gtp_weight_remat_size",
+)
+_GROUP_NAMES = tuple(g.value for g in Group)
 _ABSENT = object()
 
 
@@ -123,13 +134,13 @@ def build_plan(
     )
 
 
-def _config_snapshot(source: Any) -> tuple[Any, ...]:
-    """The values FinalizeConfig.from_megatron reads from ``source`` (absent ones marked)."""
+def _config_snapshot(source: Any, fields: tuple[str, ...] = _CONFIG_FIELDS) -> tuple[Any, ...]:
+    """The values of ``fields`` (FinalizeConfig's by default) in ``source`` (absent ones marked)."""
     if source is None:
         return ()
     if isinstance(source, Mapping):
-        return tuple([source.get(name, _ABSENT) for name in _CONFIG_FIELDS])
-    return tuple([getattr(source, name, _ABSENT) for name in _CONFIG_FIELDS])
+        return tuple([source.get(name, _ABSENT) for name in fields])
+    return tuple([getattr(source, name, _ABSENT) for name in fields])
 
 
 def _put(cache: dict[Any, Any], key: Any, value: Any, limit: int = MAX_PLANS) -> Any:
@@ -155,7 +166,7 @@ class ModelState:
 
     def __init__(self, chunks: Sequence[Any]) -> None:
         self.chunk_ids = tuple(id(c) for c in chunks)
-        self.found: dict[bool, tuple[int, Discovered, ModelWatch]] = {}
+        self.found: dict[bool, tuple[int, Discovered, ModelWatch, tuple[Any, ...]]] = {}
         self.tokens: dict[tuple[Any, ...], int] = {}  # specs -> token
         self.next_token = 0
         self.groups: dict[tuple[Any, ...], tuple[Any, TorchGroups]] = {}
@@ -163,6 +174,7 @@ class ModelState:
         self.programs: dict[int, tuple[BoundPlan, Program, Discovered]] = {}
         self.records: dict[int, tuple[BoundPlan, PlanRecord]] = {}
         self.last_config: tuple[Any, Any, tuple[Any, ...], FinalizeConfig] | None = None
+        self.last_requested: tuple[Any, tuple[Any, ...], Requested] | None = None
         self.embeddings: dict[tuple[Any, ...], tuple[Any, Any, bool, Discovered]] = {}
         self.explicit_groups: dict[tuple[Any, ...], tuple[dict[Group, Any], TorchGroups]] = {}
         self.stats = ExecStats()
@@ -193,8 +205,8 @@ class ModelState:
             self.next_token += 1
         return token
 
-    def discovered(self, chunks: Sequence[Any], config: FinalizeConfig) -> tuple[Any, Discovered]:
-        """(fingerprint token, Discovered) for this step.
+    def discovered(self, chunks: Sequence[Any], config: FinalizeConfig) -> tuple[Any, Discovered, tuple[Any, ...]]:
+        """(fingerprint token, Discovered, the chunks' DDP objects) for this step.
 
         While the :class:`~torch_impl.grads.ModelWatch` sees the same model (structure,
         watched parameters' flags, requires_grad and gradient tensors, routers, chunk
@@ -202,8 +214,8 @@ class ModelState:
         model is discovered again (structure changed) or its specs re-read.
         """
         cached = self.found.get(config.has_mtp)
-        if cached is not None and cached[2].same():
-            return cached[0], cached[1]
+        if cached is not None and cached[2].same():  # the watch's chunk facts hold the DDP objects
+            return cached[0], cached[1], cached[3]
         self.programs.clear()
         if cached is None or not cached[2].structure_same():
             found = discover(chunks, config)
@@ -212,17 +224,18 @@ class ModelState:
         if cached is not None:
             cached[2].close()
         token = self._token(found)
-        plain = [ddp_object(c) is None for c in chunks]
+        ddp = tuple(ddp_object(c) for c in chunks)
         has_mtp = config.has_mtp
         watch = ModelWatch(
-            found, chunks, lambda: chunk_facts(chunks, found, has_mtp, ddp_object), watched_keys(found, plain)
+            found, chunks, lambda: chunk_facts(chunks, found, has_mtp, ddp_object),
+            watched_keys(found, [obj is None for obj in ddp]),
         )
-        self.found[config.has_mtp] = (token, found, watch)
-        return token, found
+        self.found[config.has_mtp] = (token, found, watch, ddp)
+        return token, found, ddp
 
     def invalidate(self) -> None:
         """Forget every discovery, plan and binding: the next call reads the model anew."""
-        for _, _, watch in self.found.values():
+        for _, _, watch, _ in self.found.values():
             watch.close()
         self.found.clear()
         self.plans.clear()
@@ -243,6 +256,18 @@ class ModelState:
         resolved = resolve_config(raw, ddp_config)
         self.last_config = (raw, ddp_config, snapshot, resolved)
         return resolved
+
+    def requested(self, raw: Any) -> Requested:
+        """``Requested.from_config(raw)``, memoized like :meth:`config`."""
+        if raw is None or isinstance(raw, FinalizeConfig):
+            return Requested()
+        snapshot = _config_snapshot(raw, _SIZE_FIELDS)
+        hit = self.last_requested
+        if hit is not None and hit[0] is raw and hit[1] == snapshot:
+            return hit[2]
+        requested = Requested.from_config(raw)
+        self.last_requested = (raw, snapshot, requested)
+        return requested
 
     def program(self, bound: BoundPlan, found: Discovered, groups: TorchGroups, config: FinalizeConfig) -> Program | None:
         """The plan bound to this step's gradient tensors (cached until the watch fires),
@@ -269,7 +294,7 @@ class ModelState:
         if isinstance(source, Mapping):
             fields = tuple((k, id(v)) for k, v in source.items())
         else:
-            fields = tuple(id(getattr(source, g.value, None)) for g in Group)
+            fields = tuple([id(getattr(source, name, None)) for name in _GROUP_NAMES])
         key = (id(source), fields, world_size(), config.moe_router_enable_expert_bias, config.flextron)
         hit = self.groups.get(key)
         if hit is None or hit[0] is not source:
@@ -446,7 +471,7 @@ def _prepare(model: Any, source: Any, request: Request, known: dict[str, Any]) -
     state = ModelState.of(chunks)
     config, known["raw"] = _config(state, chunks, request)
     known["config"] = config
-    requested = Requested.from_config(known["raw"][0]) if request.finalize else Requested()
+    requested = state.requested(known["raw"][0]) if request.finalize else Requested()
     groups = state.resolve_groups(parallel_state_groups() if source is None else source, config, requested)
     known["groups"] = groups
     if request.layout:
@@ -454,10 +479,11 @@ def _prepare(model: Any, source: Any, request: Request, known: dict[str, Any]) -
         bound = build_plan(found, config, groups.group_sizes(config), (None,) * len(chunks), request.force_all_reduce)
         return Prepared(bound, found, groups, config, requested, state)
     if request.found is not None:
-        token, found = (request.found.params, request.found.routers), request.found
+        token, found, ddp = (request.found.params, request.found.routers), request.found, (None,) * len(chunks)
     else:
-        token, found = state.discovered(chunks, config)
-    ddp = tuple(ddp_object(c) for c in chunks) if request.finalize else (None,) * len(chunks)
+        token, found, ddp = state.discovered(chunks, config)
+    if not request.finalize:
+        ddp = (None,) * len(chunks)
     key = (request.steps, token, config, groups, requested, request.force_all_reduce,
            request.num_tokens is not None, tuple(map(id, ddp)))
     if request.finalize:

@@ -2,8 +2,9 @@
 
 ``config.consistency_check`` (``"off"`` | ``"once"`` per plan, the default |
 ``"every_step"``). Each call starts with one **status round** (:func:`agree`: a few
-integers MAX-reduced with all-gathers over the call's spanning groups -- tp, dp_cp, gtp
-and pp for ``finalize_model_grads``, the helper's own groups for a seed helper) saying
+integers MAX-reduced by one all-reduce over the world, or over the call's spanning
+groups in turn -- tp, dp_cp, gtp and pp for ``finalize_model_grads``, the helper's own
+groups for a seed helper) saying
 whether any rank failed a local check (:mod:`torch_impl.checks`), needs a comparison (a
 new plan, another kind of num_tokens, ``"every_step"``) or found NaN / Inf. Every rank
 then takes the same path: raise, compare, or go on. In a **comparison**
@@ -42,8 +43,16 @@ from torch_impl.checks import (
     uses_nccl,
 )
 from torch_impl.discover import Discovered
-from torch_impl.errors import ConsistencyError, NonFiniteGradError, collective_guard, first_line
-from torch_impl.groups import MeshGroups, TorchGroups, group_ranks, is_device_mesh, mesh_groups, world_size
+from torch_impl.errors import ConsistencyError, NonFiniteGradError, collective_error, collective_guard, first_line
+from torch_impl.groups import (
+    MeshGroups,
+    TorchGroups,
+    group_ranks,
+    is_device_mesh,
+    mesh_groups,
+    timeout_of,
+    world_size,
+)
 from torch_impl.megatron import Requested, status_groups
 
 #: Groups whose sequential MAX-reduction reaches every rank of a model (docs/semantics.md (ranks, axes and groups) axes).
@@ -155,35 +164,57 @@ def _distinct(groups: TorchGroups, over: Sequence[Group]) -> list[tuple[Group, A
     return out
 
 
-def agree(status: Sequence[int], groups: TorchGroups, what: str, over: Sequence[Group] = SPANNING_GROUPS) -> list[int]:
-    """MAX-reduce small integers over the groups ``over`` in turn (default tp, dp_cp, gtp
-    and pp: the result is the maximum over every rank of the model; all-gathers: a few
-    bytes per rank)."""
+def status_route(groups: TorchGroups, over: Sequence[Group] = SPANNING_GROUPS) -> list[tuple[Group | None, Any, Any]]:
+    """The process groups a status round MAX-reduces over, in turn, each with the device
+    of its tensors (computed once per groups and ``over``): the distinct groups of
+    ``over`` of size > 1 -- or the world at once, when they are the spanning groups,
+    together reach every rank of it, and the world's timeout is no longer than theirs
+    (None stands for the world)."""
+    key = tuple(over)
+    route = groups.routes.get(key)
+    if route is None:
+        route = groups.routes[key] = [(group, pg, device_for(pg)) for group, pg in _route(groups, key)]
+    return route
+
+
+def _route(groups: TorchGroups, over: tuple[Group, ...]) -> list[tuple[Group | None, Any]]:
     pgs: list[tuple[Group | None, Any]] = list(_distinct(groups, over))
-    if not pgs:
-        return list(status)
-    value = torch.tensor(list(status), dtype=torch.int64, device=device_for(pgs[0][1]))
+    if len(pgs) < 2 or over != SPANNING_GROUPS:
+        return pgs
     span = 1
     for group, _ in pgs:
         span *= groups.size(group)
-    if tuple(over) == SPANNING_GROUPS and span == world_size() and len(pgs) > 1:
-        # The model spans the world: one all-gather over it reaches every rank at once.
-        pgs = [(None, dist.group.WORLD)]
-    for group, pg in pgs:
-        # An all-gather into one tensor and a local max (not an all_reduce): the checks'
-        # collectives stay apart from the plan's all-reduces (which tests and benchmarks count).
-        members = groups.size(group) if group else world_size()
-        out = value.new_empty(members * value.numel())
-        with collective_guard(f"{what} over {group.value if group else 'the world'!r}", groups, group):
-            _gather_single()(out, value, group=pg)
-        value = out.view(members, -1).amax(dim=0)
-    return [int(v) for v in value.tolist()]
+    world = dist.group.WORLD
+    limit, own = timeout_of(world), [timeout_of(pg) for _, pg in pgs]
+    if span == world_size() and limit is not None and None not in own and limit <= min(own):
+        return [(None, world)]
+    return pgs
 
 
-def _gather_single() -> Any:
-    """torch.distributed's all-gather into one tensor (``all_gather_into_tensor`` before
-    ``all_gather_single`` existed), looked up at call time."""
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def agree(status: Sequence[int], groups: TorchGroups, what: str, over: Sequence[Group] = SPANNING_GROUPS) -> list[int]:
+    """MAX-reduce small integers over the groups ``over`` in turn (default tp, dp_cp, gtp
+    and pp: the result is the maximum over every rank of the model): one all-reduce of a
+    few int64 per group of :func:`status_route`."""
+    route = status_route(groups, over)
+    if not route:
+        return list(status)
+    value = torch.tensor(status, dtype=torch.int64, device=route[0][2])
+    for group, pg, _ in route:
+        try:
+            all_reduce_max(value, pg)
+        except RuntimeError as err:
+            where = repr(group.value if group else "the world")
+            raise collective_error(f"{what} over {where}", groups, group, err) from err
+    return value.tolist()
+
+
+def all_reduce_max(value: torch.Tensor, pg: Any) -> None:
+    """MAX-all-reduce ``value`` in place over ``pg``, through the process group itself: the
+    checks' rounds stay apart from the ``torch.distributed`` calls that move data (which
+    tests and benchmarks count) and skip their Python layer (a few microseconds a step)."""
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+    pg.allreduce([value], options).wait()
 
 
 def share_texts(text: str | None, groups: TorchGroups, over: Sequence[Group] = SPANNING_GROUPS) -> dict[int, str]:
@@ -399,6 +430,7 @@ __all__ = [
     "CheckSpec",
     "PlanRecord",
     "agree",
+    "all_reduce_max",
     "before_communication",
     "capturing",
     "exchange_signatures",

@@ -103,7 +103,7 @@ def param_spec(
         chunk,
         tuple(ref.shape),
         dtype_name(ref.dtype),
-        flags["allreduce"] is False,
+        not flags["allreduce"],  # Megatron: `not getattr(param, "allreduce", True)`
         bool(flags["sequence_parallel"]),
         bool(flags["average_gradients_across_tp_domain"]),
         bool(flags["pipeline_parallel"]),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from meshgrad.axes import Group
 # The cross-rank and NaN error types are meshgrad's, shared with jax_impl (same class for
@@ -36,15 +37,19 @@ _HINT = (
 )
 
 
-@contextlib.contextmanager
-def ranked() -> Iterator[None]:
-    """Prefix the message of a ValueError / TypeError with this rank when it lacks one."""
-    try:
-        yield
-    except (ValueError, TypeError) as err:
+class ranked(contextlib.ContextDecorator):  # noqa: N801 -- used like a function
+    """Prefix the message of a ValueError / TypeError with this rank when it lacks one
+    (a context manager and a decorator; a plain class: it is entered on every call)."""
+
+    def __enter__(self) -> "ranked":
+        return self
+
+    def __exit__(self, kind: Any, err: BaseException | None, trace: Any) -> bool:
+        if not isinstance(err, (ValueError, TypeError)):
+            return False
         text = str(err)
         if text.startswith("rank "):
-            raise
+            return False
         try:
             renamed = type(err)(f"rank {world_rank()}: {text}")
         except Exception:  # an exception type with another constructor
@@ -93,9 +98,15 @@ def collective_guard(description: str, groups: TorchGroups, group: Group | None 
     except (CollectiveError, ConsistencyError):
         raise
     except RuntimeError as err:
-        raise CollectiveError(
-            f"rank {groups.rank}: {description}{_ranks_text(groups, group)} failed: {first_line(err)} -- {_HINT}"
-        ) from err
+        raise collective_error(description, groups, group, err) from err
+
+
+def collective_error(description: str, groups: TorchGroups, group: Group | None, err: BaseException) -> CollectiveError:
+    """The :class:`CollectiveError` for a collective (``description``, over ``group``)
+    that raised ``err``: it names this rank and the group's global ranks."""
+    return CollectiveError(
+        f"rank {groups.rank}: {description}{_ranks_text(groups, group)} failed: {first_line(err)} -- {_HINT}"
+    )
 
 
 __all__ = [
@@ -104,6 +115,7 @@ __all__ = [
     "MegatronAssertionError",
     "NonFiniteGradError",
     "action_failed",
+    "collective_error",
     "collective_guard",
     "describe",
     "first_line",

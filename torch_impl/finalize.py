@@ -154,7 +154,8 @@ def _run_helper(model: Any, groups: Mapping[Group, Any] | TorchGroups, request: 
             share_local_error(err, explicit, None, raw=(request.config,), over=request.over or tuple(groups))
         raise
     if not isinstance(groups, TorchGroups):
-        request = dataclasses.replace(request, over=request.over or tuple(groups))
+        if not request.over:
+            request = dataclasses.replace(request, over=tuple(groups))
         groups = ModelState.of(chunks).explicit(groups)
     prepared = prepare(chunks, groups, request)
     if prepared.bound.plan.actions:
@@ -203,7 +204,7 @@ def _allreduce_conditional_embedding_grads(
     the pipeline stages, summing this rank's virtual-chunk copies first; only with
     ``config.has_cond_embedder``. A None ``pp_group`` is parallel_state's, as in Megatron."""
     pp = helper_group(Group.PP, pp_group, "lookup", "_allreduce_conditional_embedding_grads(pp_group)")
-    _run_helper(model, {Group.PP: pp}, Request(steps=(Step.COND_EMBEDDER,), config=config))
+    _run_helper(model, {Group.PP: pp}, Request(steps=(Step.COND_EMBEDDER,), config=config, over=(Group.PP,)))
 
 
 @ranked()
@@ -221,7 +222,7 @@ def _allreduce_router_grads(
         parallel_state's, which is what Megatron's helper always uses).
     """
     pp = helper_group(Group.PP, pp_group, "lookup", "_allreduce_router_grads: the pipeline group")
-    request = Request(steps=(Step.ROUTER,), config=config, overrides=(("flextron", True),))
+    request = Request(steps=(Step.ROUTER,), config=config, overrides=(("flextron", True),), over=(Group.PP,))
     _run_helper(model, {Group.PP: pp}, request)
 
 
@@ -233,7 +234,7 @@ def _allreduce_non_tensor_model_parallel_grads(
     ``average_gradients_across_tp_domain`` grads over the tensor-parallel group. A None
     ``tp_group`` is parallel_state's, as in Megatron."""
     tp = helper_group(Group.TP, tp_group, "lookup", "_allreduce_non_tensor_model_parallel_grads(tp_group)")
-    _run_helper(model, {Group.TP: tp}, Request(steps=(Step.NON_TP,), config=config))
+    _run_helper(model, {Group.TP: tp}, Request(steps=(Step.NON_TP,), config=config, over=(Group.TP,)))
 
 
 _allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads

@@ -111,16 +111,44 @@ _PARAMETERS = operator.itemgetter("_parameters")
 _BUFFERS = operator.itemgetter("_buffers")
 
 
+#: Attribute values whose ``==`` tells a replacement from the same object: plain values
+#: compare by value (an equal replacement reads the same: flags are read by truth value),
+#: and a plain tensor of two or more elements raises when compared with any other tensor.
+_PLAIN_VALUES = (bool, int, float, str, bytes, type(None))
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+
+
+def _compares_by_identity(value: Any) -> bool:
+    """Whether a changed ``value`` cannot compare equal to its replacement, as far as
+    :class:`GradWatch` is concerned (see :data:`_PLAIN_VALUES`)."""
+    kind = type(value)
+    if kind in _PLAIN_VALUES:
+        return True
+    return kind in _PLAIN_TENSORS and value.device.type != "meta" and value.numel() >= 2
+
+
+def _changed(live: list[Any], snapshot: list[Any]) -> bool:
+    """``live != snapshot`` (C-level, identical elements short-cut); a comparison that
+    raises (two different tensors) counts as a change."""
+    try:
+        return live != snapshot
+    except Exception:  # noqa: BLE001 -- an elementwise comparison's error: not the same object
+        return True
+
+
 class GradWatch:
     """Whether parameters still look as they did at construction, at C speed.
 
     Per parameter: ``requires_grad``, the ``.grad`` tensor object (where there is no
-    ``main_grad``), every attribute set on
-    the parameter (its ``__dict__``: ``main_grad``, ``allreduce``, ``sequence_parallel``
-    and the other flags, by key and value identity), and, for each plain gradient
-    tensor, its data pointer and size (so ``grad.data = ...`` or ``resize_`` is seen
-    too). Everything runs as C-level ``map`` calls over the fixed list: a few tens of
-    nanoseconds per parameter and attribute.
+    ``main_grad``), every attribute set on the parameter (its ``__dict__``: ``main_grad``,
+    ``allreduce``, ``sequence_parallel`` and the other flags), and, for each plain
+    gradient tensor, its data pointer and size (so ``grad.data = ...`` or ``resize_`` is
+    seen too). The attribute dicts are compared with copies in one list comparison: a
+    value compares by identity first, a plain flag by value (an equal replacement means
+    the same), a gradient tensor raises against any other tensor (a change); a dict
+    holding another kind of value (a one-element tensor, a subclass) is compared key by
+    key and value by identity. Everything runs as C-level loops over fixed lists: a few
+    tens of nanoseconds per parameter and check.
 
     Args:
       params: the parameters (any order, fixed for this watch).
@@ -129,13 +157,16 @@ class GradWatch:
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self.params = tuple(params)
         self.requires = list(map(_REQUIRES_GRAD, self.params))
-        self.dicts = list(map(vars, self.params))
-        # .grad matters where main_grad is absent (its appearing changes the dict keys).
-        self.grad_params = [p for p, d in zip(self.params, self.dicts) if "main_grad" not in d]
+        dicts = list(map(vars, self.params))
+        self.plain = [d for d in dicts if all(map(_compares_by_identity, d.values()))]
+        self.snapshots = list(map(dict.copy, self.plain))
+        self.exact = [d for d in dicts if not all(map(_compares_by_identity, d.values()))]
+        self.keys = list(map(tuple, self.exact))
+        # Values held: an identity check needs live objects.
+        self.values = list(chain.from_iterable(map(dict.values, self.exact)))
+        # .grad matters where main_grad is absent (its appearing changes the dict).
+        self.grad_params = [p for p, d in zip(self.params, dicts) if "main_grad" not in d]
         self.grads = list(map(_GRAD, self.grad_params))
-        self.keys = list(map(tuple, self.dicts))
-        # Every attribute value in dict order (held: an identity check needs live objects).
-        self.values = list(chain.from_iterable(map(dict.values, self.dicts)))
         tensors = []
         for p in self.params:
             g = get_grad(p)
@@ -147,12 +178,12 @@ class GradWatch:
 
     def same(self) -> bool:
         """True when nothing a bound program or the plan depends on has changed."""
-        params = self.params
         return (
-            list(map(_REQUIRES_GRAD, params)) == self.requires
+            list(map(_REQUIRES_GRAD, self.params)) == self.requires
+            and not _changed(self.plain, self.snapshots)
+            and list(map(tuple, self.exact)) == self.keys  # same keys: the values line up
+            and all(map(operator.is_, chain.from_iterable(map(dict.values, self.exact)), self.values))
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
-            and list(map(tuple, self.dicts)) == self.keys  # same keys: the values line up
-            and all(map(operator.is_, chain.from_iterable(map(dict.values, self.dicts)), self.values))
             and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
             and list(map(torch.Tensor.size, self.tensors)) == self.sizes
         )
@@ -247,8 +278,7 @@ class ModelWatch:
         for root in roots:
             if isinstance(root, nn.Module):
                 self.module_ids.extend(id(m) for m in root.modules())
-        owners: list[Any] = []
-        kinds: list[Any] = []
+        stores: dict[tuple[int, Any], tuple[Any, Any, dict[str, Any]]] = {}  # (owner, kind) -> its dict
         holders: list[dict[str, Any]] = []
         names: list[str] = []
         objects: list[Any] = []
@@ -258,10 +288,10 @@ class ModelWatch:
             if (id(owner), name) in seen:
                 return
             seen.add((id(owner), name))
-            store = kind(vars(owner))
-            owners.append(owner)
-            kinds.append(kind)
-            holders.append(store)
+            store = stores.get((id(owner), kind))
+            if store is None:
+                store = stores[(id(owner), kind)] = (vars(owner), kind, kind(vars(owner)))
+            holders.append(store[2])
             names.append(name)
             objects.append(obj)
 
@@ -284,8 +314,10 @@ class ModelWatch:
             walk(key[0], key[1], _PARAMETERS, found.tensors[key])
         for key, module in found.router_modules.items():
             walk(key[0], key[1], None, module)
-        self.owner_dicts = list(map(vars, owners))
-        self.kinds = kinds
+        # Each module's _modules / _parameters dict once; each edge (dict, name, object) once.
+        self.owner_dicts = [owner for owner, _, _ in stores.values()]
+        self.kinds = [kind for _, kind, _ in stores.values()]
+        self.stores = [store for _, _, store in stores.values()]
         self.holders = holders
         self.names = names
         self.objects = objects
@@ -295,7 +327,7 @@ class ModelWatch:
         the watched objects, and the same per-chunk facts."""
         if self.dirty[0]:
             return False
-        if not all(map(operator.is_, map(operator.call, self.kinds, self.owner_dicts), self.holders)):
+        if not all(map(operator.is_, map(operator.call, self.kinds, self.owner_dicts), self.stores)):
             return False
         if not all(map(operator.is_, map(dict.get, self.holders, self.names), self.objects)):
             return False

@@ -75,6 +75,7 @@ class TorchGroups:
         pipeline stage (Megatron does so for a collection without ``pp``).
       token_broadcast: (group, source rank) of the num_tokens broadcast when it is not
         the pp group's last stage (Megatron: the world's last rank without ``pp``).
+      routes: a cache of the status round's routes over these groups.
     """
 
     rank: int
@@ -86,6 +87,8 @@ class TorchGroups:
     source: str = "process groups"
     first_stage_for: frozenset[Group] = frozenset()
     token_broadcast: tuple[ProcessGroup, int] | None = None
+    #: Status-round routes computed for these groups (torch_impl.consensus.status_route).
+    routes: dict[tuple[Group, ...], Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ queries
     def group(self, group: Group) -> ProcessGroup | None:
@@ -391,7 +394,7 @@ class MeshGroups:
                 # A mesh dim's group (torch makes it with its 30-minute default) is used
                 # only when its timeout is the default group's; otherwise meshgrad makes
                 # its own, so that a stalled peer fails every collective in time.
-                if self.timeout is None or _timeout_of(pg) in (None, self.timeout):
+                if self.timeout is None or timeout_of(pg) in (None, self.timeout):
                     self._by_rows[_canon(rows)] = pg
 
     def dims(self, *, ep: int = 1, etp: int | None = None, egtp: int = 1) -> ParallelDims:
@@ -436,7 +439,7 @@ class MeshGroups:
     def default_timeout() -> Any:
         """The default process group's timeout (a timedelta), or None when unknown."""
         try:
-            return _timeout_of(dist.distributed_c10d._get_default_group())
+            return timeout_of(dist.distributed_c10d._get_default_group())
         except Exception:  # not initialized, or a torch without these internals
             return None
 
@@ -556,7 +559,7 @@ class MeshGroups:
         return self._by_rows[key]
 
 
-def _timeout_of(pg: Any) -> Any:
+def timeout_of(pg: Any) -> Any:
     """A process group's timeout (timedelta), or None when unknown."""
     import torch
 
