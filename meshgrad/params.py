@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 #: Dtype names the plan accepts.
 FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
@@ -69,20 +70,17 @@ class ParamSpec:
             raise ValueError(f"ParamSpec.name must be a non-empty str, got {self.name!r}")
         if type(self.chunk) is not int or self.chunk < 0:
             raise ValueError(f"ParamSpec {self.name!r}: chunk must be an int >= 0, got {self.chunk!r}")
-        shape = tuple(map(int, self.shape))
-        object.__setattr__(self, "shape", shape)
+        fields = self.__dict__  # frozen: set through the instance dict (one store each)
+        shape = fields["shape"] = tuple(map(int, self.shape))
         if self.dtype not in FLOAT_DTYPES:
             raise TypeError(
                 f"ParamSpec {self.name!r} (chunk {self.chunk}): gradient dtype {self.dtype!r} "
                 f"is not a floating type in {sorted(FLOAT_DTYPES)}"
             )
         if type(self.role) is not Role:
-            object.__setattr__(self, "role", Role(self.role))
-        numel = 1
-        for s in shape:
-            numel *= s
-        object.__setattr__(self, "key", (self.chunk, self.name))
-        object.__setattr__(self, "numel", numel)
+            fields["role"] = Role(self.role)
+        fields["key"] = (self.chunk, self.name)
+        fields["numel"] = math.prod(shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -164,18 +164,11 @@ def resolve_layout(
     source = parallel_state_groups() if pg_collection is None else pg_collection
     if validated_by is not None and validated_by[0] is state and state.stats.calls == validated_by[1] + 1:
         # What finalize resolved in this very call (it does not change the config or groups).
-        last = getattr(state, "last_config", None)
         if isinstance(raw, FinalizeConfig) and ddp_config is None:
             config = raw
-        elif last is not None and last[0] is raw and last[1] is ddp_config:
-            config = last[3]
         else:
-            config = state.config(raw, ddp_config)
-        hit = next(iter(getattr(state, "groups", {}).values()), None)
-        if hit is not None and hit[0] is source:
-            groups = hit[1]
-        else:
-            groups = state.resolve_groups(source, config, Requested.from_config(raw))
+            config = state.last_resolved_config(raw, ddp_config) or state.config(raw, ddp_config)
+        groups = state.last_resolved_groups(source) or state.resolve_groups(source, config, Requested.from_config(raw))
         cached = state.found.get(config.has_mtp)
         if cached is not None:
             return config, groups, raw, cached[1]

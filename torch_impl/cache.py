@@ -32,7 +32,7 @@ from torch_impl.consensus import CheckSpec, PlanRecord, before_communication, sh
 from torch_impl.discover import Discovered, chunk_facts, discover, dtype_name, one_weight, watched_keys
 from torch_impl.errors import ranked
 from torch_impl.execute import ExecStats, Program, run_actions
-from torch_impl.grads import GradAccess, ModelWatch, get_grad, is_dtensor
+from torch_impl.grads import GradAccess, ModelWatch, differs, get_grad, is_dtensor
 from torch_impl.groups import MeshGroups, TorchGroups, is_device_mesh, world_rank, world_size
 from torch_impl.megatron import (
     Requested,
@@ -134,13 +134,50 @@ def build_plan(
     )
 
 
-def _config_snapshot(source: Any, fields: tuple[str, ...] = _CONFIG_FIELDS) -> tuple[Any, ...]:
-    """The values of ``fields`` (FinalizeConfig's by default) in ``source`` (absent ones marked)."""
+def _read(source: Any, names: tuple[str, ...]) -> tuple[Any, ...]:
+    """The values of ``names`` in ``source`` (absent ones marked)."""
     if source is None:
         return ()
     if isinstance(source, Mapping):
-        return tuple([source.get(name, _ABSENT) for name in fields])
-    return tuple([getattr(source, name, _ABSENT) for name in fields])
+        return tuple([source.get(name, _ABSENT) for name in names])
+    return tuple([getattr(source, name, _ABSENT) for name in names])
+
+
+class Snapshot:
+    """Whether an object (a config, a group source) still holds what it held when a
+    result was derived from it: its attribute dict against a copy -- one C-level
+    comparison -- when reading its attributes is plain (an instance dict, no
+    ``__getattr__``); a mapping's items against a copy; else the values of ``names`` read
+    again.
+
+    Args:
+      source: the object (a mapping, any object, or None).
+      names: the attributes the result was derived from.
+      by_vars: the result was derived from the instance dict alone (a Megatron
+        ProcessGroupCollection, read as Megatron reads it), whatever ``__getattr__`` does.
+    """
+
+    __slots__ = ("source", "names", "live", "copy", "values")
+
+    def __init__(self, source: Any, names: tuple[str, ...], by_vars: bool = False) -> None:
+        self.source, self.names = source, names
+        self.live = self.copy = None
+        if isinstance(source, Mapping):
+            self.values: Any = dict(source)
+            return
+        state = getattr(source, "__dict__", None)
+        if isinstance(state, dict) and (by_vars or not hasattr(type(source), "__getattr__")):
+            self.live, self.copy = state, dict(state)
+        else:
+            self.values = _read(source, names)
+
+    def same(self) -> bool:
+        """Whether ``source`` still holds the same values."""
+        if self.live is not None:
+            return not differs(self.live, self.copy)
+        if isinstance(self.source, Mapping):
+            return not differs(dict(self.source), self.values)
+        return _read(self.source, self.names) == self.values
 
 
 def _put(cache: dict[Any, Any], key: Any, value: Any, limit: int = MAX_PLANS) -> Any:
@@ -149,6 +186,21 @@ def _put(cache: dict[Any, Any], key: Any, value: Any, limit: int = MAX_PLANS) ->
         cache.pop(next(iter(cache)))
     cache[key] = value
     return value
+
+
+class _Fingerprint:
+    """The specs of a discovery as a dict key, hashed once (a model's specs are many)."""
+
+    __slots__ = ("specs", "hash")
+
+    def __init__(self, specs: tuple[Any, ...]) -> None:
+        self.specs, self.hash = specs, hash(specs)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Fingerprint) and self.hash == other.hash and self.specs == other.specs
 
 
 class ModelState:
@@ -167,14 +219,14 @@ class ModelState:
     def __init__(self, chunks: Sequence[Any]) -> None:
         self.chunk_ids = tuple(id(c) for c in chunks)
         self.found: dict[bool, tuple[int, Discovered, ModelWatch, tuple[Any, ...]]] = {}
-        self.tokens: dict[tuple[Any, ...], int] = {}  # specs -> token
+        self.tokens: dict[_Fingerprint, int] = {}  # specs -> token
         self.next_token = 0
-        self.groups: dict[tuple[Any, ...], tuple[Any, TorchGroups]] = {}
+        self.groups: tuple[Snapshot, tuple[Any, ...], TorchGroups] | None = None  # the last resolved source
         self.plans: dict[tuple[Any, ...], BoundPlan] = {}
         self.programs: dict[int, tuple[BoundPlan, Program, Discovered]] = {}
         self.records: dict[int, tuple[BoundPlan, PlanRecord]] = {}
-        self.last_config: tuple[Any, Any, tuple[Any, ...], FinalizeConfig] | None = None
-        self.last_requested: tuple[Any, tuple[Any, ...], Requested] | None = None
+        self.last_config: tuple[Snapshot, Snapshot, FinalizeConfig] | None = None
+        self.last_requested: tuple[Snapshot, Requested] | None = None
         self.embeddings: dict[tuple[Any, ...], tuple[Any, Any, bool, Discovered]] = {}
         self.explicit_groups: dict[tuple[Any, ...], tuple[dict[Group, Any], TorchGroups]] = {}
         self.stats = ExecStats()
@@ -196,7 +248,7 @@ class ModelState:
     def _token(self, found: Discovered) -> int:
         """A small int standing for the specs (cheap to hash in plan keys): equal specs,
         equal tokens, so an unchanged plan is found again in the cache."""
-        fingerprint = (found.params, found.routers)
+        fingerprint = _Fingerprint((found.params, found.routers))
         token = self.tokens.get(fingerprint)
         if token is None:
             if len(self.tokens) >= 4 * MAX_PLANS:
@@ -249,24 +301,37 @@ class ModelState:
         mutated between steps is resolved again)."""
         if isinstance(raw, FinalizeConfig) and ddp_config is None:
             return raw
-        snapshot = _config_snapshot(raw) + _config_snapshot(ddp_config)
         hit = self.last_config
-        if hit is not None and hit[0] is raw and hit[1] is ddp_config and hit[2] == snapshot:
-            return hit[3]
+        if (
+            hit is not None and hit[0].source is raw and hit[1].source is ddp_config
+            and hit[0].same() and hit[1].same()
+        ):
+            return hit[2]
+        snapshots = Snapshot(raw, _CONFIG_FIELDS), Snapshot(ddp_config, _CONFIG_FIELDS)
         resolved = resolve_config(raw, ddp_config)
-        self.last_config = (raw, ddp_config, snapshot, resolved)
+        self.last_config = (*snapshots, resolved)
         return resolved
+
+    def last_resolved_config(self, raw: Any, ddp_config: Any) -> FinalizeConfig | None:
+        """The config last resolved from these two objects (not checked again), or None."""
+        hit = self.last_config
+        return hit[2] if hit is not None and hit[0].source is raw and hit[1].source is ddp_config else None
+
+    def last_resolved_groups(self, source: Any) -> TorchGroups | None:
+        """The groups last resolved from ``source`` (not checked again), or None."""
+        hit = self.groups
+        return hit[2] if hit is not None and hit[0].source is source else None
 
     def requested(self, raw: Any) -> Requested:
         """``Requested.from_config(raw)``, memoized like :meth:`config`."""
         if raw is None or isinstance(raw, FinalizeConfig):
             return Requested()
-        snapshot = _config_snapshot(raw, _SIZE_FIELDS)
         hit = self.last_requested
-        if hit is not None and hit[0] is raw and hit[1] == snapshot:
-            return hit[2]
+        if hit is not None and hit[0].source is raw and hit[0].same():
+            return hit[1]
+        snapshot = Snapshot(raw, _SIZE_FIELDS)
         requested = Requested.from_config(raw)
-        self.last_requested = (raw, snapshot, requested)
+        self.last_requested = (snapshot, requested)
         return requested
 
     def program(self, bound: BoundPlan, found: Discovered, groups: TorchGroups, config: FinalizeConfig) -> Program | None:
@@ -291,16 +356,14 @@ class ModelState:
         """Resolved groups, cached per group source (DeviceMesh groups cache themselves)."""
         if isinstance(source, TorchGroups) or is_device_mesh(source) or isinstance(source, MeshGroups):
             return resolve_groups(source, config, requested)
-        if isinstance(source, Mapping):
-            fields = tuple((k, id(v)) for k, v in source.items())
-        else:
-            fields = tuple([id(getattr(source, name, None)) for name in _GROUP_NAMES])
-        key = (id(source), fields, world_size(), config.moe_router_enable_expert_bias, config.flextron)
-        hit = self.groups.get(key)
-        if hit is None or hit[0] is not source:
-            hit = (source, resolve_groups(source, config, requested))
-            self.groups = {key: hit}
-        return hit[1]
+        key = (world_size(), config.moe_router_enable_expert_bias, config.flextron)
+        hit = self.groups
+        if hit is not None and hit[0].source is source and hit[1] == key and hit[0].same():
+            return hit[2]
+        snapshot = Snapshot(source, _GROUP_NAMES, by_vars=is_process_group_collection(source))
+        resolved = resolve_groups(source, config, requested)
+        self.groups = (snapshot, key, resolved)
+        return resolved
 
     def explicit(self, values: Mapping[Group, Any]) -> TorchGroups:
         """TorchGroups from a seed helper's groups, memoized on the group objects'

@@ -169,7 +169,7 @@ def status_route(groups: TorchGroups, over: Sequence[Group] = SPANNING_GROUPS) -
     of its tensors (computed once per groups and ``over``): the distinct groups of
     ``over`` of size > 1 -- or the world at once, when they are the spanning groups,
     together reach every rank of it, and the world's timeout is no longer than theirs
-    (None stands for the world)."""
+    (or no backend tells any timeout) (None stands for the world)."""
     key = tuple(over)
     route = groups.routes.get(key)
     if route is None:
@@ -186,7 +186,11 @@ def _route(groups: TorchGroups, over: tuple[Group, ...]) -> list[tuple[Group | N
         span *= groups.size(group)
     world = dist.group.WORLD
     limit, own = timeout_of(world), [timeout_of(pg) for _, pg in pgs]
-    if span == world_size() and limit is not None and None not in own and limit <= min(own):
+    if span != world_size():
+        return pgs
+    if limit is None and all(t is None for t in own):  # no backend says: as good as any
+        return [(None, world)]
+    if limit is not None and None not in own and limit <= min(own):
         return [(None, world)]
     return pgs
 

@@ -127,9 +127,9 @@ def _compares_by_identity(value: Any) -> bool:
     return kind in _PLAIN_TENSORS and value.device.type != "meta" and value.numel() >= 2
 
 
-def _changed(live: list[Any], snapshot: list[Any]) -> bool:
-    """``live != snapshot`` (C-level, identical elements short-cut); a comparison that
-    raises (two different tensors) counts as a change."""
+def differs(live: Any, snapshot: Any) -> bool:
+    """``live != snapshot`` (C-level for lists and dicts: identical elements short-cut); a
+    comparison that raises (two different tensors) counts as a change."""
     try:
         return live != snapshot
     except Exception:  # noqa: BLE001 -- an elementwise comparison's error: not the same object
@@ -180,7 +180,7 @@ class GradWatch:
         """True when nothing a bound program or the plan depends on has changed."""
         return (
             list(map(_REQUIRES_GRAD, self.params)) == self.requires
-            and not _changed(self.plain, self.snapshots)
+            and not differs(self.plain, self.snapshots)
             and list(map(tuple, self.exact)) == self.keys  # same keys: the values line up
             and all(map(operator.is_, chain.from_iterable(map(dict.values, self.exact)), self.values))
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
@@ -237,11 +237,14 @@ class ModelWatch:
         self.keys = set(watched)
         self.grads = GradWatch(found.tensors[k] for k in found.tensors if k in self.keys)
         routers = list(found.router_modules.values())
+        # A router's attributes against a copy (its containers, _buffers among them, are the
+        # same objects, so they compare by identity); its buffers key by key, by identity
+        # (a one-element buffer replaced by an equal one is still seen).
         self.router_dicts = list(map(vars, routers))
+        self.router_snapshots = list(map(dict.copy, self.router_dicts))
         self.router_buffers = list(map(_BUFFERS, self.router_dicts))
-        self.router_all = self.router_dicts + self.router_buffers
-        self.router_keys = list(map(tuple, self.router_all))
-        self.router_values = list(chain.from_iterable(map(dict.values, self.router_all)))
+        self.buffer_keys = list(map(tuple, self.router_buffers))
+        self.buffer_values = list(chain.from_iterable(map(dict.values, self.router_buffers)))
         self._edges(chunks, found)
         self.dirty = [False]
         ids = set(self.module_ids)
@@ -335,11 +338,12 @@ class ModelWatch:
 
     def same(self) -> bool:
         """True when the cached discovery (and every plan made from it) still holds."""
-        dicts = self.router_all
+        buffers = self.router_buffers
         return (
             self.structure_same()
-            and list(map(tuple, dicts)) == self.router_keys  # same keys: the values line up
-            and all(map(operator.is_, chain.from_iterable(map(dict.values, dicts)), self.router_values))
+            and not differs(self.router_dicts, self.router_snapshots)
+            and list(map(tuple, buffers)) == self.buffer_keys  # same keys: the values line up
+            and all(map(operator.is_, chain.from_iterable(map(dict.values, buffers)), self.buffer_values))
             and self.grads.same()
         )
 
@@ -358,4 +362,4 @@ class ModelWatch:
         self._finalizer()
 
 
-__all__ = ["GradAccess", "GradWatch", "ModelWatch", "get_grad", "grad_attr", "is_dtensor", "reshard", "unshard"]
+__all__ = ["GradAccess", "GradWatch", "ModelWatch", "differs", "get_grad", "grad_attr", "is_dtensor", "reshard", "unshard"]
