@@ -122,6 +122,29 @@ def test_allreduce_flag_is_read_by_truth_value_as_megatron_does(value, expert):
     assert specs["norm.weight"].expert is expert
 
 
+def test_ddp_chunks_leave_out_what_no_step_touches():
+    model = Model()
+    model.dense = nn.Parameter(torch.zeros(2))
+    model.moe = nn.Parameter(torch.zeros(2))
+    model.moe.allreduce = False
+    model.q_layernorm = nn.Module()
+    model.q_layernorm.weight = nn.Parameter(torch.zeros(2))
+    _give_grads(model)
+    full = discover([model], FinalizeConfig())
+    left = discover([model], FinalizeConfig(), untouched=[True])
+    kept = {s.name for s in left.params}
+    # flags, embedding roles and q/k layernorm names keep a spec; plain and expert weights
+    # (their DDP does the DP sync) do not, and their specs equal a full discovery's.
+    assert kept == {"embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "norm.weight",
+                    "expert.weight", "q_layernorm.weight"}
+    assert {s.name for s in full.params} - kept == {"dense", "moe", "frozen"}
+    assert all(s == next(f for f in full.params if f.key == s.key) for s in left.params)
+    assert (full.complete, left.complete, full.untouched_experts, left.untouched_experts) == (True, False, False, True)
+    model.moe.requires_grad_(False)
+    assert not discover([model], FinalizeConfig(), untouched=[True]).untouched_experts
+    assert discover([model], FinalizeConfig(), untouched=[False]).complete
+
+
 def test_word_embedding_role_needs_sharing_or_mtp():
     model = Model(share=False)
     _give_grads(model)

@@ -169,12 +169,12 @@ def resolve_layout(
         else:
             config = state.last_resolved_config(raw, ddp_config) or state.config(raw, ddp_config)
         groups = state.last_resolved_groups(source) or state.resolve_groups(source, config, Requested.from_config(raw))
-        cached = state.found.get(config.has_mtp)
+        cached = state.found.get((config.has_mtp, True))
         if cached is not None:
             return config, groups, raw, cached[1]
     config = state.config(raw, ddp_config)
     groups = state.resolve_groups(source, config, Requested.from_config(raw))
-    _, found, _ = state.discovered(model, config)  # cached while the model stays the same
+    _, found, _ = state.discovered(model, config)  # every parameter; cached while the model stays the same
     return config, groups, raw, found
 
 

@@ -218,7 +218,7 @@ class ModelState:
 
     def __init__(self, chunks: Sequence[Any]) -> None:
         self.chunk_ids = tuple(id(c) for c in chunks)
-        self.found: dict[bool, tuple[int, Discovered, ModelWatch, tuple[Any, ...]]] = {}
+        self.found: dict[tuple[bool, bool], tuple[int, Discovered, ModelWatch, tuple[Any, ...]]] = {}
         self.tokens: dict[_Fingerprint, int] = {}  # specs -> token
         self.next_token = 0
         self.groups: tuple[Snapshot, tuple[Any, ...], TorchGroups] | None = None  # the last resolved source
@@ -257,32 +257,45 @@ class ModelState:
             self.next_token += 1
         return token
 
-    def discovered(self, chunks: Sequence[Any], config: FinalizeConfig) -> tuple[Any, Discovered, tuple[Any, ...]]:
+    def discovered(
+        self, chunks: Sequence[Any], config: FinalizeConfig, complete: bool = True
+    ) -> tuple[Any, Discovered, tuple[Any, ...]]:
         """(fingerprint token, Discovered, the chunks' DDP objects) for this step.
 
         While the :class:`~torch_impl.grads.ModelWatch` sees the same model (structure,
         watched parameters' flags, requires_grad and gradient tensors, routers, chunk
         facts), nothing is re-read. Otherwise every bound program is dropped and the
         model is discovered again (structure changed) or its specs re-read.
+
+        Args:
+          chunks: the model chunks.
+          config: the call's config.
+          complete: a spec for every parameter; False leaves out the parameters of
+            Megatron-DDP chunks that no step of meshgrad touches (read once per
+            discovery: their DDP does the DP sync; the GTP step needs them all).
         """
-        cached = self.found.get(config.has_mtp)
+        slot = (config.has_mtp, complete)
+        cached = self.found.get(slot)
+        if not complete and cached is None:  # a complete discovery serves too (an audit keeps one)
+            cached = self.found.get((config.has_mtp, True))
+            slot = slot if cached is None else (config.has_mtp, True)
         if cached is not None and cached[2].same():  # the watch's chunk facts hold the DDP objects
             return cached[0], cached[1], cached[3]
         self.programs.clear()
+        ddp = tuple(ddp_object(c) for c in chunks)
         if cached is None or not cached[2].structure_same():
-            found = discover(chunks, config)
+            found = discover(chunks, config, () if slot[1] else [obj is not None for obj in ddp])
         else:
             found = cached[1].refresh()
         if cached is not None:
             cached[2].close()
         token = self._token(found)
-        ddp = tuple(ddp_object(c) for c in chunks)
         has_mtp = config.has_mtp
         watch = ModelWatch(
             found, chunks, lambda: chunk_facts(chunks, found, has_mtp, ddp_object),
             watched_keys(found, [obj is None for obj in ddp]),
         )
-        self.found[config.has_mtp] = (token, found, watch, ddp)
+        self.found[slot] = (token, found, watch, ddp)
         return token, found, ddp
 
     def invalidate(self) -> None:
@@ -340,8 +353,8 @@ class ModelState:
         hit = self.programs.get(id(bound))
         if hit is not None and hit[0] is bound and hit[2] is found:
             return hit[1]
-        cached = self.found.get(config.has_mtp)
-        if cached is not None and cached[1] is found:
+        cached = next((hit for hit in self.found.values() if hit[1] is found), None)
+        if cached is not None:
             cached[2].cover(plan_keys(bound.plan, bound.plain_scale_keys))  # what the plan reads is watched
             if cached[2].has_dtensor():
                 return None
@@ -514,7 +527,7 @@ def _finalize_plan(
         nan_keys=own,
         ddp=bound.ddp,
         requested=requested,
-        experts=any(p.expert and p.has_grad for p in found.params),
+        experts=found.untouched_experts or any(p.expert and p.has_grad for p in found.params),
         collection=collection_source(source),
     )
     return dataclasses.replace(bound, checks=checks)
@@ -544,7 +557,8 @@ def _prepare(model: Any, source: Any, request: Request, known: dict[str, Any]) -
     if request.found is not None:
         token, found, ddp = (request.found.params, request.found.routers), request.found, (None,) * len(chunks)
     else:
-        token, found, ddp = state.discovered(chunks, config)
+        gtp = groups.size(Group.GTP) > 1 or groups.size(Group.EGTP) > 1
+        token, found, ddp = state.discovered(chunks, config, complete=gtp)
     if not request.finalize:
         ddp = (None,) * len(chunks)
     key = (request.steps, token, config, groups, requested, request.force_all_reduce,

@@ -38,6 +38,32 @@ FLAG_ATTRS = (
 )
 
 
+_MODULE_GETATTR = nn.Module.__getattr__
+
+
+def attr_or(obj: Any, name: str, default: Any = None) -> Any:
+    """``getattr(obj, name, default)``. For an ``nn.Module`` that keeps torch's
+    ``__getattr__`` a miss is answered without raising (torch formats an error message
+    for each miss, and the wrapper chains of a model are walked every step)."""
+    cls = type(obj)
+    if getattr(cls, "__getattr__", None) is _MODULE_GETATTR:
+        state = obj.__dict__
+        if (
+            name not in state and name not in state["_parameters"] and name not in state["_buffers"]
+            and name not in state["_modules"] and not hasattr(cls, name)
+        ):
+            return default
+    return getattr(obj, name, default)
+
+
+def has_attr(obj: Any, name: str) -> bool:
+    """``hasattr(obj, name)``, a miss answered as :func:`attr_or` does."""
+    return attr_or(obj, name, _NO_ATTR) is not _NO_ATTR
+
+
+_NO_ATTR = object()
+
+
 def unwrap(module: Any, attr: str = "pre_process") -> Any:
     """Follow ``.module`` wrappers (DDP, Float16Module, ...) down to the model.
 
@@ -49,7 +75,7 @@ def unwrap(module: Any, attr: str = "pre_process") -> Any:
       The first object in the ``.module`` chain with ``attr``, else the innermost one.
     """
     seen = 0
-    while not hasattr(module, attr) and hasattr(module, "module") and seen < 64:
+    while not has_attr(module, attr) and has_attr(module, "module") and seen < 64:
         module = module.module
         seen += 1
     return module
@@ -58,11 +84,13 @@ def unwrap(module: Any, attr: str = "pre_process") -> Any:
 def find_attr(module: Any, attr: str) -> Any:
     """The first ``attr`` found along the ``.module`` chain of ``module`` (None if absent)."""
     for _ in range(64):
-        if hasattr(module, attr):
-            return getattr(module, attr)
-        if not hasattr(module, "module"):
+        value = attr_or(module, attr, _NO_ATTR)
+        if value is not _NO_ATTR:
+            return value
+        inner = attr_or(module, "module", _NO_ATTR)
+        if inner is _NO_ATTR:
             return None
-        module = module.module
+        module = inner
     return None
 
 
@@ -127,16 +155,16 @@ def _class_flags(cls: type) -> dict[str, Any]:
 
 def shared_word_embedding(module: Any, has_mtp: bool) -> torch.Tensor | None:
     """semantics `word_embedding`: the tied word-embedding weight of an unwrapped chunk, or None."""
-    if not (getattr(module, "share_embeddings_and_output_weights", False) or has_mtp):
+    if not (attr_or(module, "share_embeddings_and_output_weights", False) or has_mtp):
         return None
-    getter = getattr(module, "shared_embedding_or_output_weight", None)
+    getter = attr_or(module, "shared_embedding_or_output_weight", None)
     return getter() if callable(getter) else None
 
 
 def position_embedding(module: Any) -> torch.Tensor | None:
     """semantics `pos_embedding`: ``module.position_embeddings.weight``, or None."""
-    emb = getattr(module, "position_embeddings", None)
-    return getattr(emb, "weight", None) if emb is not None else None
+    emb = attr_or(module, "position_embeddings", None)
+    return attr_or(emb, "weight", None) if emb is not None else None
 
 
 def router_spec(name: str, chunk: int, module: nn.Module) -> RouterSpec | None:
@@ -183,6 +211,9 @@ class Discovered:
       tensors: the parameter objects by key.
       router_modules: the router modules by key.
       chunks: the unwrapped chunks (index = chunk).
+      complete: every parameter has a spec (False: the Megatron-DDP chunks' parameters
+        that no step of meshgrad touches were left out, :func:`discover`).
+      untouched_experts: some left-out parameter is a trained expert parameter.
     """
 
     params: tuple[ParamSpec, ...]
@@ -190,6 +221,8 @@ class Discovered:
     tensors: Mapping[ParamKey, torch.Tensor]
     router_modules: Mapping[ParamKey, nn.Module]
     chunks: tuple[Any, ...]
+    complete: bool = True
+    untouched_experts: bool = False
 
     def fingerprint(self) -> tuple[Any, ...]:
         """What may change between steps and changes the plan: requires_grad, gradient
@@ -212,12 +245,15 @@ class Discovered:
         return dataclasses.replace(self, params=params, routers=routers)  # type: ignore[arg-type]
 
 
-def discover(model: Sequence[Any], config: FinalizeConfig) -> Discovered:
+def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[bool] = ()) -> Discovered:
     """ParamSpecs and RouterSpecs of every chunk of ``model``.
 
     Args:
       model: the model chunks of this rank (virtual pipeline chunks), possibly wrapped.
       config: the finalize config (MTP decides whether the shared weight is looked up).
+      untouched: per chunk, leave out the parameters no step but the DP sync touches
+        (no flag, role or q / k layernorm name: :func:`touched`); for Megatron-DDP
+        chunks, whose DDP does the DP sync, when the GTP step is off.
 
     Returns:
       A :class:`Discovered`.
@@ -232,7 +268,9 @@ def discover(model: Sequence[Any], config: FinalizeConfig) -> Discovered:
     router_modules: dict[ParamKey, nn.Module] = {}
     chunks = []
     by_class: dict[type, dict[str, Any]] = {}
+    left_out = experts = False
     for index, chunk in enumerate(model):
+        skip = index < len(untouched) and untouched[index]
         module = unwrap(chunk)
         chunks.append(module)
         roles: dict[int, Role] = {}
@@ -246,7 +284,12 @@ def discover(model: Sequence[Any], config: FinalizeConfig) -> Discovered:
             cls = type(param)
             if cls not in by_class:
                 by_class[cls] = _class_flags(cls)
-            spec = param_spec(name, index, param, roles.get(id(param), Role.NONE), by_class[cls])
+            role = roles.get(id(param), Role.NONE)
+            if skip and role is Role.NONE and not touched(name, param, by_class[cls]):
+                left_out = True
+                experts = experts or _trained_expert(param, by_class[cls])
+                continue
+            spec = param_spec(name, index, param, role, by_class[cls])
             params.append(spec)
             tensors[spec.key] = param
         for name, sub in module.named_modules():
@@ -254,7 +297,23 @@ def discover(model: Sequence[Any], config: FinalizeConfig) -> Discovered:
             if spec is not None:
                 routers.append(spec)
                 router_modules[spec.key] = sub
-    return Discovered(tuple(params), tuple(routers), tensors, router_modules, tuple(chunks))
+    return Discovered(tuple(params), tuple(routers), tensors, router_modules, tuple(chunks), not left_out, experts)
+
+
+def _flag(attrs: Mapping[str, Any], class_flags: Mapping[str, Any], name: str) -> Any:
+    return attrs[name] if name in attrs else class_flags[name]
+
+
+def touched(name: str, param: torch.Tensor, class_flags: Mapping[str, Any]) -> bool:
+    """Whether a step other than the DP sync and GTP may touch ``param`` (its role
+    aside): a flag set or a q / k layernorm name -- :func:`candidate` before a spec is made."""
+    attrs = vars(param)
+    return any(_flag(attrs, class_flags, flag) for flag in FLAG_ATTRS) or is_qk_layernorm(name)
+
+
+def _trained_expert(param: torch.Tensor, class_flags: Mapping[str, Any]) -> bool:
+    """An expert parameter (``allreduce`` false) that trains and has a gradient."""
+    return not _flag(vars(param), class_flags, "allreduce") and bool(param.requires_grad) and get_grad(param) is not None
 
 
 def one_weight(model: Sequence[Any], index: int, weight: torch.Tensor | None, role: Role) -> Discovered:
@@ -302,7 +361,7 @@ def chunk_facts(model: Sequence[Any], found: Discovered, has_mtp: bool, ddp_obje
         out += (
             module,
             ddp_object(chunk),
-            getattr(module, "share_embeddings_and_output_weights", None),
+            attr_or(module, "share_embeddings_and_output_weights", None),
             shared_word_embedding(module, has_mtp),
             position_embedding(module),
         )

@@ -213,7 +213,7 @@ class ModelWatch:
     flag set (sequence_parallel, average_gradients_across_tp_domain, pipeline_parallel,
     flextron_router_pp_sync, is_gtp_weight_remat), an embedding role or a q/k layernorm
     name, plus whatever the bound plan reads (:meth:`cover`). Flags and requires_grad of
-    the other parameters of a DDP chunk are read once per plan
+    the other parameters of a DDP chunk are read once per discovery
     (``torch_impl.invalidate_plans(model)`` forces a re-read).
 
     Args:

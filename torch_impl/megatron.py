@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
-from torch_impl.discover import find_attr
+from torch_impl.discover import attr_or, find_attr, has_attr
 from torch_impl.errors import MegatronAssertionError
 from torch_impl.groups import MeshGroups, TorchGroups, group_ranks, is_device_mesh, mesh_groups, world_rank, world_size
 
@@ -328,9 +328,9 @@ def chunk_configs(model: Sequence[Any]) -> tuple[Any, Any]:
 def ddp_object(chunk: Any) -> Any:
     """The object in the ``.module`` chain that does Megatron DDP's grad sync, or None."""
     for _ in range(64):
-        if callable(getattr(chunk, "finish_grad_sync", None)):
+        if callable(attr_or(chunk, "finish_grad_sync", None)):
             return chunk
-        if not hasattr(chunk, "module"):
+        if not has_attr(chunk, "module"):
             return None
         chunk = chunk.module
     return None
