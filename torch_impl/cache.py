@@ -227,6 +227,7 @@ class ModelState:
         self.records: dict[int, tuple[BoundPlan, PlanRecord]] = {}
         self.last_config: tuple[Snapshot, Snapshot, FinalizeConfig] | None = None
         self.last_requested: tuple[Snapshot, Requested] | None = None
+        self.helper_configs: dict[tuple[FinalizeConfig, tuple[tuple[str, Any], ...]], FinalizeConfig] = {}
         self.embeddings: dict[tuple[Any, ...], tuple[Any, Any, bool, Discovered]] = {}
         self.explicit_groups: dict[tuple[Any, ...], tuple[dict[Group, Any], TorchGroups]] = {}
         self.stats = ExecStats()
@@ -324,6 +325,19 @@ class ModelState:
         resolved = resolve_config(raw, ddp_config)
         self.last_config = (*snapshots, resolved)
         return resolved
+
+    def helper_config(self, config: FinalizeConfig, overrides: tuple[tuple[str, Any], ...]) -> FinalizeConfig:
+        """A seed helper's config: ``config`` with the helper's ``overrides`` and without
+        configured embedding stage sets (no embedding step of finalize runs in a helper),
+        memoized (a FinalizeConfig is immutable)."""
+        key = (config, overrides)
+        hit = self.helper_configs.get(key)
+        if hit is not None:
+            return hit
+        derived = config.replace(**dict(overrides)) if overrides else config
+        if derived.embedding_stages is not None or derived.position_embedding_stages is not None:
+            derived = derived.replace(embedding_stages=None, position_embedding_stages=None)
+        return _put(self.helper_configs, key, derived)
 
     def last_resolved_config(self, raw: Any, ddp_config: Any) -> FinalizeConfig | None:
         """The config last resolved from these two objects (not checked again), or None."""
@@ -480,11 +494,8 @@ def _config(state: ModelState, chunks: Sequence[Any], request: Request) -> tuple
     if not request.merge_ddp_config:
         ddp_config = None
     config = state.config(raw, ddp_config)
-    if request.overrides:
-        config = config.replace(**dict(request.overrides))
-    if not request.finalize and (config.embedding_stages is not None or config.position_embedding_stages is not None):
-        # No embedding step of finalize runs here: the configured stage sets do not apply.
-        config = config.replace(embedding_stages=None, position_embedding_stages=None)
+    if request.overrides or not request.finalize:
+        config = state.helper_config(config, request.overrides)
     return config, (raw, ddp_config)
 
 

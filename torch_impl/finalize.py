@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshgrad.axes import Group
@@ -327,7 +328,8 @@ def _embedding_grad(
     """:func:`_allreduce_embedding_grad` with the MTP chunk rule decided by the caller
     (Megatron's position-embedding helper never applies it)."""
     chunks = as_chunks(model)
-    if embd_group is None or world_rank() not in group_ranks(embd_group) or len(group_ranks(embd_group)) <= 1:
+    members = dist.get_process_group_ranks(embd_group) if embd_group is not None else ()
+    if len(members) <= 1 or world_rank() not in members:
         return
     state = ModelState.of(chunks)
     # Without a pp group Megatron treats the rank as the first stage; the embedding
