@@ -68,7 +68,7 @@ from torch_impl.cache import ModelState
 from torch_impl.finalize import finalize_model_grads
 from torch_impl.grads import is_dtensor
 from torch_impl.groups import group_ranks
-from torch_impl.megatron import Requested, chunk_configs, parallel_state_groups
+from torch_impl.megatron import CONFIG_SIZES, Requested, chunk_configs, parallel_state_groups
 
 #: Version of the file layout written here (parity_tests.audit checks it).
 FORMAT_VERSION = 2
@@ -81,16 +81,6 @@ PARAM_FLAGS = (
     "pipeline_parallel",
     "flextron_router_pp_sync",
     "is_gtp_weight_remat",
-)
-#: Parallel sizes read from a Megatron config, when it has them.
-CONFIG_SIZES = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-    "gtp_weight_remat_size",
-    "expert_gtp_weight_remat_size",
 )
 
 FinalizeFn = Callable[..., Any]

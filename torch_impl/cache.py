@@ -35,6 +35,7 @@ from torch_impl.execute import ExecStats, Program, run_actions
 from torch_impl.grads import GradAccess, ModelWatch, differs, get_grad, is_dtensor
 from torch_impl.groups import MeshGroups, TorchGroups, is_device_mesh, world_rank, world_size
 from torch_impl.megatron import (
+    CONFIG_SIZES,
     Requested,
     accepts,
     chunk_configs,
@@ -49,16 +50,6 @@ _STATE_ATTR = "_meshgrad_finalize_state"
 #: Most plans (and helper group sets, embedding discoveries) one model state keeps.
 MAX_PLANS = 16
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(FinalizeConfig))
-#: What Requested.from_config reads, besides the FinalizeConfig fields.
-_SIZE_FIELDS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-    "gtp_weight_remat_size",
-    "expert_gtp_weight_remat_size",
-)
 _GROUP_NAMES = tuple(g.value for g in Group)
 _ABSENT = object()
 
@@ -356,7 +347,7 @@ class ModelState:
         hit = self.last_requested
         if hit is not None and hit[0].source is raw and hit[0].same():
             return hit[1]
-        snapshot = Snapshot(raw, _SIZE_FIELDS)
+        snapshot = Snapshot(raw, CONFIG_SIZES)
         requested = Requested.from_config(raw)
         self.last_requested = (snapshot, requested)
         return requested

@@ -360,6 +360,18 @@ def config_size(config: Any, name: str, default: int | None) -> int | None:
     return int(value)
 
 
+#: The parallel sizes a Megatron config states (what :class:`Requested` reads).
+CONFIG_SIZES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "gtp_weight_remat_size",
+    "expert_gtp_weight_remat_size",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Requested:
     """The parallel sizes a Megatron config states (checked against the groups only in
@@ -502,6 +514,7 @@ def status_groups(source: Any) -> TorchGroups | None:
 
 
 __all__ = [
+    "CONFIG_SIZES",
     "HELPER_RULES",
     "PARALLEL_STATE_GETTERS",
     "Requested",
