@@ -225,3 +225,22 @@ def test_helpers_plan_once_per_model_and_steps():
         assert float(model[0].router.qb_beta_count) == 0.0
     stats = execution_stats(model)
     assert (stats.plans_built, stats.programs_bound) == (1, 1)
+
+
+def test_router_only_helpers_do_not_recheck_parameters_but_finalize_does():
+    model = [Chunk()]
+    model[0].router = Router()
+    reset_model_temporary_tensors(CONFIG, model)
+    before = step(model)
+    assert_scaled(model, before, 2)
+    built = execution_stats(model).plans_built
+    model[0].c.main_grad = torch.full((4,), 9.0)  # a parameter change: no router step reads it
+    model[0].router.qb_beta_accum.fill_(5.0)
+    reset_model_temporary_tensors(CONFIG, model)
+    assert float(model[0].router.qb_beta_accum.abs().sum()) == 0.0
+    assert execution_stats(model).plans_built == built  # the reset reused its plan
+    before = step(model)  # finalize sees the new gradient tensor and scales it
+    assert_scaled(model, before, 2)
+    model[0].router.qb_beta_accum = torch.ones(4)  # a router buffer replaced: the reset sees it
+    reset_model_temporary_tensors(CONFIG, model)
+    assert float(model[0].router.qb_beta_accum.abs().sum()) == 0.0

@@ -51,6 +51,8 @@ _STATE_ATTR = "_meshgrad_finalize_state"
 MAX_PLANS = 16
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(FinalizeConfig))
 _GROUP_NAMES = tuple(g.value for g in Group)
+#: Steps whose plan reads routers only, no gradient.
+ROUTER_STEPS = frozenset({Step.EXPERT_BIAS, Step.QB_BETA, Step.RESET})
 _ABSENT = object()
 
 
@@ -250,7 +252,7 @@ class ModelState:
         return token
 
     def discovered(
-        self, chunks: Sequence[Any], config: FinalizeConfig, complete: bool = True
+        self, chunks: Sequence[Any], config: FinalizeConfig, complete: bool = True, routers_only: bool = False
     ) -> tuple[Any, Discovered, tuple[Any, ...]]:
         """(fingerprint token, Discovered, the chunks' DDP objects) for this step.
 
@@ -265,14 +267,18 @@ class ModelState:
           complete: a spec for every parameter; False leaves out the parameters of
             Megatron-DDP chunks that no step of meshgrad touches (read once per
             discovery: their DDP does the DP sync; the GTP step needs them all).
+          routers_only: the call's plan reads routers only (expert bias, qb_beta, reset):
+            a kept discovery is checked for what such a plan depends on
+            (:meth:`~torch_impl.grads.ModelWatch.routers_same`), not the parameters (the
+            next call that reads them checks them).
         """
         slot = (config.has_mtp, complete)
         cached = self.found.get(slot)
         if not complete and cached is None:  # a complete discovery serves too (an audit keeps one)
             cached = self.found.get((config.has_mtp, True))
             slot = slot if cached is None else (config.has_mtp, True)
-        if cached is not None and cached[2].same():  # the watch's chunk facts hold the DDP objects
-            return cached[0], cached[1], cached[3]
+        if cached is not None and (cached[2].routers_same() if routers_only else cached[2].same()):
+            return cached[0], cached[1], cached[3]  # the watch's chunk facts hold the DDP objects
         self.programs.clear()
         ddp = tuple(ddp_object(c) for c in chunks)
         if cached is None or not cached[2].structure_same():
@@ -560,7 +566,8 @@ def _prepare(model: Any, source: Any, request: Request, known: dict[str, Any]) -
         token, found, ddp = (request.found.params, request.found.routers), request.found, (None,) * len(chunks)
     else:
         gtp = groups.size(Group.GTP) > 1 or groups.size(Group.EGTP) > 1
-        token, found, ddp = state.discovered(chunks, config, complete=gtp)
+        routers_only = bool(request.steps) and all(step in ROUTER_STEPS for step in request.steps)
+        token, found, ddp = state.discovered(chunks, config, complete=gtp, routers_only=routers_only)
     if not request.finalize:
         ddp = (None,) * len(chunks)
     key = (request.steps, token, config, groups, requested, request.force_all_reduce,

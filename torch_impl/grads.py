@@ -192,6 +192,61 @@ class GradWatch:
         return any(is_dtensor(g) for g in map(get_grad, self.params))
 
 
+class _Edges:
+    """Module-tree edges (holder dict, name, object) from the chunks' roots down to some
+    objects, each once, compared by identity (which also sees a removal, which no
+    registration hook reports).
+
+    Args:
+      roots: the unwrapped chunks.
+      targets: (chunk, dotted path, leaf kind -- ``_PARAMETERS`` for a parameter, None
+        for a module --, object) of each watched object.
+    """
+
+    def __init__(self, roots: Sequence[Any], targets: Iterable[tuple[int, str, Any, Any]]) -> None:
+        stores: dict[tuple[int, Any], tuple[Any, Any, dict[str, Any]]] = {}  # (owner, kind) -> its dict
+        self.holders: list[dict[str, Any]] = []
+        self.names: list[str] = []
+        self.objects: list[Any] = []
+        seen: set[tuple[int, str]] = set()
+
+        def add(owner: Any, kind: Any, name: str, obj: Any) -> None:
+            if (id(owner), name) in seen:
+                return
+            seen.add((id(owner), name))
+            store = stores.get((id(owner), kind))
+            if store is None:
+                store = stores[(id(owner), kind)] = (vars(owner), kind, kind(vars(owner)))
+            self.holders.append(store[2])
+            self.names.append(name)
+            self.objects.append(obj)
+
+        for chunk, path, leaf_kind, obj in targets:
+            module = roots[chunk]
+            if not isinstance(module, nn.Module):
+                continue
+            parts = path.split(".") if path else []
+            for part in parts[:-1] if leaf_kind is not None else parts:
+                child = module._modules.get(part)
+                if child is None:
+                    break
+                add(module, _MODULES, part, child)
+                module = child
+            else:
+                if leaf_kind is not None and parts:
+                    add(module, leaf_kind, parts[-1], obj)
+        # Each module's _modules / _parameters dict once; each edge once.
+        self.owner_dicts = [owner for owner, _, _ in stores.values()]
+        self.kinds = [kind for _, kind, _ in stores.values()]
+        self.stores = [store for _, _, store in stores.values()]
+
+    def same(self) -> bool:
+        """The same dicts in the modules, holding the same objects under the same names."""
+        return all(map(operator.is_, map(operator.call, self.kinds, self.owner_dicts), self.stores)) and all(
+            map(operator.is_, map(dict.get, self.holders, self.names), self.objects)
+        )
+
+
 def _remove_hooks(handles: Sequence[Any]) -> None:
     for handle in handles:
         handle.remove()
@@ -267,8 +322,8 @@ class ModelWatch:
         self._finalizer = weakref.finalize(self, _remove_hooks, handles)
 
     def _edges(self, chunks: Sequence[Any], found: Any) -> None:
-        """Module-tree edges (holder dict, name, object) down to watched params / routers."""
-        roots = found.chunks
+        """The modules the hooks watch, and the module-tree edges down to the watched
+        parameters and, apart, to the routers."""
         self.module_ids: list[int] = []
         for chunk in chunks:  # the wrapper chain
             self.module_ids.append(id(chunk))
@@ -278,74 +333,44 @@ class ModelWatch:
                 if not isinstance(inner, nn.Module):
                     break
                 self.module_ids.append(id(inner))
-        for root in roots:
+        for root in found.chunks:
             if isinstance(root, nn.Module):
                 self.module_ids.extend(id(m) for m in root.modules())
-        stores: dict[tuple[int, Any], tuple[Any, Any, dict[str, Any]]] = {}  # (owner, kind) -> its dict
-        holders: list[dict[str, Any]] = []
-        names: list[str] = []
-        objects: list[Any] = []
-        seen: set[tuple[int, str]] = set()
-
-        def add(owner: Any, kind: Any, name: str, obj: Any) -> None:
-            if (id(owner), name) in seen:
-                return
-            seen.add((id(owner), name))
-            store = stores.get((id(owner), kind))
-            if store is None:
-                store = stores[(id(owner), kind)] = (vars(owner), kind, kind(vars(owner)))
-            holders.append(store[2])
-            names.append(name)
-            objects.append(obj)
-
-        def walk(chunk: int, path: str, leaf_kind: Any | None, obj: Any) -> None:
-            module = roots[chunk]
-            if not isinstance(module, nn.Module):
-                return
-            parts = path.split(".") if path else []
-            last = parts[:-1] if leaf_kind is not None else parts
-            for part in last:
-                child = module._modules.get(part)
-                if child is None:
-                    return
-                add(module, _MODULES, part, child)
-                module = child
-            if leaf_kind is not None and parts:
-                add(module, leaf_kind, parts[-1], obj)
-
-        for key in self.keys:
-            walk(key[0], key[1], _PARAMETERS, found.tensors[key])
-        for key, module in found.router_modules.items():
-            walk(key[0], key[1], None, module)
-        # Each module's _modules / _parameters dict once; each edge (dict, name, object) once.
-        self.owner_dicts = [owner for owner, _, _ in stores.values()]
-        self.kinds = [kind for _, kind, _ in stores.values()]
-        self.stores = [store for _, _, store in stores.values()]
-        self.holders = holders
-        self.names = names
-        self.objects = objects
+        self.param_edges = _Edges(found.chunks, [(k[0], k[1], _PARAMETERS, found.tensors[k]) for k in self.keys])
+        self.router_edges = _Edges(found.chunks, [(k[0], k[1], None, m) for k, m in found.router_modules.items()])
 
     def structure_same(self) -> bool:
         """No registration in the model since construction, the same module-tree edges to
         the watched objects, and the same per-chunk facts."""
-        if self.dirty[0]:
-            return False
-        if not all(map(operator.is_, map(operator.call, self.kinds, self.owner_dicts), self.stores)):
-            return False
-        if not all(map(operator.is_, map(dict.get, self.holders, self.names), self.objects)):
-            return False
-        return tuple(map(id, self.facts())) == self.fact_ids
+        return (
+            not self.dirty[0]
+            and self.param_edges.same()
+            and self.router_edges.same()
+            and tuple(map(id, self.facts())) == self.fact_ids
+        )
+
+    def routers_same(self) -> bool:
+        """What a plan of router steps only (expert bias, qb_beta, reset) depends on: no
+        registration in the model, the same edges to the routers, chunk facts, router
+        attributes and buffers (not the parameters)."""
+        return (
+            not self.dirty[0]
+            and self.router_edges.same()
+            and tuple(map(id, self.facts())) == self.fact_ids
+            and self._routers_unchanged()
+        )
+
+    def _routers_unchanged(self) -> bool:
+        buffers = self.router_buffers
+        return (
+            not differs(self.router_dicts, self.router_snapshots)
+            and list(map(tuple, buffers)) == self.buffer_keys  # same keys: the values line up
+            and all(map(operator.is_, chain.from_iterable(map(dict.values, buffers)), self.buffer_values))
+        )
 
     def same(self) -> bool:
         """True when the cached discovery (and every plan made from it) still holds."""
-        buffers = self.router_buffers
-        return (
-            self.structure_same()
-            and not differs(self.router_dicts, self.router_snapshots)
-            and list(map(tuple, buffers)) == self.buffer_keys  # same keys: the values line up
-            and all(map(operator.is_, chain.from_iterable(map(dict.values, buffers)), self.buffer_values))
-            and self.grads.same()
-        )
+        return self.structure_same() and self._routers_unchanged() and self.grads.same()
 
     def cover(self, keys: Iterable[ParamKey]) -> None:
         """Also watch ``keys`` (what a bound plan reads or writes)."""
