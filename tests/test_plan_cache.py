@@ -244,3 +244,81 @@ def test_router_only_helpers_do_not_recheck_parameters_but_finalize_does():
     model[0].router.qb_beta_accum = torch.ones(4)  # a router buffer replaced: the reset sees it
     reset_model_temporary_tensors(CONFIG, model)
     assert float(model[0].router.qb_beta_accum.abs().sum()) == 0.0
+
+
+def test_snapshot_sees_every_change_of_a_config_or_group_source():
+    import dataclasses
+    import types
+
+    from torch_impl.cache import Snapshot
+
+    plain = types.SimpleNamespace(sequence_parallel=True, tp=object())
+    snap = Snapshot(plain, ("sequence_parallel", "tp"))
+    assert snap.same()
+    plain.sequence_parallel = 1  # an equal value reads the same
+    assert snap.same()
+    plain.sequence_parallel = False
+    assert not snap.same()
+    snap = Snapshot(plain, ())
+    plain.extra = 3  # any attribute added, replaced or removed
+    assert not snap.same()
+    snap = Snapshot(plain, ())
+    del plain.extra
+    assert not snap.same()
+    snap = Snapshot(plain, ())
+    plain.tp = object()
+    assert not snap.same()
+
+    mapping = {"tp": object()}
+    snap = Snapshot(mapping, ())
+    assert snap.same()
+    mapping["tp"] = object()
+    assert not snap.same()
+
+    class Dynamic:  # attributes computed on access: the named ones are read again
+        def __init__(self) -> None:
+            self.values = {"consistency_check": "once"}
+
+        def __getattr__(self, name: str):
+            try:
+                return self.values[name]
+            except KeyError:
+                raise AttributeError(name) from None
+
+    dynamic = Dynamic()
+    snap = Snapshot(dynamic, ("consistency_check",))
+    assert snap.same()
+    dynamic.values["consistency_check"] = "off"
+    assert not snap.same()
+
+    @dataclasses.dataclass
+    class ProcessGroupCollection:  # Megatron's: unset fields read None through __getattr__
+        def __getattr__(self, name: str):
+            return None
+
+    collection = ProcessGroupCollection()
+    snap = Snapshot(collection, ("tp",), by_vars=True)
+    assert snap.same()
+    collection.tp = object()
+    assert not snap.same()
+
+
+def test_a_config_changed_between_steps_is_read_again():
+    import types
+
+    from torch_impl.errors import NonFiniteGradError
+
+    model = [Chunk()]
+    model[0].config = types.SimpleNamespace(calculate_per_token_loss=True, check_for_nan_in_grad=False)
+    before = step(model)
+    assert_scaled(model, before, 2)
+    model[0].a.main_grad[0] = float("nan")
+    before = step(model)  # NaN passes (and propagates) with the check off
+    assert torch.isnan(model[0].a.main_grad[0]) and torch.equal(model[0].b.main_grad, before[(0, "b")] / 2)
+    model[0].config.check_for_nan_in_grad = True  # the same object, mutated
+    kept = grads(model)
+    with pytest.raises(NonFiniteGradError, match="'a'"):
+        step(model)
+    after = grads(model)
+    for key, value in kept.items():  # nothing changed
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0, equal_nan=True)
