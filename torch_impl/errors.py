@@ -16,7 +16,6 @@ cross-rank rounds (:mod:`torch_impl.consensus`) before any gradient moves;
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from meshgrad.axes import Group
@@ -89,16 +88,29 @@ def action_failed(action: Action, index: int, err: BaseException) -> CollectiveE
     )
 
 
-@contextlib.contextmanager
-def collective_guard(description: str, groups: TorchGroups, group: Group | None = None) -> Iterator[None]:
+class collective_guard:  # noqa: N801 -- used like a function
     """Re-raise a RuntimeError of the collectives inside as a :class:`CollectiveError`
-    that names this rank, ``description`` and the group's global ranks."""
-    try:
-        yield
-    except (CollectiveError, ConsistencyError):
-        raise
-    except RuntimeError as err:
-        raise collective_error(description, groups, group, err) from err
+    that names this rank, ``description`` and the group's global ranks (a plain class:
+    it is entered on every step).
+
+    Args:
+      description: what the collectives inside do (named in the error).
+      groups: this rank's groups.
+      group: the group they run over (its global ranks are named), or None.
+    """
+
+    __slots__ = ("description", "groups", "group")
+
+    def __init__(self, description: str, groups: TorchGroups, group: Group | None = None) -> None:
+        self.description, self.groups, self.group = description, groups, group
+
+    def __enter__(self) -> "collective_guard":
+        return self
+
+    def __exit__(self, kind: Any, err: BaseException | None, trace: Any) -> bool:
+        if isinstance(err, RuntimeError) and not isinstance(err, (CollectiveError, ConsistencyError)):
+            raise collective_error(self.description, self.groups, self.group, err) from err
+        return False
 
 
 def collective_error(description: str, groups: TorchGroups, group: Group | None, err: BaseException) -> CollectiveError:

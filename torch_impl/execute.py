@@ -535,6 +535,9 @@ class Program:
 
     def run(self, on_step: Callable[[Action], None] | None = None) -> None:
         """Run every bound action in order, under ``torch.no_grad()``."""
+        if not torch.is_grad_enabled():  # finalize already runs it under no_grad
+            execute_ops(self.ops, on_step)
+            return
         with torch.no_grad():
             execute_ops(self.ops, on_step)
 
