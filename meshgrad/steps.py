@@ -8,6 +8,7 @@ plan_finalize` calls them in step order; nothing else decides a selection.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from meshgrad.actions import Action, ExpertBiasUpdate, QbBetaUpdate, ReduceOp, Reduction, ResetTemporaries
 from meshgrad.actions import StageReduction, Step, TokenScale
@@ -21,6 +22,15 @@ QK_LAYERNORM_NAMES = ("q_layernorm", "k_layernorm")
 def is_qk_layernorm(name: str) -> bool:
     """Whether a parameter name is a q / k layernorm's (``qk_layernorm`` sums it over tp)."""
     return "_layernorm" in name and any(n in name for n in QK_LAYERNORM_NAMES)
+
+
+def may_touch(name: str, role: Role, flags: Iterable[Any]) -> bool:
+    """Whether a step other than the DP sync and GTP may touch a parameter (given a
+    gradient): an embedding role, one of its step flags set (``sequence_parallel``,
+    ``average_gradients_across_tp_domain``, ``pipeline_parallel``,
+    ``flextron_router_pp_sync``, ``is_gtp_weight_remat``: truth values) or a q / k
+    layernorm name."""
+    return role is not Role.NONE or any(flags) or is_qk_layernorm(name)
 
 #: num_tokens and qb_beta reduce over every distinct-data rank: dp x cp x gtp (dp_cp when
 #: GTP is inactive), as Megatron's dp_cp_gtp_remat group.
@@ -251,6 +261,8 @@ __all__ = [
     "dp_sync",
     "embedding_chunk",
     "gtp",
+    "is_qk_layernorm",
+    "may_touch",
     "mtp_rule_applies",
     "non_tp",
     "pp_replicated",

@@ -25,7 +25,7 @@ from torch import nn
 
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
-from meshgrad.steps import is_qk_layernorm
+from meshgrad.steps import may_touch
 from torch_impl.grads import get_grad, grad_attr
 
 #: Parameter attributes copied into ParamSpec flags.
@@ -308,7 +308,7 @@ def touched(name: str, param: torch.Tensor, class_flags: Mapping[str, Any]) -> b
     """Whether a step other than the DP sync and GTP may touch ``param`` (its role
     aside): a flag set or a q / k layernorm name -- :func:`candidate` before a spec is made."""
     attrs = vars(param)
-    return any(_flag(attrs, class_flags, flag) for flag in FLAG_ATTRS) or is_qk_layernorm(name)
+    return may_touch(name, Role.NONE, (_flag(attrs, class_flags, flag) for flag in FLAG_ATTRS))
 
 
 def _trained_expert(param: torch.Tensor, class_flags: Mapping[str, Any]) -> bool:
@@ -335,15 +335,14 @@ def one_weight(model: Sequence[Any], index: int, weight: torch.Tensor | None, ro
 def candidate(spec: ParamSpec) -> bool:
     """Whether a step other than the DP sync may touch this parameter (given a
     gradient): a flag, an embedding role or a q / k layernorm name."""
-    return (
-        spec.role is not Role.NONE
-        or spec.sequence_parallel
-        or spec.average_gradients_across_tp_domain
-        or spec.pipeline_parallel
-        or spec.flextron_router_pp_sync
-        or spec.is_gtp_weight_remat
-        or is_qk_layernorm(spec.name)
+    flags = (
+        spec.sequence_parallel,
+        spec.average_gradients_across_tp_domain,
+        spec.pipeline_parallel,
+        spec.flextron_router_pp_sync,
+        spec.is_gtp_weight_remat,
     )
+    return may_touch(spec.name, spec.role, flags)
 
 
 def watched_keys(found: Discovered, plain: Sequence[bool]) -> list[ParamKey]:
