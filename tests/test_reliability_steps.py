@@ -49,7 +49,7 @@ from test_reliability_inputs import (  # noqa: E402
     snapshot,
     timed_collection,
 )
-from torch_impl import finalize_model_grads  # noqa: E402
+from torch_impl import finalize_model_grads, invalidate_plans  # noqa: E402
 
 WORLD = 4
 SP_NORM = "decoder.final_layernorm.weight"
@@ -185,6 +185,14 @@ def case_ddp_sp_param_replaced_after_step1(rank: int, world: int) -> tuple:
     return live_vs_fresh(rank, change, ddp=True)
 
 
+def case_ddp_flag_set_then_invalidate_plans(rank: int, world: int) -> tuple:
+    def change(model: list[Any], r: int) -> None:
+        set_sp_flag(model, r)  # a parameter no step touched: read once per discovery
+        invalidate_plans(model)
+
+    return live_vs_fresh(rank, change, ddp=True)
+
+
 # one rank only ------------------------------------------------------------------
 
 
@@ -304,6 +312,8 @@ LIVE = [
     ("DDP chunks: an SP parameter added after step 1", "case_ddp_sp_param_added_after_step1"),
     ("DDP chunks: an SP parameter removed after step 1", "case_ddp_sp_param_removed_after_step1"),
     ("DDP chunks: an SP parameter replaced after step 1", "case_ddp_sp_param_replaced_after_step1"),
+    ("DDP chunks: sequence_parallel set on an untouched parameter, then invalidate_plans(model)",
+     "case_ddp_flag_set_then_invalidate_plans"),
 ]
 
 
