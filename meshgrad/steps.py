@@ -17,6 +17,9 @@ from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
 
 QK_LAYERNORM_NAMES = ("q_layernorm", "k_layernorm")
+#: Steps whose actions read routers only, no gradient (their plans do not depend on the
+#: parameters).
+ROUTER_ONLY_STEPS = frozenset({Step.EXPERT_BIAS, Step.QB_BETA, Step.RESET})
 
 
 def is_qk_layernorm(name: str) -> bool:
@@ -256,6 +259,7 @@ def check_unique(params: Sequence[ParamSpec], routers: Sequence[RouterSpec]) -> 
 __all__ = [
     "DISTINCT_DATA_GROUP",
     "QK_LAYERNORM_NAMES",
+    "ROUTER_ONLY_STEPS",
     "check_unique",
     "dp_scaling",
     "dp_sync",

@@ -27,6 +27,7 @@ from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, Role
 from meshgrad.plan import FinalizePlan, GroupSizes, Step, plan_finalize
+from meshgrad.steps import ROUTER_ONLY_STEPS
 from torch_impl.checks import collection_source, plan_keys, requirements
 from torch_impl.consensus import CheckSpec, PlanRecord, before_communication, share_local_error
 from torch_impl.discover import Discovered, chunk_facts, discover, dtype_name, one_weight, watched_keys
@@ -51,8 +52,6 @@ _STATE_ATTR = "_meshgrad_finalize_state"
 MAX_PLANS = 16
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(FinalizeConfig))
 _GROUP_NAMES = tuple(g.value for g in Group)
-#: Steps whose plan reads routers only, no gradient.
-ROUTER_STEPS = frozenset({Step.EXPERT_BIAS, Step.QB_BETA, Step.RESET})
 _ABSENT = object()
 
 
@@ -272,11 +271,10 @@ class ModelState:
             (:meth:`~torch_impl.grads.ModelWatch.routers_same`), not the parameters (the
             next call that reads them checks them).
         """
-        slot = (config.has_mtp, complete)
+        full = (config.has_mtp, True)
+        # A complete discovery serves a call that needs less (an audit keeps one).
+        slot = full if complete or full in self.found else (config.has_mtp, False)
         cached = self.found.get(slot)
-        if not complete and cached is None:  # a complete discovery serves too (an audit keeps one)
-            cached = self.found.get((config.has_mtp, True))
-            slot = slot if cached is None else (config.has_mtp, True)
         if cached is not None and (cached[2].routers_same() if routers_only else cached[2].same()):
             return cached[0], cached[1], cached[3]  # the watch's chunk facts hold the DDP objects
         self.programs.clear()
@@ -566,7 +564,7 @@ def _prepare(model: Any, source: Any, request: Request, known: dict[str, Any]) -
         token, found, ddp = (request.found.params, request.found.routers), request.found, (None,) * len(chunks)
     else:
         gtp = groups.size(Group.GTP) > 1 or groups.size(Group.EGTP) > 1
-        routers_only = bool(request.steps) and all(step in ROUTER_STEPS for step in request.steps)
+        routers_only = bool(request.steps) and ROUTER_ONLY_STEPS.issuperset(request.steps)
         token, found, ddp = state.discovered(chunks, config, complete=gtp, routers_only=routers_only)
     if not request.finalize:
         ddp = (None,) * len(chunks)

@@ -184,15 +184,13 @@ def _route(groups: TorchGroups, over: tuple[Group, ...]) -> list[tuple[Group | N
     span = 1
     for group, _ in pgs:
         span *= groups.size(group)
-    world = dist.group.WORLD
-    limit, own = timeout_of(world), [timeout_of(pg) for _, pg in pgs]
     if span != world_size():
         return pgs
-    if limit is None and all(t is None for t in own):  # no backend says: as good as any
-        return [(None, world)]
-    if limit is not None and None not in own and limit <= min(own):
-        return [(None, world)]
-    return pgs
+    world = dist.group.WORLD
+    limit, own = timeout_of(world), [timeout_of(pg) for _, pg in pgs]
+    unknown = limit is None and all(t is None for t in own)  # no backend tells: as good as any
+    no_longer = limit is not None and None not in own and limit <= min(own)
+    return [(None, world)] if unknown or no_longer else pgs
 
 
 def agree(status: Sequence[int], groups: TorchGroups, what: str, over: Sequence[Group] = SPANNING_GROUPS) -> list[int]:

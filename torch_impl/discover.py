@@ -26,7 +26,7 @@ from torch import nn
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
 from meshgrad.steps import may_touch
-from torch_impl.grads import get_grad, grad_attr
+from torch_impl.grads import get_grad
 
 #: Parameter attributes copied into ParamSpec flags.
 FLAG_ATTRS = (
@@ -39,6 +39,7 @@ FLAG_ATTRS = (
 
 
 _MODULE_GETATTR = nn.Module.__getattr__
+_NO_ATTR = object()
 
 
 def attr_or(obj: Any, name: str, default: Any = None) -> Any:
@@ -59,9 +60,6 @@ def attr_or(obj: Any, name: str, default: Any = None) -> Any:
 def has_attr(obj: Any, name: str) -> bool:
     """``hasattr(obj, name)``, a miss answered as :func:`attr_or` does."""
     return attr_or(obj, name, _NO_ATTR) is not _NO_ATTR
-
-
-_NO_ATTR = object()
 
 
 def unwrap(module: Any, attr: str = "pre_process") -> Any:

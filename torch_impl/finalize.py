@@ -32,10 +32,10 @@ from meshgrad.params import Role
 from meshgrad.plan import Step, embedding_chunk
 from torch_impl.cache import ModelState, Prepared, Request, as_chunks, prepare, run
 from torch_impl.consensus import share_local_error
-from torch_impl.discover import grad_attr, position_embedding, shared_word_embedding, unwrap
+from torch_impl.discover import position_embedding, shared_word_embedding, unwrap
 from torch_impl.errors import MegatronAssertionError, collective_guard, ranked
 from torch_impl.execute import ExecStats, global_token_scale, scale_grads
-from torch_impl.grads import GradAccess, is_dtensor, reshard, unshard
+from torch_impl.grads import GradAccess, grad_attr, is_dtensor, reshard, unshard
 from torch_impl.groups import TorchGroups, group_ranks, world_rank
 from torch_impl.megatron import chunk_configs, helper_group, resolve_config
 from torch_impl.megatron import gtp_fence as megatron_gtp_fence

@@ -158,9 +158,10 @@ class GradWatch:
         self.params = tuple(params)
         self.requires = list(map(_REQUIRES_GRAD, self.params))
         dicts = list(map(vars, self.params))
-        self.plain = [d for d in dicts if all(map(_compares_by_identity, d.values()))]
+        by_value = [all(map(_compares_by_identity, d.values())) for d in dicts]
+        self.plain = [d for d, plain in zip(dicts, by_value) if plain]
         self.snapshots = list(map(dict.copy, self.plain))
-        self.exact = [d for d in dicts if not all(map(_compares_by_identity, d.values()))]
+        self.exact = [d for d, plain in zip(dicts, by_value) if not plain]
         self.keys = list(map(tuple, self.exact))
         # Values held: an identity check needs live objects.
         self.values = list(chain.from_iterable(map(dict.values, self.exact)))
