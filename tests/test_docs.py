@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -63,8 +64,8 @@ def test_readme_torch_snippet_runs_as_written(tmp_path: Path) -> None:
     (snippet,) = blocks(README, "torchrun 2")
     script = tmp_path / "demo_torch.py"
     script.write_text(snippet)
-    out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
-              tmp_path)
+    out = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+                 tmp_path, TIMEOUT_S)
     # The two processes share stdout: their lines may interleave, so match each report.
     reports = dict(re.findall(r"rank (\d+): (per-token -?[\d.]+, mean -?[\d.]+)", out))
     assert sorted(reports) == ["0", "1"], out

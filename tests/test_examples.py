@@ -8,14 +8,12 @@ every full parameter's finalized gradient, the loss and every router's expert bi
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_EXAMPLE = ROOT / "examples" / "torch_train.py"
@@ -29,21 +27,9 @@ TOLERANCE = {"float32": 1e-5, "float64": 1e-7}
 
 
 def run(cmd: list[str], timeout: float = LAUNCH_TIMEOUT_S) -> str:
-    """Run ``cmd`` in its own process group; kill the whole group on timeout."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"exit {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}")
-    return out
+    """Run ``cmd`` from the checkout (:func:`launch.launch`: its process group killed on
+    timeout, one more run after torch's gloo teardown abort only); return its output."""
+    return launch(cmd, ROOT, timeout)
 
 
 def torch_dump(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
