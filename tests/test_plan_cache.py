@@ -156,6 +156,64 @@ def test_a_changed_chunk_list_gets_its_own_state():
     assert_scaled([first], before, 2)
 
 
+def _with_one_element_and_inner(chunk: Chunk) -> Chunk:
+    """``chunk`` plus a one-element parameter ``s`` and a submodule ``inner.w``."""
+    chunk.s = nn.Parameter(torch.zeros(1))
+    chunk.s.main_grad = torch.full((1,), 7.0)
+    chunk.inner = nn.Module()
+    chunk.inner.w = nn.Parameter(torch.zeros(2))
+    chunk.inner.w.main_grad = torch.full((2,), 5.0)
+    return chunk
+
+
+def _param(numel: int, value: float) -> nn.Parameter:
+    p = nn.Parameter(torch.zeros(numel))
+    p.main_grad = torch.full((numel,), value)
+    return p
+
+
+def _replace_one_element_directly(chunk: Chunk) -> None:
+    chunk._parameters["s"] = _param(1, 7.0)  # equal value, another object; no hook sees it
+
+
+def _replace_the_parameter_dict(chunk: Chunk) -> None:
+    chunk._parameters = {**chunk._parameters, "a": _param(3, 9.0)}  # a new dict object
+
+
+def _remove_directly(chunk: Chunk) -> None:
+    del chunk._parameters["c"]
+
+
+def _replace_a_submodule_directly(chunk: Chunk) -> None:
+    inner = nn.Module()
+    inner.w = _param(2, 5.0)
+    chunk._modules["inner"] = inner
+
+
+@pytest.mark.parametrize(
+    "change",
+    [_replace_one_element_directly, _replace_the_parameter_dict, _remove_directly, _replace_a_submodule_directly],
+    ids=["one-element param replaced", "_parameters dict replaced", "param removed", "submodule replaced"],
+)
+def test_module_dicts_changed_without_a_hook_are_seen(change):
+    """Edits of a module's ``_parameters`` / ``_modules`` that no registration hook
+    reports (direct dict assignment, a new dict, a removal) make the next step read the
+    model again: the new parameters are scaled, the old ones left alone."""
+    model = [_with_one_element_and_inner(Chunk())]
+    step(model)
+    old = {name: (p, p.main_grad.clone()) for name, p in model[0].named_parameters()}
+    change(model[0])
+    before = step(model, 2)
+    assert_scaled(model, before, 2)
+    assert execution_stats(model).programs_bound == 2  # read again, bound again
+    live = dict(model[0].named_parameters())
+    gone = [name for name, (p, _) in old.items() if live.get(name) is not p]
+    assert len(gone) == 1
+    for name in gone:  # replaced or removed: left as the first step left it
+        param, after_first = old[name]
+        assert torch.equal(param.main_grad, after_first), name
+
+
 def test_grad_watch_detects_each_change():
     p, q = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
     p.main_grad = torch.zeros(2)

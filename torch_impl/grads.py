@@ -113,18 +113,31 @@ _BUFFERS = operator.itemgetter("_buffers")
 
 #: Attribute values whose ``==`` tells a replacement from the same object: plain values
 #: compare by value (an equal replacement reads the same: flags are read by truth value),
-#: and a plain tensor of two or more elements raises when compared with any other tensor.
+#: and a plain tensor that is not of one element (or is on the meta device) raises when
+#: compared with any other tensor.
 _PLAIN_VALUES = (bool, int, float, str, bytes, type(None))
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 
 def _compares_by_identity(value: Any) -> bool:
-    """Whether a changed ``value`` cannot compare equal to its replacement, as far as
-    :class:`GradWatch` is concerned (see :data:`_PLAIN_VALUES`)."""
+    """Whether a changed ``value`` cannot compare equal to its replacement, as far as the
+    watches are concerned (see :data:`_PLAIN_VALUES`; a module without its own ``==``
+    compares by identity)."""
     kind = type(value)
     if kind in _PLAIN_VALUES:
         return True
-    return kind in _PLAIN_TENSORS and value.device.type != "meta" and value.numel() >= 2
+    if isinstance(value, nn.Module):
+        return kind.__eq__ is object.__eq__
+    # A meta or empty tensor's comparison result has no truth value (it raises, like a
+    # tensor of two or more elements): only a one-element tensor can compare equal.
+    return kind in _PLAIN_TENSORS and (value.device.type == "meta" or value.numel() != 1)
+
+
+def by_value(mapping: Mapping[str, Any]) -> bool:
+    """Whether a copy of ``mapping`` tells every replacement by ``==`` (all its values
+    :func:`_compares_by_identity`); else it is compared key by key, by identity
+    (:class:`ExactDicts`)."""
+    return all(map(_compares_by_identity, mapping.values()))
 
 
 def differs(live: Any, snapshot: Any) -> bool:
@@ -134,6 +147,27 @@ def differs(live: Any, snapshot: Any) -> bool:
         return live != snapshot
     except Exception:  # noqa: BLE001 -- an elementwise comparison's error: not the same object
         return True
+
+
+class ExactDicts:
+    """Dicts whose values need an identity check (a one-element or meta tensor, a tensor
+    subclass): the same keys in the same order, each value the same object.
+
+    Args:
+      dicts: the dicts as they are now (their keys and values are held).
+    """
+
+    def __init__(self, dicts: Iterable[dict[str, Any]]) -> None:
+        dicts = list(dicts)
+        self.keys = list(map(tuple, dicts))
+        self.values = list(chain.from_iterable(map(dict.values, dicts)))  # held: identity needs live objects
+
+    def same(self, live: Iterable[dict[str, Any]]) -> bool:
+        """Whether ``live`` (the dicts now, in construction order) hold what they held."""
+        live = list(live)
+        return list(map(tuple, live)) == self.keys and all(  # same keys: the values line up
+            map(operator.is_, chain.from_iterable(map(dict.values, live)), self.values)
+        )
 
 
 class GradWatch:
@@ -158,13 +192,11 @@ class GradWatch:
         self.params = tuple(params)
         self.requires = list(map(_REQUIRES_GRAD, self.params))
         dicts = list(map(vars, self.params))
-        by_value = [all(map(_compares_by_identity, d.values())) for d in dicts]
-        self.plain = [d for d, plain in zip(dicts, by_value) if plain]
+        plain = list(map(by_value, dicts))
+        self.plain = [d for d, p in zip(dicts, plain) if p]
         self.snapshots = list(map(dict.copy, self.plain))
-        self.exact = [d for d, plain in zip(dicts, by_value) if not plain]
-        self.keys = list(map(tuple, self.exact))
-        # Values held: an identity check needs live objects.
-        self.values = list(chain.from_iterable(map(dict.values, self.exact)))
+        self.exact = [d for d, p in zip(dicts, plain) if not p]
+        self.exact_now = ExactDicts(self.exact)
         # .grad matters where main_grad is absent (its appearing changes the dict).
         self.grad_params = [p for p, d in zip(self.params, dicts) if "main_grad" not in d]
         self.grads = list(map(_GRAD, self.grad_params))
@@ -182,8 +214,7 @@ class GradWatch:
         return (
             list(map(_REQUIRES_GRAD, self.params)) == self.requires
             and not differs(self.plain, self.snapshots)
-            and list(map(tuple, self.exact)) == self.keys  # same keys: the values line up
-            and all(map(operator.is_, chain.from_iterable(map(dict.values, self.exact)), self.values))
+            and self.exact_now.same(self.exact)
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
             and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
             and list(map(torch.Tensor.size, self.tensors)) == self.sizes
@@ -194,35 +225,27 @@ class GradWatch:
 
 
 class _Edges:
-    """Module-tree edges (holder dict, name, object) from the chunks' roots down to some
-    objects, each once, compared by identity (which also sees a removal, which no
-    registration hook reports).
+    """The module-tree dicts (``_modules`` / ``_parameters``) on the paths from the chunks'
+    roots down to some objects, each compared whole with a copy (which also sees a removal
+    or a direct dict assignment, which no registration hook reports).
+
+    A copy is compared by ``==`` in one list comparison (identical values short-cut); a
+    dict holding a value that could compare equal to its replacement (a one-element or
+    meta parameter, a subclass) is compared key by key, by identity (:class:`ExactDicts`).
 
     Args:
       roots: the unwrapped chunks.
       targets: (chunk, dotted path, leaf kind -- ``_PARAMETERS`` for a parameter, None
-        for a module --, object) of each watched object.
+        for a module) of each watched object.
     """
 
-    def __init__(self, roots: Sequence[Any], targets: Iterable[tuple[int, str, Any, Any]]) -> None:
-        stores: dict[tuple[int, Any], tuple[Any, Any, dict[str, Any]]] = {}  # (owner, kind) -> its dict
-        self.holders: list[dict[str, Any]] = []
-        self.names: list[str] = []
-        self.objects: list[Any] = []
-        seen: set[tuple[int, str]] = set()
+    def __init__(self, roots: Sequence[Any], targets: Iterable[tuple[int, str, Any]]) -> None:
+        stores: dict[tuple[int, Any], tuple[dict[str, Any], Any]] = {}  # (owner, kind) -> (owner's __dict__, kind)
 
-        def add(owner: Any, kind: Any, name: str, obj: Any) -> None:
-            if (id(owner), name) in seen:
-                return
-            seen.add((id(owner), name))
-            store = stores.get((id(owner), kind))
-            if store is None:
-                store = stores[(id(owner), kind)] = (vars(owner), kind, kind(vars(owner)))
-            self.holders.append(store[2])
-            self.names.append(name)
-            self.objects.append(obj)
+        def add(owner: Any, kind: Any) -> None:
+            stores.setdefault((id(owner), kind), (vars(owner), kind))
 
-        for chunk, path, leaf_kind, obj in targets:
+        for chunk, path, leaf_kind in targets:
             module = roots[chunk]
             if not isinstance(module, nn.Module):
                 continue
@@ -231,20 +254,25 @@ class _Edges:
                 child = module._modules.get(part)
                 if child is None:
                     break
-                add(module, _MODULES, part, child)
+                add(module, _MODULES)
                 module = child
             else:
                 if leaf_kind is not None and parts:
-                    add(module, leaf_kind, parts[-1], obj)
-        # Each module's _modules / _parameters dict once; each edge once.
-        self.owner_dicts = [owner for owner, _, _ in stores.values()]
-        self.kinds = [kind for _, kind, _ in stores.values()]
-        self.stores = [store for _, _, store in stores.values()]
+                    add(module, leaf_kind)
+        owners = list(stores.values())
+        plain = [by_value(kind(owner)) for owner, kind in owners]
+        self.plain_owners = [owner for (owner, _), p in zip(owners, plain) if p]
+        self.plain_kinds = [kind for (_, kind), p in zip(owners, plain) if p]
+        self.copies = list(map(dict.copy, map(operator.call, self.plain_kinds, self.plain_owners)))
+        self.exact_owners = [owner for (owner, _), p in zip(owners, plain) if not p]
+        self.exact_kinds = [kind for (_, kind), p in zip(owners, plain) if not p]
+        self.exact = ExactDicts(map(operator.call, self.exact_kinds, self.exact_owners))
 
     def same(self) -> bool:
-        """The same dicts in the modules, holding the same objects under the same names."""
-        return all(map(operator.is_, map(operator.call, self.kinds, self.owner_dicts), self.stores)) and all(
-            map(operator.is_, map(dict.get, self.holders, self.names), self.objects)
+        """Each module's dict (whichever object it now is) holds the same objects under the
+        same names."""
+        return not differs(list(map(operator.call, self.plain_kinds, self.plain_owners)), self.copies) and (
+            self.exact.same(map(operator.call, self.exact_kinds, self.exact_owners))
         )
 
 
@@ -298,9 +326,7 @@ class ModelWatch:
         # (a one-element buffer replaced by an equal one is still seen).
         self.router_dicts = list(map(vars, routers))
         self.router_snapshots = list(map(dict.copy, self.router_dicts))
-        self.router_buffers = list(map(_BUFFERS, self.router_dicts))
-        self.buffer_keys = list(map(tuple, self.router_buffers))
-        self.buffer_values = list(chain.from_iterable(map(dict.values, self.router_buffers)))
+        self.router_buffers = ExactDicts(map(_BUFFERS, self.router_dicts))
         self._edges(chunks, found)
         self.dirty = [False]
         ids = set(self.module_ids)
@@ -337,8 +363,8 @@ class ModelWatch:
         for root in found.chunks:
             if isinstance(root, nn.Module):
                 self.module_ids.extend(id(m) for m in root.modules())
-        self.param_edges = _Edges(found.chunks, [(k[0], k[1], _PARAMETERS, found.tensors[k]) for k in self.keys])
-        self.router_edges = _Edges(found.chunks, [(k[0], k[1], None, m) for k, m in found.router_modules.items()])
+        self.param_edges = _Edges(found.chunks, [(k[0], k[1], _PARAMETERS) for k in self.keys])
+        self.router_edges = _Edges(found.chunks, [(k[0], k[1], None) for k in found.router_modules])
 
     def structure_same(self) -> bool:
         """No registration in the model since construction, the same module-tree edges to
@@ -362,11 +388,8 @@ class ModelWatch:
         )
 
     def _routers_unchanged(self) -> bool:
-        buffers = self.router_buffers
-        return (
-            not differs(self.router_dicts, self.router_snapshots)
-            and list(map(tuple, buffers)) == self.buffer_keys  # same keys: the values line up
-            and all(map(operator.is_, chain.from_iterable(map(dict.values, buffers)), self.buffer_values))
+        return not differs(self.router_dicts, self.router_snapshots) and self.router_buffers.same(
+            map(_BUFFERS, self.router_dicts)  # whichever dict each router holds now
         )
 
     def same(self) -> bool:
