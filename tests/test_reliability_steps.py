@@ -49,7 +49,7 @@ from test_reliability_inputs import (  # noqa: E402
     snapshot,
     timed_collection,
 )
-from torch_impl import finalize_model_grads, invalidate_plans  # noqa: E402
+from torch_impl import _allreduce_non_tensor_model_parallel_grads, finalize_model_grads, invalidate_plans  # noqa: E402
 
 WORLD = 4
 SP_NORM = "decoder.final_layernorm.weight"
@@ -91,19 +91,57 @@ def _step2(model: Sequence[Any], rank: int) -> None:
                 make_rank_inputs(_seeded(DP_TP, 1), rank))
 
 
-def live_vs_fresh(rank: int, change: Callable[[list[Any], int], None], ddp: bool = False) -> tuple:
-    """(live kind, fresh kind, live == fresh bit for bit, live message)."""
+class HelperThenFinalize:
+    """Step 2 as the non-TP seed helper (its own, narrower check of a kept discovery),
+    then finalize; the gradients after the helper are kept for the comparison."""
+
+    def __init__(self, groups: Any) -> None:
+        self.groups = groups
+        self.after_helper: Any = None
+
+    def __call__(self, model: Sequence[Any]) -> None:
+        _allreduce_non_tensor_model_parallel_grads(model, _inner(model).config, self.groups.tp)
+        self.after_helper = snapshot(model)
+        _call(self.groups)(model)
+
+
+def _step2_in_place(model: Sequence[Any], rank: int) -> None:
+    """:func:`_step2`, the new values copied into the gradient tensors the model holds (as
+    training accumulates into the same buffers), so that only the case's change differs."""
+    held = {name: p.main_grad for name, p in _inner(model).named_parameters() if hasattr(p, "main_grad")}
+    _step2(model, rank)
+    for name, p in _inner(model).named_parameters():
+        old = held.get(name)
+        if old is not None and p.main_grad is not old:
+            old.copy_(p.main_grad)
+            p.main_grad = old
+
+
+def live_vs_fresh(
+    rank: int,
+    change: Callable[[list[Any], int], None],
+    ddp: bool = False,
+    step2: Callable[[Any], Callable[[Sequence[Any]], None]] = _call,
+    warm: int = 1,
+) -> tuple:
+    """(live kind, fresh kind, live == fresh bit for bit, live message): ``warm`` steps
+    and step 2 are ``step2(groups)`` (finalize, or the non-TP helper then finalize,
+    compared after each); with ``warm`` > 1 step 2's inputs are copied into the held
+    gradient tensors."""
     groups = timed_collection(DP_TP)
     live = _model(rank, ddp)
-    _call(groups)(live)
-    _step2(live, rank)
+    for _ in range(warm):
+        step2(groups)(live)
+    (_step2_in_place if warm > 1 else _step2)(live, rank)
     change(live, rank)
     fresh = _model(rank, ddp)
     _step2(fresh, rank)
     change(fresh, rank)
-    kind_live, message, _, _ = attempt(live, _call(groups))
-    kind_fresh, _, _, _ = attempt(fresh, _call(groups))
-    return kind_live, kind_fresh, snapshot(live) == snapshot(fresh), message
+    live_call, fresh_call = step2(groups), step2(groups)
+    kind_live, message, _, _ = attempt(live, live_call)
+    kind_fresh, _, _, _ = attempt(fresh, fresh_call)
+    between = getattr(live_call, "after_helper", None) == getattr(fresh_call, "after_helper", None)
+    return kind_live, kind_fresh, between and snapshot(live) == snapshot(fresh), message
 
 
 def one_rank(rank: int, bad: int, change: Callable[[list[Any], int], Any], ddp: bool = False) -> tuple:
@@ -163,6 +201,23 @@ def case_param_replaced_after_step1(rank: int, world: int) -> tuple:
 
 def case_flag_set_after_step1(rank: int, world: int) -> tuple:
     return live_vs_fresh(rank, set_sp_flag)
+
+
+def replace_untouched_grad(model: list[Any], rank: int) -> None:
+    p = param([_inner(model)], LINEAR)
+    p.main_grad = p.main_grad.clone() * 2 + rank
+
+
+def case_helper_flag_set_after_step1(rank: int, world: int) -> tuple:
+    return live_vs_fresh(rank, set_sp_flag, step2=HelperThenFinalize, warm=2)  # the helper's own check from its 2nd call
+
+
+def case_helper_untouched_grad_replaced_after_step1(rank: int, world: int) -> tuple:
+    return live_vs_fresh(rank, replace_untouched_grad, step2=HelperThenFinalize, warm=2)  # the helper's own check from its 2nd call
+
+
+def case_helper_param_replaced_after_step1(rank: int, world: int) -> tuple:
+    return live_vs_fresh(rank, replace_param, step2=HelperThenFinalize, warm=2)  # the helper's own check from its 2nd call
 
 
 def case_ddp_sp_param_added_after_step1(rank: int, world: int) -> tuple:
@@ -309,6 +364,12 @@ LIVE = [
     ("a parameter added after step 1 (plain chunks)", "case_param_added_after_step1"),
     ("a parameter replaced by a new Parameter after step 1", "case_param_replaced_after_step1"),
     ("sequence_parallel set on a parameter after step 1", "case_flag_set_after_step1"),
+    ("seed helper, then finalize: sequence_parallel set on a parameter after step 1",
+     "case_helper_flag_set_after_step1"),
+    ("seed helper, then finalize: a gradient replaced on a parameter the helper does not touch",
+     "case_helper_untouched_grad_replaced_after_step1"),
+    ("seed helper, then finalize: a parameter replaced by a new Parameter after step 1",
+     "case_helper_param_replaced_after_step1"),
     ("DDP chunks: an SP parameter added after step 1", "case_ddp_sp_param_added_after_step1"),
     ("DDP chunks: an SP parameter removed after step 1", "case_ddp_sp_param_removed_after_step1"),
     ("DDP chunks: an SP parameter replaced after step 1", "case_ddp_sp_param_replaced_after_step1"),

@@ -84,6 +84,8 @@ class BoundPlan:
       ddp_force_kwarg: per DDP object, whether it accepts ``force_all_reduce``.
       plain_scale_keys: gradients this backend scales by num_tokens (plain chunks).
       checks: what a call of this plan checks before communicating (None: nothing).
+      helper: a seed helper's plan (its kept discovery is checked for what it touches:
+        :meth:`~torch_impl.grads.ModelWatch.touched_same`).
     """
 
     plan: FinalizePlan
@@ -91,6 +93,7 @@ class BoundPlan:
     ddp_force_kwarg: tuple[bool, ...]
     plain_scale_keys: tuple[ParamKey, ...]
     checks: CheckSpec | None = None
+    helper: bool = False
 
 
 def build_plan(
@@ -195,6 +198,14 @@ class _Fingerprint:
         return isinstance(other, _Fingerprint) and self.hash == other.hash and self.specs == other.specs
 
 
+#: What a kept discovery is checked for, by what the call's plan may read.
+_CHECKS: dict[str, Callable[[ModelWatch], bool]] = {
+    "all": ModelWatch.same,
+    "touched": ModelWatch.touched_same,
+    "routers": ModelWatch.routers_same,
+}
+
+
 class ModelState:
     """What meshgrad caches on a model (on its first chunk; lifetime in the module doc).
 
@@ -251,7 +262,7 @@ class ModelState:
         return token
 
     def discovered(
-        self, chunks: Sequence[Any], config: FinalizeConfig, complete: bool = True, routers_only: bool = False
+        self, chunks: Sequence[Any], config: FinalizeConfig, complete: bool = True, reads: str = "all"
     ) -> tuple[Any, Discovered, tuple[Any, ...]]:
         """(fingerprint token, Discovered, the chunks' DDP objects) for this step.
 
@@ -266,16 +277,19 @@ class ModelState:
           complete: a spec for every parameter; False leaves out the parameters of
             Megatron-DDP chunks that no step of meshgrad touches (read once per
             discovery: their DDP does the DP sync; the GTP step needs them all).
-          routers_only: the call's plan reads routers only (expert bias, qb_beta, reset):
-            a kept discovery is checked for what such a plan depends on
-            (:meth:`~torch_impl.grads.ModelWatch.routers_same`), not the parameters (the
-            next call that reads them checks them).
+          reads: what the call's plan may read, which a kept discovery is checked for
+            (the next call that reads more checks more): ``"all"`` (finalize: every
+            watched parameter, :meth:`~torch_impl.grads.ModelWatch.same`), ``"touched"``
+            (a seed helper: the parameters a step besides the DP sync may touch, the
+            others' flags, :meth:`~torch_impl.grads.ModelWatch.touched_same`) or
+            ``"routers"`` (expert bias, qb_beta, reset: routers only,
+            :meth:`~torch_impl.grads.ModelWatch.routers_same`).
         """
         full = (config.has_mtp, True)
         # A complete discovery serves a call that needs less (an audit keeps one).
         slot = full if complete or full in self.found else (config.has_mtp, False)
         cached = self.found.get(slot)
-        if cached is not None and (cached[2].routers_same() if routers_only else cached[2].same()):
+        if cached is not None and _CHECKS[reads](cached[2]):
             return cached[0], cached[1], cached[3]  # the watch's chunk facts hold the DDP objects
         self.programs.clear()
         ddp = tuple(ddp_object(c) for c in chunks)
@@ -289,7 +303,7 @@ class ModelState:
         has_mtp = config.has_mtp
         watch = ModelWatch(
             found, chunks, lambda: chunk_facts(chunks, found, has_mtp, ddp_object),
-            watched_keys(found, [obj is None for obj in ddp]),
+            watched_keys(found, [obj is None for obj in ddp]), watched_keys(found, [False] * len(ddp)),
         )
         self.found[slot] = (token, found, watch, ddp)
         return token, found, ddp
@@ -364,7 +378,7 @@ class ModelState:
             return hit[1]
         cached = next((hit for hit in self.found.values() if hit[1] is found), None)
         if cached is not None:
-            cached[2].cover(plan_keys(bound.plan, bound.plain_scale_keys))  # what the plan reads is watched
+            cached[2].cover(plan_keys(bound.plan, bound.plain_scale_keys), bound.helper)  # what the plan reads is watched
             if cached[2].has_dtensor():
                 return None
         elif any(is_dtensor(get_grad(t)) for t in found.tensors.values()):  # a helper's own discovery
@@ -544,7 +558,7 @@ def _helper_plan(found: Discovered, config: FinalizeConfig, groups: TorchGroups,
     plan = plan_finalize(found.params, config, groups.group_sizes(config), found.routers, dp_sync=False)
     plan = dataclasses.replace(plan, actions=plan.for_step(*request.steps))
     checks = CheckSpec(keys=tuple(plan_keys(plan, ())), nan=False, over=request.over, compared=request.over)
-    return BoundPlan(plan, (), (), (), checks)
+    return BoundPlan(plan, (), (), (), checks, helper=True)
 
 
 def _prepare(model: Any, source: Any, request: Request, known: dict[str, Any]) -> Prepared:
@@ -564,8 +578,8 @@ def _prepare(model: Any, source: Any, request: Request, known: dict[str, Any]) -
         token, found, ddp = (request.found.params, request.found.routers), request.found, (None,) * len(chunks)
     else:
         gtp = groups.size(Group.GTP) > 1 or groups.size(Group.EGTP) > 1
-        routers_only = bool(request.steps) and ROUTER_ONLY_STEPS.issuperset(request.steps)
-        token, found, ddp = state.discovered(chunks, config, complete=gtp, routers_only=routers_only)
+        reads = "all" if request.finalize else "routers" if ROUTER_ONLY_STEPS.issuperset(request.steps) else "touched"
+        token, found, ddp = state.discovered(chunks, config, complete=gtp, reads=reads)
     if not request.finalize:
         ddp = (None,) * len(chunks)
     key = (request.steps, token, config, groups, requested, request.force_all_reduce,

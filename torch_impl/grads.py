@@ -170,6 +170,31 @@ class ExactDicts:
         )
 
 
+class DictWatch:
+    """Whether some dicts (parameters' or modules' attribute dicts) hold what they held.
+
+    Each dict is compared with a copy, all in one list comparison (identical values
+    short-cut; a plain value compares by value, a tensor that is not of one element raises
+    against any other tensor: a change), or, when it holds a value that could compare
+    equal to its replacement (a one-element tensor, a subclass), key by key and by
+    identity (:class:`ExactDicts`).
+
+    Args:
+      dicts: the live dicts (held: they are the objects compared each time).
+    """
+
+    def __init__(self, dicts: Iterable[dict[str, Any]]) -> None:
+        dicts = list(dicts)
+        plain = list(map(by_value, dicts))
+        self.plain = [d for d, p in zip(dicts, plain) if p]
+        self.snapshots = list(map(dict.copy, self.plain))
+        self.exact = [d for d, p in zip(dicts, plain) if not p]
+        self.exact_now = ExactDicts(self.exact)
+
+    def same(self) -> bool:
+        return not differs(self.plain, self.snapshots) and self.exact_now.same(self.exact)
+
+
 class GradWatch:
     """Whether parameters still look as they did at construction, at C speed.
 
@@ -192,11 +217,7 @@ class GradWatch:
         self.params = tuple(params)
         self.requires = list(map(_REQUIRES_GRAD, self.params))
         dicts = list(map(vars, self.params))
-        plain = list(map(by_value, dicts))
-        self.plain = [d for d, p in zip(dicts, plain) if p]
-        self.snapshots = list(map(dict.copy, self.plain))
-        self.exact = [d for d, p in zip(dicts, plain) if not p]
-        self.exact_now = ExactDicts(self.exact)
+        self.attributes = DictWatch(dicts)
         # .grad matters where main_grad is absent (its appearing changes the dict).
         self.grad_params = [p for p, d in zip(self.params, dicts) if "main_grad" not in d]
         self.grads = list(map(_GRAD, self.grad_params))
@@ -213,8 +234,7 @@ class GradWatch:
         """True when nothing a bound program or the plan depends on has changed."""
         return (
             list(map(_REQUIRES_GRAD, self.params)) == self.requires
-            and not differs(self.plain, self.snapshots)
-            and self.exact_now.same(self.exact)
+            and self.attributes.same()
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
             and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
             and list(map(torch.Tensor.size, self.tensors)) == self.sizes
@@ -298,13 +318,17 @@ class ModelWatch:
     flextron_router_pp_sync, is_gtp_weight_remat), an embedding role or a q/k layernorm
     name, plus whatever the bound plan reads (:meth:`cover`). Flags and requires_grad of
     the other parameters of a DDP chunk are read once per discovery
-    (``torch_impl.invalidate_plans(model)`` forces a re-read).
+    (``torch_impl.invalidate_plans(model)`` forces a re-read). A seed helper checks less
+    (:meth:`touched_same`: in full only what its plan may read), the router helpers only
+    the routers (:meth:`routers_same`).
 
     Args:
       found: the discovered model.
       chunks: the chunks as given (wrappers included).
       facts: per chunk, the facts that decide discovery (:func:`chunk_facts`).
       watched: the keys of the parameters to watch.
+      touched: the keys of the parameters a step besides the DP sync may touch (what a
+        seed helper's plan may read: :meth:`touched_same`); None: all watched ones.
     """
 
     def __init__(
@@ -313,13 +337,16 @@ class ModelWatch:
         chunks: Sequence[Any],
         facts: Callable[[], tuple[Any, ...]],
         watched: Iterable[ParamKey],
+        touched: Iterable[ParamKey] | None = None,
     ) -> None:
         self.found = found
         self.facts = facts
         self.chunk_facts = facts()  # held: their ids cannot be reused while watched
         self.fact_ids = tuple(map(id, self.chunk_facts))
         self.keys = set(watched)
-        self.grads = GradWatch(found.tensors[k] for k in found.tensors if k in self.keys)
+        self.touched = self.keys if touched is None else set(touched) & self.keys
+        self.grads = self._grad_watch(self.keys)
+        self._helper: tuple[GradWatch, DictWatch] | None = None  # made on a helper's first check
         routers = list(found.router_modules.values())
         # A router's attributes against a copy (its containers, _buffers among them, are the
         # same objects, so they compare by identity); its buffers key by key, by identity
@@ -396,12 +423,35 @@ class ModelWatch:
         """True when the cached discovery (and every plan made from it) still holds."""
         return self.structure_same() and self._routers_unchanged() and self.grads.same()
 
-    def cover(self, keys: Iterable[ParamKey]) -> None:
-        """Also watch ``keys`` (what a bound plan reads or writes)."""
-        extra = set(keys) - self.keys
-        if extra:
-            self.keys |= extra
-            self.grads = GradWatch(self.found.tensors[k] for k in self.found.tensors if k in self.keys)
+    def touched_same(self) -> bool:
+        """What a seed helper's plan depends on (it does no DP sync): structure, chunk
+        facts and routers as :meth:`same`, the parameters a step besides the DP sync may
+        touch (and what bound plans read) in full, and of the other watched parameters
+        their attributes only (a flag set later makes one a candidate); their gradients
+        and requires_grad are the DP sync's, which :meth:`same` checks."""
+        if self._helper is None:
+            if not self.same():  # the helper's snapshot starts from the discovered state
+                return False
+            rest = [self.found.tensors[k] for k in self.found.tensors if k in self.keys and k not in self.touched]
+            full = self.grads if not rest else self._grad_watch(self.touched)
+            self._helper = (full, DictWatch(map(vars, rest)))
+        full, rest = self._helper
+        return self.structure_same() and self._routers_unchanged() and full.same() and rest.same()
+
+    def _grad_watch(self, keys: set[ParamKey]) -> GradWatch:
+        return GradWatch(self.found.tensors[k] for k in self.found.tensors if k in keys)
+
+    def cover(self, keys: Iterable[ParamKey], helper: bool = False) -> None:
+        """Also watch ``keys`` (what a bound plan reads or writes; a seed helper's plan:
+        also in :meth:`touched_same`)."""
+        keys = set(keys)
+        if keys - self.keys:
+            self.keys |= keys
+            self.grads = self._grad_watch(self.keys)
+            self._helper = None
+        if helper and keys - self.touched:
+            self.touched = self.touched | keys
+            self._helper = None
 
     def has_dtensor(self) -> bool:
         return self.grads.has_dtensor()
