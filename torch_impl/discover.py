@@ -44,15 +44,17 @@ _NO_ATTR = object()
 
 def attr_or(obj: Any, name: str, default: Any = None) -> Any:
     """``getattr(obj, name, default)``. For an ``nn.Module`` that keeps torch's
-    ``__getattr__`` a miss is answered without raising (torch formats an error message
-    for each miss, and the wrapper chains of a model are walked every step)."""
+    ``__getattr__``, a name that is neither an instance nor a class attribute is looked up
+    in its parameters, buffers and submodules, in torch's order, without calling that
+    ``__getattr__`` (which formats an error message for each miss; the wrapper chains of
+    a model are walked every step)."""
     cls = type(obj)
     if getattr(cls, "__getattr__", None) is _MODULE_GETATTR:
         state = obj.__dict__
-        if (
-            name not in state and name not in state["_parameters"] and name not in state["_buffers"]
-            and name not in state["_modules"] and not hasattr(cls, name)
-        ):
+        if name not in state and not hasattr(cls, name):
+            for store in (state["_parameters"], state["_buffers"], state["_modules"]):
+                if name in store:
+                    return store[name]
             return default
     return getattr(obj, name, default)
 

@@ -106,6 +106,7 @@ class GradAccess:
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
+_SHAPE = operator.attrgetter("shape")  # a little cheaper than Tensor.size()
 _MODULES = operator.itemgetter("_modules")
 _PARAMETERS = operator.itemgetter("_parameters")
 _BUFFERS = operator.itemgetter("_buffers")
@@ -228,7 +229,7 @@ class GradWatch:
                 tensors.append(g)
         self.tensors = tensors
         self.ptrs = list(map(torch.Tensor.data_ptr, tensors))
-        self.sizes = list(map(torch.Tensor.size, tensors))
+        self.sizes = list(map(_SHAPE, tensors))
 
     def same(self) -> bool:
         """True when nothing a bound program or the plan depends on has changed."""
@@ -237,7 +238,7 @@ class GradWatch:
             and self.attributes.same()
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
             and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
-            and list(map(torch.Tensor.size, self.tensors)) == self.sizes
+            and list(map(_SHAPE, self.tensors)) == self.sizes
         )
 
     def has_dtensor(self) -> bool:
