@@ -312,3 +312,20 @@ def test_verify_script_end_to_end(tmp_path: Path) -> None:
     row = next(line for line in lines if line.split() and line.split()[0] == "0")
     assert row.split()[-1] == "yes"
     assert lines[-1].startswith("VERDICT: OK: all 1 steps of the distributed run match")
+
+
+def test_a_launch_is_retried_only_after_the_gloo_teardown_abort() -> None:
+    """The one failure a torchrun launch is run again for: both ranks done, then torch's
+    gloo teardown abort; a program error (a traceback before the launcher's) is not."""
+    from launch import teardown_abort_only
+
+    abort = (
+        "rank 1: per-token 1.40, mean 1.04\nrank 0: per-token 1.40, mean 1.04\n"
+        "terminate called without an active exception\n"
+        "Traceback (most recent call last):\n  raise ChildFailedError(\n"
+        "exitcode  : -6 (pid: 361)  (SIGABRT)\n"
+    )
+    assert teardown_abort_only(1, abort)
+    assert not teardown_abort_only(0, abort)
+    assert not teardown_abort_only(1, "ValueError: rank 0: bad config\n" + abort)
+    assert not teardown_abort_only(1, abort.replace("terminate called without an active exception\n", ""))
