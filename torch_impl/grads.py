@@ -150,6 +150,15 @@ def differs(live: Any, snapshot: Any) -> bool:
         return True
 
 
+def split(items: Iterable[Any], flags: Iterable[bool]) -> tuple[list[Any], list[Any]]:
+    """(the items whose flag is true, the others), each in order."""
+    kept: list[Any] = []
+    rest: list[Any] = []
+    for item, flag in zip(items, flags):
+        (kept if flag else rest).append(item)
+    return kept, rest
+
+
 class ExactDicts:
     """Dicts whose values need an identity check (a one-element or meta tensor, a tensor
     subclass): the same keys in the same order, each value the same object.
@@ -186,10 +195,8 @@ class DictWatch:
 
     def __init__(self, dicts: Iterable[dict[str, Any]]) -> None:
         dicts = list(dicts)
-        plain = list(map(by_value, dicts))
-        self.plain = [d for d, p in zip(dicts, plain) if p]
+        self.plain, self.exact = split(dicts, map(by_value, dicts))
         self.snapshots = list(map(dict.copy, self.plain))
-        self.exact = [d for d, p in zip(dicts, plain) if not p]
         self.exact_now = ExactDicts(self.exact)
 
     def same(self) -> bool:
@@ -281,12 +288,10 @@ class _Edges:
                 if leaf_kind is not None and parts:
                     add(module, leaf_kind)
         owners = list(stores.values())
-        plain = [by_value(kind(owner)) for owner, kind in owners]
-        self.plain_owners = [owner for (owner, _), p in zip(owners, plain) if p]
-        self.plain_kinds = [kind for (_, kind), p in zip(owners, plain) if p]
+        plain, exact = split(owners, (by_value(kind(owner)) for owner, kind in owners))
+        self.plain_owners, self.plain_kinds = [o for o, _ in plain], [k for _, k in plain]
         self.copies = list(map(dict.copy, map(operator.call, self.plain_kinds, self.plain_owners)))
-        self.exact_owners = [owner for (owner, _), p in zip(owners, plain) if not p]
-        self.exact_kinds = [kind for (_, kind), p in zip(owners, plain) if not p]
+        self.exact_owners, self.exact_kinds = [o for o, _ in exact], [k for _, k in exact]
         self.exact = ExactDicts(map(operator.call, self.exact_kinds, self.exact_owners))
 
     def same(self) -> bool:
