@@ -5,14 +5,13 @@ the examples added for newcomers (a verdict, a semantics variant)."""
 from __future__ import annotations
 
 import io
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launch import launch
+from launch import checkout_env, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -28,10 +27,7 @@ def blocks(path: Path, kind: str) -> list[str]:
 
 def run(cmd: list[str], cwd: Path) -> str:
     """Run ``cmd`` with the checkout on PYTHONPATH; return stdout, fail on a non-zero exit."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(cmd, cwd=cwd, env=checkout_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"exit {proc.returncode}: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 

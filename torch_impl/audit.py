@@ -65,6 +65,7 @@ from torch import nn
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from torch_impl.cache import ModelState
+from torch_impl.discover import FLAG_ATTRS
 from torch_impl.finalize import finalize_model_grads
 from torch_impl.grads import is_dtensor
 from torch_impl.groups import group_ranks
@@ -74,14 +75,8 @@ from torch_impl.megatron import CONFIG_SIZES, Requested, chunk_configs, parallel
 FORMAT_VERSION = 2
 #: Router buffers recorded whole.
 ROUTER_FIELDS = ("local_tokens_per_expert", "expert_bias", "qb_beta", "qb_beta_accum", "qb_beta_count")
-#: Parameter flags recorded (docs/semantics.md).
-PARAM_FLAGS = (
-    "sequence_parallel",
-    "average_gradients_across_tp_domain",
-    "pipeline_parallel",
-    "flextron_router_pp_sync",
-    "is_gtp_weight_remat",
-)
+#: Parameter flags recorded (docs/semantics.md): those discovery reads.
+PARAM_FLAGS = FLAG_ATTRS
 
 FinalizeFn = Callable[..., Any]
 

@@ -30,7 +30,7 @@ from meshgrad.plan import FinalizePlan, GroupSizes, Step, plan_finalize
 from meshgrad.steps import ROUTER_ONLY_STEPS
 from torch_impl.checks import collection_source, plan_keys, requirements
 from torch_impl.consensus import CheckSpec, PlanRecord, before_communication, share_local_error
-from torch_impl.discover import Discovered, chunk_facts, discover, dtype_name, one_weight, watched_keys
+from torch_impl.discover import Discovered, candidate_keys, chunk_facts, discover, dtype_name, one_weight, watched_keys
 from torch_impl.errors import ranked
 from torch_impl.execute import ExecStats, Program, run_actions
 from torch_impl.grads import GradAccess, ModelWatch, differs, get_grad, is_dtensor
@@ -303,7 +303,7 @@ class ModelState:
         has_mtp = config.has_mtp
         watch = ModelWatch(
             found, chunks, lambda: chunk_facts(chunks, found, has_mtp, ddp_object),
-            watched_keys(found, [obj is None for obj in ddp]), watched_keys(found, [False] * len(ddp)),
+            watched_keys(found, [obj is None for obj in ddp]), candidate_keys(found),
         )
         self.found[slot] = (token, found, watch, ddp)
         return token, found, ddp

@@ -335,14 +335,12 @@ def one_weight(model: Sequence[Any], index: int, weight: torch.Tensor | None, ro
 def candidate(spec: ParamSpec) -> bool:
     """Whether a step other than the DP sync may touch this parameter (given a
     gradient): a flag, an embedding role or a q / k layernorm name."""
-    flags = (
-        spec.sequence_parallel,
-        spec.average_gradients_across_tp_domain,
-        spec.pipeline_parallel,
-        spec.flextron_router_pp_sync,
-        spec.is_gtp_weight_remat,
-    )
-    return may_touch(spec.name, spec.role, flags)
+    return may_touch(spec.name, spec.role, (getattr(spec, flag) for flag in FLAG_ATTRS))
+
+
+def candidate_keys(found: Discovered) -> list[ParamKey]:
+    """The keys of the :func:`candidate` parameters (what a seed helper's plan may read)."""
+    return [s.key for s in found.params if candidate(s)]
 
 
 def watched_keys(found: Discovered, plain: Sequence[bool]) -> list[ParamKey]:

@@ -200,6 +200,7 @@ class DictWatch:
         self.exact_now = ExactDicts(self.exact)
 
     def same(self) -> bool:
+        """Whether every dict holds what it held at construction."""
         return not differs(self.plain, self.snapshots) and self.exact_now.same(self.exact)
 
 
@@ -313,8 +314,9 @@ class ModelWatch:
     Structure -- parameters, buffers or submodules registered, replaced or removed
     anywhere in the chunks -- is seen without visiting the parameters: torch's module
     registration hooks (filtered to this model's modules) set a dirty flag, and the
-    module-tree edges leading to the watched parameters and routers are compared by
-    identity (which also sees removals, which no hook reports). Per step, then, the cost
+    module dicts on the paths to the watched parameters and routers are compared with
+    copies (:class:`_Edges`: this also sees removals and direct dict edits, which no hook
+    reports). Per step, then, the cost
     is that of the watched parameters' :class:`GradWatch`, the routers' attributes and
     buffers, and a few calls per chunk (wrapper chain, DDP object, embedding getters).
 
