@@ -18,7 +18,7 @@ from meshgrad import FinalizeConfig  # noqa: E402
 from torch_impl import finalize_model_grads, reset_model_temporary_tensors  # noqa: E402
 discover_module = importlib.import_module("torch_impl.discover")
 cache_module = importlib.import_module("torch_impl.cache")
-from torch_impl.grads import GradWatch  # noqa: E402
+from torch_impl.grads import GradWatch, ModelWatch  # noqa: E402
 from torch_impl.finalize import ModelState, execution_stats  # noqa: E402
 
 CONFIG = FinalizeConfig(calculate_per_token_loss=True, sequence_parallel=True)
@@ -212,6 +212,19 @@ def test_module_dicts_changed_without_a_hook_are_seen(change):
     for name in gone:  # replaced or removed: left as the first step left it
         param, after_first = old[name]
         assert torch.equal(param.main_grad, after_first), name
+
+
+def test_a_covered_parameter_is_watched_in_its_module_dicts_too():
+    """A parameter a bound plan reads but discovery did not watch (``cover``) is checked
+    like a watched one: replacing it in its module's dict (no hook sees it) is seen."""
+    chunk = _with_one_element_and_inner(Chunk())
+    found = discover_module.discover([chunk], CONFIG)
+    watch = ModelWatch(found, [chunk], tuple, [(0, "a")])
+    watch.cover([(0, "inner.w")])
+    assert watch.same()
+    chunk.inner._parameters["w"] = _param(2, 5.0)
+    assert not watch.same()
+    watch.close()
 
 
 def test_grad_watch_detects_each_change():

@@ -451,11 +451,13 @@ class ModelWatch:
 
     def cover(self, keys: Iterable[ParamKey], helper: bool = False) -> None:
         """Also watch ``keys`` (what a bound plan reads or writes; a seed helper's plan:
-        also in :meth:`touched_same`)."""
+        also in :meth:`touched_same`): their flags and gradient tensors, and the module
+        dicts on their paths."""
         keys = set(keys)
         if keys - self.keys:
             self.keys |= keys
             self.grads = self._grad_watch(self.keys)
+            self.param_edges = _Edges(self.found.chunks, [(k[0], k[1], _PARAMETERS) for k in self.keys])
             self._helper = None
         if helper and keys - self.touched:
             self.touched = self.touched | keys
