@@ -277,6 +277,29 @@ def test_grad_watch_sees_equal_valued_replacements_and_in_place_changes():
     assert watch.same()
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda ts: ts[0].unsqueeze_(0),  # another dim, the same numel
+        lambda ts: ts[1].resize_(2, 3),  # (3, 2) -> (2, 3): the same dim and numel
+        lambda ts: ts[1].resize_(6),
+        lambda ts: ts[2].resize_(0, 7),  # empty: (0, 5) -> (0, 7)
+        lambda ts: ts[3].resize_(4, 1, 3),  # (4, 3, 1) -> (4, 1, 3)
+        lambda ts: ts[0].resize_(5),
+    ],
+    ids=["unsqueeze", "2-D split", "flattened", "empty", "3-D middle", "numel"],
+)
+def test_grad_watch_sees_every_shape_change(change):
+    tensors = [torch.zeros(4), torch.zeros(3, 2), torch.zeros(0, 5), torch.zeros(4, 3, 1), torch.zeros(())]
+    params = [nn.Parameter(torch.zeros(t.shape)) for t in tensors]
+    for param, tensor in zip(params, tensors):
+        param.main_grad = tensor
+    watch = GradWatch(params)
+    assert watch.same()
+    change(tensors)
+    assert not watch.same()
+
+
 class Router(nn.Module):
     def __init__(self) -> None:
         super().__init__()

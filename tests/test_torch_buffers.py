@@ -145,6 +145,32 @@ def test_world_of_one_token_scaling_copies_nothing_and_scales_exactly():
         assert torch.equal(model[0].get_parameter(name).main_grad, value / 4)
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["kept buffer", "buffer per call"])
+@pytest.mark.parametrize("kind", ["contiguous", "mixed dtypes", "strided"])
+def test_staging_copies_in_and_back_exactly(kind, keep):
+    """The staging copies of a reduction of separate tensors lay the tensors out in
+    order (cast to the buffer's dtype) and write the buffer back exactly, whichever copy
+    path the tensors take."""
+    from torch_impl.execute import _Staging
+
+    tensors = [torch.arange(6.0).view(2, 3) + 1, torch.arange(4.0) * -1.5, torch.full((1,), 7.25)]
+    if kind == "mixed dtypes":
+        tensors[1] = tensors[1].to(torch.bfloat16)
+    if kind == "strided":
+        tensors[0] = (torch.arange(6.0).view(3, 2) + 1).t()
+    sizes = [t.numel() for t in tensors]
+    stage = _Staging(tensors, sizes, torch.float32, keep=keep)
+    for step in range(2):
+        staged = stage.copy_in()
+        buffer = staged[0]
+        assert torch.equal(buffer, torch.cat([t.float().reshape(-1) for t in tensors]))
+        buffer.copy_(torch.arange(buffer.numel(), dtype=torch.float32) * (step + 2))
+        stage.copy_out(staged)
+        for tensor, part in zip(tensors, torch.split(buffer, sizes)):
+            assert torch.equal(tensor, part.view(tensor.shape).to(tensor.dtype)), (kind, step)
+        assert (stage.copy_in()[0] is buffer) == keep
+
+
 # =========================================================================== gloo world
 
 CFG = dict(sequence_parallel=True, qk_layernorm=True, calculate_per_token_loss=True)
@@ -257,14 +283,42 @@ def case_mixed_dtypes(rank: int, world: int) -> dict[str, Any]:
     )
 
 
+def _per_call_staging(run: Any) -> Any:
+    """``run()`` with every staging buffer made per call (none kept between calls, as
+    for a model's large gradients), restored afterwards."""
+    import torch_impl.execute as execute
+
+    saved = execute.PERSISTENT_STAGING_BYTES
+    execute.PERSISTENT_STAGING_BYTES = 0
+    try:
+        return run()
+    finally:
+        execute.PERSISTENT_STAGING_BYTES = saved
+
+
+def case_user_owned_per_call_staging(rank: int, world: int) -> dict[str, Any]:
+    return _per_call_staging(lambda: case_user_owned(rank, world))
+
+
+def case_mixed_dtypes_per_call_staging(rank: int, world: int) -> dict[str, Any]:
+    return _per_call_staging(lambda: case_mixed_dtypes(rank, world))
+
+
 @pytest.fixture(scope="module")
 def world() -> dict[str, list[tuple[str, Any]]]:
-    return run_cases(__name__, ["case_buffers", "case_user_owned", "case_mixed_dtypes"], WORLD, timeout=300)
+    return run_cases(
+        __name__,
+        ["case_buffers", "case_user_owned", "case_mixed_dtypes", "case_user_owned_per_call_staging",
+         "case_mixed_dtypes_per_call_staging"],
+        WORLD,
+        timeout=300,
+    )
 
 
-def test_mixed_dtype_non_tp_grads_share_one_float32_collective(world):
+@pytest.mark.parametrize("case", ["case_mixed_dtypes", "case_mixed_dtypes_per_call_staging"])
+def test_mixed_dtype_non_tp_grads_share_one_float32_collective(world, case):
     want16 = float(torch.tensor(259.0).to(torch.bfloat16))
-    for out in _ok(world, "case_mixed_dtypes"):
+    for out in _ok(world, case):
         assert out["calls"] == ["torch.float32"]
         assert out["ln32"] == [259.0, 259.0]
         assert out["ln16"] == [want16, want16] and out["dtype"] == "torch.bfloat16"
@@ -299,9 +353,10 @@ def test_distributed_optimizer_with_buffers_copies_only_the_shard(world):
         assert 0 < info["bytes"] < 2 * info["coalesced"], (rank, info)
 
 
+@pytest.mark.parametrize("case", ["case_user_owned", "case_user_owned_per_call_staging"])
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n != DISTOPT.name])
-def test_user_owned_grads_match_and_count_the_copied_bytes(world, name):
-    ranks = [r[name] for r in _ok(world, "case_user_owned")]
+def test_user_owned_grads_match_and_count_the_copied_bytes(world, name, case):
+    ranks = [r[name] for r in _ok(world, case)]
     scenario = SCENARIOS[name]
     want = _reference(scenario)
     for call in range(2):

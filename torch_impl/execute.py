@@ -170,6 +170,57 @@ def _bind_scale_only(
     return scale_only
 
 
+class _Staging:
+    """The copies between a reduction's gradient tensors and a flat staging buffer laid
+    out in their order, one op each way.
+
+    A buffer kept between calls: ``_foreach_copy_`` over views of it made once (the
+    fastest for many small tensors). A buffer made per call (a large one): when every
+    tensor is contiguous and of the buffer's dtype, ``torch.cat`` in and
+    ``split_with_sizes_copy`` out over flat views of the tensors made once, so that no
+    Python view is made per tensor per call; else ``_foreach_copy_`` over views of the
+    buffer made per call (cast and strided as needed).
+
+    Args:
+      tensors: the gradient tensors, in buffer order.
+      sizes: their numel.
+      dtype: the buffer's dtype (the collective's).
+      keep: the buffer is kept between calls (then so are its views).
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], sizes: list[int], dtype: torch.dtype, keep: bool) -> None:
+        self.tensors, self.sizes, self.dtype = tensors, sizes, dtype
+        self.shapes = [t.shape for t in tensors]
+        plain = not keep and all(t.dtype == dtype and t.is_contiguous() for t in tensors)
+        self.flats = [t.view(-1) for t in tensors] if plain else None
+        self.kept = self._new() if keep else None
+
+    def _new(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A new (uninitialized) buffer and the views the copies use."""
+        buffer = torch.empty(sum(self.sizes), dtype=self.dtype, device=self.tensors[0].device)
+        if self.flats is not None:
+            return buffer, self.flats
+        return buffer, [v.view(s) for v, s in zip(torch.split(buffer, self.sizes), self.shapes)]
+
+    def copy_in(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The buffer (the kept one or a new one) filled with the tensors, with the views
+        :meth:`copy_out` takes."""
+        buffer, views = staged = self.kept or self._new()
+        if self.flats is not None:
+            torch.cat(self.flats, out=buffer)
+        else:
+            torch._foreach_copy_(views, self.tensors)
+        return staged
+
+    def copy_out(self, staged: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+        """Copy the buffer of :meth:`copy_in` back into the tensors."""
+        buffer, views = staged
+        if self.flats is not None:
+            torch.split_with_sizes_copy(buffer, self.sizes, out=self.flats)
+        else:
+            torch._foreach_copy_(self.tensors, views)
+
+
 def bind_reduction(
     action: Reduction, grads: Mapping[ParamKey, torch.Tensor], groups: TorchGroups, stats: ExecStats
 ) -> Callable[[], None]:
@@ -177,8 +228,8 @@ def bind_reduction(
 
     Binding finds, once, whether the reduced gradients lie back to back in one storage
     in key order and in the collective's dtype (then the collective runs on that span in
-    place, no copy) or else prepares a staging buffer (then each call copies in with one
-    ``_foreach_copy_``, reduces, and copies back, counting the bytes). A staging buffer
+    place, no copy) or else prepares a staging buffer (then each call copies in, reduces, and copies
+    back, one op each way (:class:`_Staging`), counting the bytes). A staging buffer
     of up to :data:`PERSISTENT_STAGING_BYTES` lives as long as the binding; a larger one
     is allocated per call (no second copy of a model's gradients is kept). Without a
     collective (a size-1 group) only the pre-scale runs, on the tensors themselves.
@@ -197,24 +248,18 @@ def bind_reduction(
     if group is None and (flat is not None or all(t.dtype == work for t in tensors)):
         return _bind_scale_only([flat] if flat is not None else tensors, pairs, pre_scale)
     sizes = [t.numel() for t in tensors]
-    shapes = [t.shape for t in tensors]
     staging = flat is None
     copied = 2 * _nbytes(tensors) if staging else 0
     persistent = staging and sum(sizes) * work.itemsize <= PERSISTENT_STAGING_BYTES
-    kept: list[torch.Tensor] = []
-    if persistent:
-        flat = torch.empty(sum(sizes), dtype=work, device=tensors[0].device)
-        kept = [v.view(s) for v, s in zip(torch.split(flat, sizes), shapes)]
+    stage = _Staging(tensors, sizes, work, keep=persistent) if staging else None
 
     def run() -> None:
         for tensor, other in pairs:
             tensor.add_(other)
-        buffer, views = flat, kept
-        if staging:
-            if not persistent:
-                buffer = torch.empty(sum(sizes), dtype=work, device=tensors[0].device)
-                views = [v.view(s) for v, s in zip(torch.split(buffer, sizes), shapes)]
-            torch._foreach_copy_(views, tensors)
+        buffer, staged = flat, None
+        if stage is not None:
+            staged = stage.copy_in()
+            buffer = staged[0]
         if pre_scale != 1.0:
             buffer.mul_(pre_scale)
         extra = 0
@@ -222,8 +267,8 @@ def bind_reduction(
             extra = reduce_scatter_into(buffer, group, op, size, rank)
         else:
             all_reduce(buffer, group, op, size)
-        if staging:
-            torch._foreach_copy_(tensors, views)
+        if staged is not None:
+            stage.copy_out(staged)
         stats.bytes_copied += copied + extra
         for tensor, other in pairs:
             other.copy_(tensor)

@@ -246,7 +246,9 @@ class GradWatch:
             and self.attributes.same()
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
             and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
-            and list(map(_SHAPE, self.tensors)) == self.sizes
+            # One torch.Size at a time, compared and let go of: a list of thousands of new
+            # tuples would set the cyclic garbage collector off (10x the check itself).
+            and all(map(operator.eq, map(_SHAPE, self.tensors), self.sizes))
         )
 
     def has_dtensor(self) -> bool:
