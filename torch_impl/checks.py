@@ -109,12 +109,13 @@ def _check_disjoint(by_storage: Mapping[Any, list[tuple[torch.Tensor, str]]], ra
     for items in by_storage.values():
         if len(items) < 2:
             continue
-        items.sort(key=lambda item: _extent(item[0])[0])
-        for i, (a, what_a) in enumerate(items):
-            stop = _extent(a)[1]
-            for b, what_b in items[i + 1 :]:
-                if _extent(b)[0] >= stop:
+        spans = sorted((start, i, stop) for i, (start, stop) in enumerate(_extent(t) for t, _ in items))
+        for n, (_, i, stop) in enumerate(spans):
+            for m in range(n + 1, len(spans)):  # the later starts before this one's stop
+                start_b, j, _ = spans[m]
+                if start_b >= stop:
                     break
+                (a, what_a), (b, what_b) = items[i], items[j]
                 if _overlap(a, b):
                     same = " (the same tensor)" if a is b else ""
                     raise ValueError(

@@ -272,24 +272,32 @@ class _Edges:
 
     def __init__(self, roots: Sequence[Any], targets: Iterable[tuple[int, str, Any]]) -> None:
         stores: dict[tuple[int, Any], tuple[dict[str, Any], Any]] = {}  # (owner, kind) -> (owner's __dict__, kind)
+        modules: dict[tuple[int, str], Any] = {}  # (chunk, module path) -> the module there, or None
 
         def add(owner: Any, kind: Any) -> None:
             stores.setdefault((id(owner), kind), (vars(owner), kind))
 
+        def module_at(chunk: int, path: str) -> Any:
+            """The module at ``path`` (each prefix walked once), adding the edges to it."""
+            key = (chunk, path)
+            if key not in modules:
+                found = roots[chunk] if isinstance(roots[chunk], nn.Module) else None
+                if path:
+                    head, _, last = path.rpartition(".")
+                    parent = module_at(chunk, head)
+                    found = parent._modules.get(last) if parent is not None else None
+                    if found is not None:
+                        add(parent, _MODULES)
+                modules[key] = found
+            return modules[key]
+
         for chunk, path, leaf_kind in targets:
-            module = roots[chunk]
-            if not isinstance(module, nn.Module):
-                continue
-            parts = path.split(".") if path else []
-            for part in parts[:-1] if leaf_kind is not None else parts:
-                child = module._modules.get(part)
-                if child is None:
-                    break
-                add(module, _MODULES)
-                module = child
-            else:
-                if leaf_kind is not None and parts:
-                    add(module, leaf_kind)
+            if leaf_kind is None:
+                module_at(chunk, path)
+            elif path:
+                owner = module_at(chunk, path.rpartition(".")[0])
+                if owner is not None:
+                    add(owner, leaf_kind)
         owners = list(stores.values())
         plain, exact = split(owners, (by_value(kind(owner)) for owner, kind in owners))
         self.plain_owners, self.plain_kinds = [o for o, _ in plain], [k for _, k in plain]
