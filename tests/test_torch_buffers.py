@@ -366,3 +366,16 @@ def test_user_owned_grads_match_and_count_the_copied_bytes(world, name, case):
         # New gradient tensors each step: the plan is kept, the program re-bound.
         assert info["plans"] == 1 and info["programs"] == 2, (rank, info)
         assert info["bytes"] == 2 * info["coalesced"] > 0, (rank, info)
+
+
+@pytest.mark.parametrize("case", ["case_user_owned", "case_user_owned_per_call_staging"])
+def test_user_owned_grads_with_the_distributed_optimizer_match(world, case):
+    """The reduce-scatter through a staging buffer (kept, or made per call) leaves what the
+    reference says in each rank's shard."""
+    ranks = [r[DISTOPT.name] for r in _ok(world, case)]
+    want = _reference(DISTOPT)
+    for call in range(2):
+        cmp = compare_ranks(DISTOPT, [outputs[call] for outputs, _ in ranks], want, routers=False)
+        assert cmp.ok, cmp.failures
+    for rank, (_, info) in enumerate(ranks):
+        assert 0 < info["bytes"] and info["programs"] == 2, (rank, info)
