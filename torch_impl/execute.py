@@ -228,10 +228,10 @@ def bind_reduction(
 
     Binding finds, once, whether the reduced gradients lie back to back in one storage
     in key order and in the collective's dtype (then the collective runs on that span in
-    place, no copy) or else prepares a staging buffer (then each call copies in, reduces, and copies
-    back, one op each way (:class:`_Staging`), counting the bytes). A staging buffer
-    of up to :data:`PERSISTENT_STAGING_BYTES` lives as long as the binding; a larger one
-    is allocated per call (no second copy of a model's gradients is kept). Without a
+    place, no copy) or else prepares a staging buffer (then each call copies in, reduces
+    and copies back, one op each way: :class:`_Staging`, counting the bytes). A staging
+    buffer of up to :data:`PERSISTENT_STAGING_BYTES` lives as long as the binding; a
+    larger one is allocated per call (no second copy of a model's gradients is kept). Without a
     collective (a size-1 group) only the pre-scale runs, on the tensors themselves.
 
     Returns:

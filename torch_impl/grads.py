@@ -408,8 +408,12 @@ class ModelWatch:
         for root in found.chunks:
             if isinstance(root, nn.Module):
                 self.module_ids.extend(id(m) for m in root.modules())
-        self.param_edges = _Edges(found.chunks, [(k[0], k[1], _PARAMETERS) for k in self.keys])
+        self.param_edges = self._parameter_edges()
         self.router_edges = _Edges(found.chunks, [(k[0], k[1], None) for k in found.router_modules])
+
+    def _parameter_edges(self) -> _Edges:
+        """The module-tree edges to the watched parameters."""
+        return _Edges(self.found.chunks, [(k[0], k[1], _PARAMETERS) for k in self.keys])
 
     def structure_same(self) -> bool:
         """No registration in the model since construction, the same module-tree edges to
@@ -467,7 +471,7 @@ class ModelWatch:
         if keys - self.keys:
             self.keys |= keys
             self.grads = self._grad_watch(self.keys)
-            self.param_edges = _Edges(self.found.chunks, [(k[0], k[1], _PARAMETERS) for k in self.keys])
+            self.param_edges = self._parameter_edges()
             self._helper = None
         if helper and keys - self.touched:
             self.touched = self.touched | keys
