@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
@@ -198,8 +198,11 @@ class _Fingerprint:
         return isinstance(other, _Fingerprint) and self.hash == other.hash and self.specs == other.specs
 
 
+#: What a call's plan may read (:attr:`Request.reads`).
+Reads = Literal["all", "touched", "routers"]
+
 #: What a kept discovery is checked for, by what the call's plan may read.
-_CHECKS: dict[str, Callable[[ModelWatch], bool]] = {
+_CHECKS: dict[Reads, Callable[[ModelWatch], bool]] = {
     "all": ModelWatch.same,
     "touched": ModelWatch.touched_same,
     "routers": ModelWatch.routers_same,
@@ -262,7 +265,7 @@ class ModelState:
         return token
 
     def discovered(
-        self, chunks: Sequence[Any], config: FinalizeConfig, complete: bool = True, reads: str = "all"
+        self, chunks: Sequence[Any], config: FinalizeConfig, complete: bool = True, reads: Reads = "all"
     ) -> tuple[Any, Discovered, tuple[Any, ...]]:
         """(fingerprint token, Discovered, the chunks' DDP objects) for this step.
 
@@ -482,6 +485,14 @@ class Request:
         """Whether this is ``finalize_model_grads`` (or its layout): every step."""
         return not self.steps
 
+    @property
+    def reads(self) -> Reads:
+        """What the call's plan may read: every watched parameter (finalize), the routers
+        only (router steps), else what a step besides the DP sync may touch."""
+        if self.finalize:
+            return "all"
+        return "routers" if ROUTER_ONLY_STEPS.issuperset(self.steps) else "touched"
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Prepared:
@@ -578,8 +589,7 @@ def _prepare(model: Any, source: Any, request: Request, known: dict[str, Any]) -
         token, found, ddp = (request.found.params, request.found.routers), request.found, (None,) * len(chunks)
     else:
         gtp = groups.size(Group.GTP) > 1 or groups.size(Group.EGTP) > 1
-        reads = "all" if request.finalize else "routers" if ROUTER_ONLY_STEPS.issuperset(request.steps) else "touched"
-        token, found, ddp = state.discovered(chunks, config, complete=gtp, reads=reads)
+        token, found, ddp = state.discovered(chunks, config, complete=gtp, reads=request.reads)
     if not request.finalize:
         ddp = (None,) * len(chunks)
     key = (request.steps, token, config, groups, requested, request.force_all_reduce,
