@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from meshgrad.errors import FinalizeInputError
 
 #: Values of FinalizeConfig.consistency_check (see torch_impl.consensus).
 CONSISTENCY_CHECKS = ("off", "once", "every_step")
@@ -15,6 +18,18 @@ CONSISTENCY_CHECKS = ("off", "once", "every_step")
 #: Load-balancing types Megatron knows; anything else is rejected as a typo.
 LOAD_BALANCING_TYPES = frozenset(
     {"aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none", "quantile_balancing"}
+)
+
+#: Megatron TransformerConfig sizes that torch_impl checks against the groups; a mapping
+#: config may hold them besides FinalizeConfig's fields.
+MEGATRON_SIZE_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "gtp_weight_remat_size",
+    "expert_gtp_weight_remat_size",
 )
 
 
@@ -155,9 +170,10 @@ class FinalizeConfig:
         """Build from a Megatron ``TransformerConfig`` (and DDP config), duck-typed.
 
         Args:
-          config: any object with TransformerConfig attribute names, or a mapping with
-            those keys (other keys are ignored, as other attributes are); missing ones
-            take the defaults above. numpy scalars count as the Python ones.
+          config: any object with TransformerConfig attribute names (other attributes
+            are ignored), or a mapping with the keys meshgrad reads (FinalizeConfig's
+            fields and :data:`MEGATRON_SIZE_FIELDS`); missing ones take the defaults
+            above. numpy scalars count as the Python ones.
           ddp_config: the same for DistributedDataParallelConfig names.
           overrides: explicit values that win over both.
 
@@ -167,6 +183,8 @@ class FinalizeConfig:
         Raises:
           TypeError: a source is neither an object nor a mapping (a str, a number, a
             list), or a flag is not a bool (None counts as False).
+          FinalizeInputError: a mapping holds a key meshgrad does not read (a typo); the
+            message names it and the closest known key.
         """
         values: dict[str, Any] = {}
         names = [f.name for f in dataclasses.fields(cls)]
@@ -178,6 +196,8 @@ class FinalizeConfig:
                     f"FinalizeConfig.from_megatron: {label} must be a config object or a mapping, "
                     f"got {type(source).__name__}"
                 )
+            if isinstance(source, Mapping):
+                reject_unknown_keys(source, (*names, *MEGATRON_SIZE_FIELDS), label)
             for name in names:
                 value = config_get(source, name, _MISSING)
                 if value is not _MISSING:
@@ -189,10 +209,39 @@ class FinalizeConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "FinalizeConfig":
-        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"FinalizeConfig: unknown option(s) {sorted(unknown)}")
+        """A FinalizeConfig from a mapping of its field names.
+
+        Raises:
+          FinalizeInputError: a key that is not a field, named with the closest field.
+        """
+        reject_unknown_keys(values, [f.name for f in dataclasses.fields(cls)], "config")
         return cls(**dict(values))
+
+
+def reject_unknown_keys(values: Mapping[Any, Any], known: Iterable[str], label: str) -> None:
+    """Raise when ``values`` holds a key outside ``known``.
+
+    Args:
+      values: a mapping config.
+      known: the keys meshgrad reads from it.
+      label: what the mapping is (``"config"``, ``"ddp_config"``), for the message.
+
+    Raises:
+      FinalizeInputError: naming every unknown key and, for each, the closest known key.
+    """
+    known = list(known)
+    unknown = sorted((k for k in values if k not in known), key=repr)
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+        hints.append(f"{key!r}: did you mean {close[0]!r}?" if close else f"{key!r}: no close match")
+    raise FinalizeInputError(
+        f"FinalizeConfig: unknown option(s) {unknown} in {label} ({'; '.join(hints)}); a mapping config "
+        "holds only the fields meshgrad reads: FinalizeConfig's and Megatron's group sizes "
+        "(docs/migrating.md#config-fields-read)"
+    )
 
 
 _MISSING = object()

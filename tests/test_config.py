@@ -69,3 +69,42 @@ def test_from_mapping_rejects_unknown_keys():
     with pytest.raises(ValueError, match="unknown option"):
         FinalizeConfig.from_mapping({"sequence_paralel": True})
     assert FinalizeConfig.from_mapping({"qk_layernorm": True}).qk_layernorm
+
+
+def test_a_dict_config_rejects_a_key_meshgrad_does_not_read_naming_the_closest():
+    from meshgrad.config import MEGATRON_SIZE_FIELDS
+    from meshgrad.errors import FinalizeInputError
+
+    with pytest.raises(FinalizeInputError, match=r"unknown option\(s\) \['sequence_paralel'\] in config "
+                                                 r"\('sequence_paralel': did you mean 'sequence_parallel'\?\)"):
+        FinalizeConfig.from_megatron({"sequence_paralel": True})
+    with pytest.raises(FinalizeInputError, match=r"\['use_distributed_optimiser'\] in ddp_config .*"
+                                                 r"did you mean 'use_distributed_optimizer'"):
+        FinalizeConfig.from_megatron({}, {"use_distributed_optimiser": True})
+    with pytest.raises(FinalizeInputError, match=r"'no_such_option': no close match"):
+        FinalizeConfig.from_mapping({"no_such_option": True})
+    # What it reads: every field and the Megatron sizes torch_impl checks against the groups.
+    sizes = {name: 2 for name in MEGATRON_SIZE_FIELDS}
+    config = FinalizeConfig.from_megatron({"sequence_parallel": True, "strict_groups": True, **sizes},
+                                          {"use_distributed_optimizer": True})
+    assert config == FinalizeConfig(sequence_parallel=True, strict_groups=True, use_distributed_optimizer=True)
+    # An object's other attributes stay ignored (a TransformerConfig has hundreds).
+    assert FinalizeConfig.from_megatron(types.SimpleNamespace(hidden_size=8, qk_layernorm=True)) == FinalizeConfig(
+        qk_layernorm=True)
+
+
+def test_a_dict_chunk_config_with_a_typo_raises_before_anything_changes():
+    torch = pytest.importorskip("torch")
+    from meshgrad.errors import FinalizeInputError
+    from torch_impl import finalize_model_grads
+
+    model = torch.nn.Linear(3, 2)
+    model.config = {"calculate_per_token_loss": True, "sequence_paralel": True}
+    model(torch.arange(12.0).reshape(4, 3)).sum().backward()
+    before = model.weight.grad.clone()
+    with pytest.raises(FinalizeInputError, match="did you mean 'sequence_parallel'"):
+        finalize_model_grads([model], num_tokens=torch.tensor([4]))
+    assert torch.equal(model.weight.grad, before)  # nothing changed
+    model.config = {"calculate_per_token_loss": True, "sequence_parallel": True}
+    finalize_model_grads([model], num_tokens=torch.tensor([4]))
+    assert torch.equal(model.weight.grad, before / 4)
