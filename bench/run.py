@@ -111,35 +111,81 @@ def format_gloo(result: dict[str, Any]) -> str:
     return head + "\n  " + "   ".join(cells)
 
 
+def goal(text: str, value: Any, limit: float, floor: float | None = None) -> dict[str, Any]:
+    """One goal: ``value <= limit``; ``floor`` is what the same measure gives for the floor
+    alone (the copies or collectives any implementation needs), None when there is none."""
+    return dict(goal=text, value=value, limit=limit, floor=floor, ok=None if value is None else value <= limit)
+
+
 def goals(fake: list[dict[str, Any]], gloo: list[dict[str, Any]], scale: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every goal of one run, each with its floor where one exists (see :func:`split_goals`)."""
     out = []
     for r in fake:
         name = r["layout"]["name"]
         ratios = r.get("ratios", {})
-        for step, limit in (("non_tp", GOALS["non_tp"]), ("finalize", GOALS["finalize"])):
-            value = ratios.get(f"{step} (buffers)")
-            out.append(
-                dict(goal=f"{name}: {step} meshgrad/megatron <= {limit:g}", value=value, ok=None if value is None else value <= limit)
-            )
-        copied = r["bytes_copied"].get("meshgrad buffers")
-        out.append(dict(goal=f"{name}: bytes copied with meshgrad buffers == 0", value=copied, ok=copied == 0))
-        floor = ratios.get("non_tp drop-in / floor")
-        limit = GOALS["drop_in_floor"]
-        out.append(
-            dict(goal=f"{name}: drop-in non_tp / copy floor <= {limit:g} (floor {_ms(r['time'].get('floor', {}).get('non_tp'))} ms)",
-                 value=floor, ok=None if floor is None else floor <= limit)
-        )
+        for step in ("non_tp", "finalize"):
+            out.append(goal(f"{name}: {step} meshgrad/megatron <= {GOALS[step]:g}", ratios.get(f"{step} (buffers)"),
+                            GOALS[step]))
+        out.append(goal(f"{name}: bytes copied with meshgrad buffers == 0", r["bytes_copied"].get("meshgrad buffers"), 0))
+        floor_ms = _ms(r["time"].get("floor", {}).get("non_tp"))
+        out.append(goal(f"{name}: drop-in non_tp / copy floor ({floor_ms} ms) <= {GOALS['drop_in_floor']:g}",
+                        ratios.get("non_tp drop-in / floor"), GOALS["drop_in_floor"], floor=1.0))
     for r in gloo:
-        value = r["vs_floor"].get("meshgrad buffers")
-        out.append(dict(goal=f"{r['layout']['name']}: finalize / floor <= {GOALS['gloo']:g}", value=value, ok=value <= GOALS["gloo"]))
-        out.append(
-            dict(goal=f"{r['layout']['name']}: bytes copied with meshgrad buffers == 0", value=r["meshgrad_buffers_bytes_copied"], ok=r["meshgrad_buffers_bytes_copied"] == 0)
-        )
+        name = r["layout"]["name"]
+        out.append(goal(f"{name}: finalize / floor <= {GOALS['gloo']:g}", r["vs_floor"].get("meshgrad buffers"),
+                        GOALS["gloo"], floor=1.0))
+        out.append(goal(f"{name}: bytes copied with meshgrad buffers == 0", r["meshgrad_buffers_bytes_copied"], 0))
     if scale:
         from bench.scale import scale_goals
 
         out.extend(scale_goals(scale))
     return out
+
+
+def split_goals(all_goals: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(goals, floor-bound): a goal whose floor alone already misses its limit is no goal
+    (nothing could meet it); it is reported apart, measured next to its floor, never judged."""
+    bound = [g for g in all_goals if g.get("floor") is not None and g["floor"] > g["limit"]]
+    return [g for g in all_goals if g not in bound], bound
+
+
+def _value(x: Any) -> str:
+    return "-" if x is None else (f"{x:.4f}" if isinstance(x, float) else str(x))
+
+
+def format_goals(all_goals: list[dict[str, Any]]) -> str:
+    """The goals, each ``[met]`` / ``[MISSED]`` / ``[n/a]`` with its measured value and floor,
+    then the measures whose floor misses the limit (no verdict)."""
+    kept, bound = split_goals(all_goals)
+    lines = ["== goals (each next to its floor where one exists) =="]
+    for g in kept:
+        verdict = "n/a" if g["ok"] is None else ("met" if g["ok"] else "MISSED")
+        floor = "" if g.get("floor") is None else f"; floor {_value(g['floor'])}"
+        lines.append(f"  [{verdict:>6}] {g['goal']}  (measured {_value(g['value'])}{floor})")
+    if bound:
+        lines.append("== not goals: the floor alone misses the limit (measured, not judged) ==")
+        for g in bound:
+            lines.append(f"  [ floor] {g['goal']}  (measured {_value(g['value'])}; floor {_value(g['floor'])})")
+    return "\n".join(lines)
+
+
+def markdown_goals(all_goals: list[dict[str, Any]], env: dict[str, Any]) -> str:
+    """The same list as a markdown table (docs/performance.md), with the machine it ran on."""
+    kept, bound = split_goals(all_goals)
+    lines = [
+        f"Measured by `{' '.join(['.venv/bin/python -m bench', *env.get('argv', [])])}` on {env.get('cpus')} CPU cores "
+        f"({env.get('machine')}, Python {env.get('python')}, torch {env.get('torch')}, megatron-core "
+        f"{env.get('megatron_core')}):",
+        "",
+        "| goal | measured | floor | verdict |",
+        "|---|---|---|---|",
+    ]
+    for g in kept:
+        verdict = "n/a" if g["ok"] is None else ("met" if g["ok"] else "**missed**")
+        lines.append(f"| {g['goal']} | {_value(g['value'])} | {_value(g.get('floor'))} | {verdict} |")
+    for g in bound:
+        lines.append(f"| {g['goal']} | {_value(g['value'])} | {_value(g['floor'])} | no goal: its floor misses it |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,13 +203,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-megatron", action="store_true", help="meshgrad only (megatron-core not needed)")
     parser.add_argument("--device", default="cpu", help="device of the fake-backend gradients (cpu, cuda)")
     parser.add_argument("--rounds", type=int, help="timed rounds per candidate")
+    parser.add_argument("--markdown", metavar="PATH", help="also write the goals as a markdown table here")
     args = parser.parse_args(argv)
 
     quick = args.quick
     rounds = args.rounds or (5 if quick else 15)
     names = args.layouts or (["gpt-24L-h1024", "gpt-24L-h1024-pp1"] if quick else list(FAKE_LAYOUTS))
     started = time.time()
-    report: dict[str, Any] = {"env": environment(), "args": vars(args), "fake": [], "scale": None, "gloo": []}
+    shown = list(sys.argv[1:] if argv is None else argv)
+    for option in ("--json", "--markdown"):  # where it wrote, not what it measured
+        while option in shown:
+            at = shown.index(option)
+            del shown[at:at + 2]
+    env = {**environment(), "argv": shown}
+    report: dict[str, Any] = {"env": env, "args": vars(args), "fake": [], "scale": None, "gloo": []}
     if not args.no_fake:
         from bench.fake import measure_layout
 
@@ -204,11 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             print(format_gloo(result), flush=True)
     report["goals"] = goals(report["fake"], report["gloo"], report["scale"])
     report["seconds"] = time.time() - started
-    print("\n== goals ==")
-    for g in report["goals"]:
-        verdict = "n/a" if g["ok"] is None else ("met" if g["ok"] else "MISSED")
-        value = g["value"] if not isinstance(g["value"], float) else f"{g['value']:.4f}"
-        print(f"  [{verdict:>6}] {g['goal']}  (measured {value})")
+    print("\n" + format_goals(report["goals"]))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown_goals(report["goals"], report["env"]))
     path = args.json or os.path.join(os.path.dirname(__file__), "results", "latest.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -9,9 +9,11 @@ import pytest  # noqa: E402
 # --------------------------------------------------------------------------- reliability table
 # The reliability tests (tests/test_reliability_*.py, tests/test_properties.py) record one
 # row per bad input tried, fault injected or property batch run; the terminal summary
-# prints them as the README's "Reliability" table.
+# prints them as docs/reliability.md's table, and the session fails when a recorded row is
+# missing from that table (tests/doc_table.py): the page names what the tests measure.
 
 _ROWS = pytest.StashKey[list]()
+_UNDOCUMENTED = pytest.StashKey[list]()
 
 
 @pytest.fixture
@@ -26,6 +28,8 @@ def reliability(request):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    from doc_table import as_markdown
+
     order = {"bad input": 0, "check cost": 1, "fault": 2, "concurrency": 3, "soak": 4, "property": 5}
     rows = sorted(config.stash.get(_ROWS, []), key=lambda r: order.get(r[0], 5))  # stable: run order within a kind
     if not rows:
@@ -38,3 +42,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line("-+-".join("-" * w for w in widths))
     for kind, case, outcome in rows:
         terminalreporter.write_line(" | ".join(v.ljust(w) for v, w in zip((kind, case, outcome), widths)))
+    missing = config.stash.get(_UNDOCUMENTED, [])
+    if missing:
+        terminalreporter.section("docs/reliability.md lacks rows the tests recorded (session failed)", red=True)
+        for row in missing:
+            terminalreporter.write_line(as_markdown(row))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    from doc_table import DOC, undocumented
+
+    rows = session.config.stash.get(_ROWS, [])
+    missing = undocumented(rows, DOC.read_text()) if rows else []
+    session.config.stash[_UNDOCUMENTED] = missing
+    if missing and session.exitstatus == 0:
+        session.exitstatus = 1
+
+

@@ -129,9 +129,18 @@ def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
         assert len(lines) == 3, (row, text)  # DDP chunks, meshgrad buffers, user grads
         for line in lines:
             assert len(re.findall(_NUMBER, line)) >= 7, line
-    for goal in ("drop-in non_tp / copy floor <= 1.3", "DDP chunks: step / megatron-core <= 0.1",
+    for goal in ("drop-in non_tp / copy floor (", "DDP chunks: step / megatron-core <= 0.1",
                  "DDP chunks: step / step at 32x8 <= 1.5", "DDP chunks: first call <= 100 ms"):
-        assert re.search(rf"\[\s*(met|MISSED|n/a)\] .*{re.escape(goal)}", text), (goal, text)
+        assert re.search(rf"\[\s*(met|MISSED|n/a|floor)\] .*{re.escape(goal)}", text), (goal, text)
+    from bench.run import split_goals
+
+    report = json.loads(out.read_text())
+    kept, bound = split_goals(report["goals"])
+    for g in bound:  # a goal its floor misses is printed apart, never as a goal
+        assert g["floor"] > g["limit"] and f"[ floor] {g['goal']}" in text.split("== not goals")[1]
+    for g in kept:
+        assert g["floor"] is None or g["floor"] <= g["limit"]
+        assert text.count(g["goal"]) == 1 and "[ floor] " + g["goal"] not in text
     report = json.loads(out.read_text())
     rows = {r["row"]: r for r in report["scale"]["rows"]}
     assert rows["16x32"]["params"] == 1105 and rows["16x32"]["non_tp_tensors"] == 5 * 16 + 1
@@ -140,3 +149,25 @@ def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
         assert r["first_call"]["DDP chunks"] > 0 and r["step"]["DDP chunks"]["median"] > 0
     (layout,) = report["fake"]
     assert layout["time"]["floor"]["non_tp"]["median"] > 0
+
+
+def test_a_goal_its_floor_misses_is_not_printed_as_a_goal():
+    from bench.run import format_goals, goal, markdown_goals, split_goals
+
+    growth = goal("moe-64x128: step / step at 32x8 <= 1.5", 2.09, 1.5, floor=2.269)  # the floor alone: 2.269
+    ratio = goal("moe-64x128: step / megatron-core <= 0.1", 0.043, 0.1, floor=0.02)
+    first = goal("moe-64x128: first call <= 100 ms", 120.0, 100.0)
+    kept, bound = split_goals([growth, ratio, first])
+    assert kept == [ratio, first] and bound == [growth]
+    assert (ratio["ok"], first["ok"]) == (True, False)
+    text = format_goals([growth, ratio, first])
+    goals_part, floor_part = text.split("== not goals")
+    assert "[   met] moe-64x128: step / megatron-core <= 0.1  (measured 0.0430; floor 0.0200)" in goals_part
+    assert "[MISSED] moe-64x128: first call <= 100 ms  (measured 120.0000)" in goals_part
+    assert "step at 32x8" not in goals_part
+    assert "[ floor] moe-64x128: step / step at 32x8 <= 1.5  (measured 2.0900; floor 2.2690)" in floor_part
+    table = markdown_goals([growth, ratio, first], {"argv": ["--quick"], "cpus": 2, "machine": "x86_64",
+                                                    "python": "3.11.7", "torch": "2.13.0", "megatron_core": "0.16.1"})
+    assert table.startswith("Measured by `.venv/bin/python -m bench --quick` on 2 CPU cores")
+    assert "| moe-64x128: first call <= 100 ms | 120.0000 | - | **missed** |" in table
+    assert "| moe-64x128: step / step at 32x8 <= 1.5 | 2.0900 | 2.2690 | no goal: its floor misses it |" in table

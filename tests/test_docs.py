@@ -72,18 +72,89 @@ def test_readme_torch_snippet_runs_as_written(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- text
 
 
+#: The pages whose commands must run from a clone as written (docs/install.md's pip
+#: commands run in the user's own environment; tests/test_packaging.py runs them).
+COMMAND_PAGES = (README, DOCS / "migrating.md", DOCS / "reliability.md", DOCS / "performance.md")
+
+
 def test_readme_commands_use_the_venv_or_make() -> None:
-    text = README.read_text()
     commands = [
-        line.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()
-        if line.strip() and not line.strip().startswith("#")
+        line.strip() for path in COMMAND_PAGES for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S)
+        for line in block.splitlines() if line.strip() and not line.strip().startswith("#")
     ]
     assert len(commands) >= 8
     allowed = ("make ", ".venv/bin/", "bash ", "XLA_FLAGS=", "MESHGRAD_")
     bad = [c for c in commands if not c.startswith(allowed)]
     assert not bad, f"commands that do not use the venv or make: {bad}"
-    for inline in re.findall(r"`((?:python|torchrun) [^`]*)`", text):
-        pytest.fail(f"bare command in README: {inline!r}")
+    for path in COMMAND_PAGES:
+        for inline in re.findall(r"`((?:python|torchrun) [^`]*)`", path.read_text()):
+            pytest.fail(f"bare command in {path.name}: {inline!r}")
+
+
+def test_the_readme_is_a_short_front_page() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) <= 190
+    for page in ("install", "migrating", "semantics", "reliability", "performance", "jax", "audit", "architecture"):
+        assert f"](docs/{page}.md" in text, page
+    assert "runs/" in (ROOT / ".gitignore").read_text().split()  # made by the documented audit command
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors of ``path`` and its explicit ``<a id>``s."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    heads = re.findall(r"^#{1,6} (.+)$", text, re.M)
+    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+    return slugs | set(re.findall(r'<a id="([^"]+)"></a>', text))
+
+
+def test_every_relative_link_resolves() -> None:
+    pages = (README, *sorted(DOCS.glob("*.md")), ROOT / "examples" / "README.md", ROOT / "bench" / "README.md")
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            assert dest.exists(), f"{page.name}: {target}"
+            if anchor and dest.suffix == ".md":
+                assert anchor in _anchors(dest), f"{page.name}: {target} (no such heading in {dest.name})"
+
+
+def test_the_config_table_lists_every_field_the_code_reads() -> None:
+    """docs/migrating.md's "Config fields read": every FinalizeConfig field and Megatron
+    size is there, and the config rows name nothing else."""
+    import dataclasses
+
+    from meshgrad import FinalizeConfig
+    from meshgrad.config import MEGATRON_SIZE_FIELDS
+
+    text = (DOCS / "migrating.md").read_text()
+    section = text[text.index("## Config fields read"):]
+    section = section[:section.index("\n## ", 4)]
+    rows = {line.split("|")[1].strip(): set(re.findall(r"`(\w+)(?:\(\))?\*?`", line.split("|")[2]))
+            for line in section.splitlines() if line.startswith("| ") and not line.startswith("| from")}
+    named = set().union(*rows.values())
+    fields = {f.name for f in dataclasses.fields(FinalizeConfig)}
+    assert fields | set(MEGATRON_SIZE_FIELDS) <= named, sorted(fields | set(MEGATRON_SIZE_FIELDS) - named)
+    config_rows = {k: v for k, v in rows.items() if not k.startswith("the chunk module")}
+    extra = set().union(*config_rows.values()) - fields - set(MEGATRON_SIZE_FIELDS)
+    assert not extra, f"config rows name fields the code does not read: {sorted(extra)}"
+
+
+def test_the_reliability_table_check_compares_rows_with_numbers_normalized() -> None:
+    from doc_table import DOC, documented_rows, undocumented
+
+    text = "x\n| kind | case | outcome |\n|---|---|---|\n| fault | rank 1 stalls 8 s [4 ranks] | CollectiveError after <= 5.0 s |\n\n"
+    assert documented_rows(text) == [("fault", "rank 1 stalls 8 s [4 ranks]", "CollectiveError after <= 5.0 s")]
+    same = ("fault", "rank 1 stalls 9 s [4 ranks]", "CollectiveError after <= 4.9 s")  # another run's numbers
+    other = ("fault", "rank 1 stalls 8 s [4 ranks]", "UserWarning after <= 5.0 s")  # another behaviour
+    assert undocumented([same, other], text) == [other]
+    # The page's own table: every outcome names what happens (an error type, a warning, or a result).
+    rows = documented_rows(DOC.read_text())
+    assert len(rows) >= 40
+    for kind, case, outcome in rows:
+        assert re.search(r"\w+(Error|Warning)\b|replanned|read like|agree|equals|collectives", outcome), (case, outcome)
 
 
 def test_no_references_to_files_a_clone_lacks() -> None:
