@@ -336,11 +336,11 @@ def _check_all_raise(
 
 
 GROUP_CASES = [
-    ("tp group holds ranks that are not tp peers (collection)", "case_tp_group_of_non_peers", ValueError,
+    ("tp group holds ranks that are not tp peers (collection), strict_groups=True", "case_tp_group_of_non_peers", ValueError,
      lambda r: [f"rank {r}: process group 'tp'", f"peers are {[r - r % 2, r - r % 2 + 1]}"]),
-    ("tp group size != config.tensor_model_parallel_size", "case_tp_size_differs_from_config", ValueError,
+    ("tp group size != config.tensor_model_parallel_size, strict_groups=True", "case_tp_size_differs_from_config", ValueError,
      lambda r: [f"rank {r}:", "'tp'", "has size 2, but config.tensor_model_parallel_size = 4"]),
-    ("expt_dp size != what config ep / etp imply", "case_expt_dp_size_differs_from_config", ValueError,
+    ("expt_dp size != what config ep / etp imply, strict_groups=True", "case_expt_dp_size_differs_from_config", ValueError,
      lambda r: [f"rank {r}:", "'expt_dp'", "has size 4", "implies 2"]),
     ("required group missing (tp_dp_cp with expert bias)", "case_missing_tp_dp_cp", ValueError,
      lambda r: [f"rank {r}:", "'tp_dp_cp' is missing"]),
