@@ -146,7 +146,7 @@ def test_the_wheel_installs_only_the_designs_packages(wheel: Path) -> None:
 def test_wheel_runs_the_readme_torch_program_without_jax(wheel_venv: Path, tmp_path: Path) -> None:
     (snippet,) = blocks(README, "torchrun 2")
     script = tmp_path / "demo_torch.py"
-    script.write_text(blocker("jax", "jaxlib", "flax") + snippet + "\nassert 'jax' not in sys.modules\n")
+    script.write_text(blocker("jax", "jaxlib", "flax", "optax", "chex") + snippet + "\nassert 'jax' not in sys.modules\n")
     out = launch([str(wheel_venv), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
                  tmp_path, TIMEOUT_S, env=user_env())
     reports = dict(re.findall(r"rank (\d+): (per-token -?[\d.]+, mean -?[\d.]+)", out))
