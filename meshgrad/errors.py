@@ -38,11 +38,25 @@ class CollectiveError(RuntimeError):
     """A collective of finalize failed: a peer died, stalled past the timeout or raised."""
 
 
+class LikelyMistakeWarning(UserWarning):
+    """An input Megatron accepts silently but that is most likely a mistake (its numbers
+    are kept): see :func:`meshgrad.mistakes.likely_mistakes`. Silence it with
+    ``warnings.filterwarnings("ignore", category=LikelyMistakeWarning)``."""
+
+
+class LayoutWarning(UserWarning):
+    """A Megatron DDP's bucket layout shards a cross-stage-summed parameter differently on
+    its stages: the distributed optimizer reads wrong values there (Megatron's numbers are
+    kept); see :func:`meshgrad.ddp_layout.misaligned_cross_stage_params`."""
+
+
 __all__ = [
     "CollectiveError",
     "ConsistencyError",
     "FinalizeInputError",
     "FinalizeTypeError",
+    "LayoutWarning",
+    "LikelyMistakeWarning",
     "MissingInputError",
     "NonFiniteGradError",
     "PlanMismatchError",

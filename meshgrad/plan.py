@@ -191,8 +191,6 @@ def _planned_actions(
     """Every step's actions, in step order (before fusion and layout)."""
     pp = sizes.pp
     actions: list[Action] = []
-    if dp_sync:
-        actions += planners.dp_sync(params, config, sizes[Group.DP_CP], sizes[Group.EDP], force_all_reduce)
     if pp > 1 and config.has_cond_embedder:
         actions += planners.pp_replicated(Step.COND_EMBEDDER, params, "pipeline_parallel")
     if pp > 1 and config.flextron:
@@ -204,7 +202,10 @@ def _planned_actions(
     for step, group, role in EMBEDDING_STEPS:
         actions += planners.stage_reduction(step, group, role, stage_sets[group], params, config, pp, stage)
     actions += planners.router_updates(routers, config)
-    return actions
+    if not dp_sync:
+        return actions
+    own = planners.cross_stage_keys(actions)
+    return planners.dp_sync(params, config, sizes[Group.DP_CP], sizes[Group.EDP], force_all_reduce, own) + actions
 
 
 def plan_finalize(

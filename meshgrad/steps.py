@@ -72,22 +72,52 @@ def dp_scaling(config: FinalizeConfig, dp_cp: int, edp: int) -> tuple[ReduceOp, 
     return ReduceOp.SUM, 1.0 / dp_cp, 1.0 / dp_cp
 
 
+#: Steps that sum a gradient across pipeline stages after the DP sync.
+CROSS_STAGE_STEPS = frozenset({Step.COND_EMBEDDER, Step.ROUTER, Step.WORD_EMBEDDING, Step.POS_EMBEDDING})
+
+
+def cross_stage_keys(actions: Iterable[Action]) -> frozenset[ParamKey]:
+    """The gradients that ``actions`` sum across pp stages (every stage's key and every
+    chunk copy): tied word / position embeddings, conditional embedder, flextron router."""
+    out: set[ParamKey] = set()
+    for action in actions:
+        if isinstance(action, StageReduction):
+            out.update(action.distinct_keys())
+        elif isinstance(action, Reduction) and set(action.steps) & CROSS_STAGE_STEPS:
+            out.update(action.all_keys)
+    return frozenset(out)
+
+
 def dp_sync(
-    params: Sequence[ParamSpec], config: FinalizeConfig, dp_cp: int, edp: int, force_all_reduce: bool
+    params: Sequence[ParamSpec],
+    config: FinalizeConfig,
+    dp_cp: int,
+    edp: int,
+    force_all_reduce: bool,
+    own_buffers: frozenset[ParamKey] = frozenset(),
 ) -> list[Reduction]:
     """Dense gradients over dp_cp, expert ones over expt_dp (reduce-scatter with a
-    distributed optimizer unless ``force_all_reduce``)."""
+    distributed optimizer unless ``force_all_reduce``).
+
+    Under a reduce-scatter each key of ``own_buffers`` (:func:`cross_stage_keys`: a later
+    step sums it across stages) is a reduction of its own, after the others: its shards
+    then cover the same elements on every stage and in every chunk copy, so the
+    cross-stage sum adds reduced values to reduced values (Megatron-LM issue 844).
+    """
     scatter = config.use_distributed_optimizer and not force_all_reduce
     fp32 = config.grad_reduce_in_fp32
     op, dense_scale, expert_scale = dp_scaling(config, dp_cp, edp)
-    dense = [p for p in params if p.has_grad and not p.expert]
-    expert = [p for p in params if p.has_grad and p.expert]
     out: list[Reduction] = []
-    # A size-1 group still applies its pre-scale (e.g. EDP/DP_CP with edp == 1).
-    if dense and (dp_cp > 1 or dense_scale != 1.0):
-        out += _reductions(Step.DP_SYNC, Group.DP_CP, op, dense, dense_scale, scatter, fp32)
-    if expert and (edp > 1 or expert_scale != 1.0):
-        out += _reductions(Step.DP_SYNC, Group.EDP, op, expert, expert_scale, scatter, fp32)
+    for group, expert, size, scale in ((Group.DP_CP, False, dp_cp, dense_scale), (Group.EDP, True, edp, expert_scale)):
+        chosen = [p for p in params if p.has_grad and p.expert == expert]
+        # A size-1 group still applies its pre-scale (e.g. EDP/DP_CP with edp == 1).
+        if not chosen or (size <= 1 and scale == 1.0):
+            continue
+        alone = [p for p in chosen if p.key in own_buffers] if scatter and size > 1 else []
+        shared = [p for p in chosen if p not in alone]
+        out += _reductions(Step.DP_SYNC, group, op, shared, scale, scatter, fp32)
+        for spec in alone:
+            out += _reductions(Step.DP_SYNC, group, op, [spec], scale, scatter, fp32)
     return out
 
 
@@ -257,10 +287,12 @@ def check_unique(params: Sequence[ParamSpec], routers: Sequence[RouterSpec]) -> 
 
 
 __all__ = [
+    "CROSS_STAGE_STEPS",
     "DISTINCT_DATA_GROUP",
     "QK_LAYERNORM_NAMES",
     "ROUTER_ONLY_STEPS",
     "check_unique",
+    "cross_stage_keys",
     "dp_scaling",
     "dp_sync",
     "embedding_chunk",

@@ -371,6 +371,45 @@ def step_dp_sync(ctx: Context, *, force_all_reduce: bool = False) -> set[Touch]:
     return touched
 
 
+def cross_stage_keys(ctx: Context) -> set[Key]:
+    """The gradients a later step sums across pp stages (semantics `dp_sync`: own buffers).
+
+    Every stage's key of the tied word embedding (when `word_embedding` runs) and of the
+    position embedding (when `pos_embedding` runs), and every chunk copy of the
+    conditional-embedder / flextron-router parameters (when those steps run). The same
+    set on every rank.
+    """
+    cfg, mesh = ctx.cfg, ctx.mesh
+    keys: set[Key] = set()
+    word = _role_param(ctx, "word_embedding")
+    if word is not None and (cfg.share_embeddings_and_output_weights or cfg.mtp_num_layers):
+        stages = _stage_set(ctx, cfg.embedding_stages, (0, mesh.pp - 1), "embedding_stages")
+        if len(stages) > 1:
+            keys |= {(_embedding_chunk(ctx, s, "word_embedding"), word.name) for s in stages}
+    pos = _role_param(ctx, "position_embedding")
+    if pos is not None:
+        stages = _stage_set(ctx, cfg.position_embedding_stages, (0,), "position_embedding_stages")
+        if len(stages) > 1:
+            keys |= {(_embedding_chunk(ctx, s, "position_embedding"), pos.name) for s in stages}
+    for flag, on in (("pipeline_parallel", cfg.has_cond_embedder), ("flextron_router_pp_sync", cfg.flextron)):
+        if mesh.pp > 1 and on:
+            keys |= {(c, p.name) for p in _params(ctx, **{flag: True}) for c in ctx.chunks()}
+    return keys
+
+
+def scatter_buffers(ctx: Context, expert: bool) -> list[list[Key]]:
+    """The reduce-scatter buffers of the dense (or expert) DP sync, each a list of keys.
+
+    One buffer holds chunk 0's params in layout order, then chunk 1's, ..., except the
+    keys of :func:`cross_stage_keys`; each of those is a buffer of its own, after it, so
+    that its shards cover the same elements on every stage and chunk copy.
+    """
+    keys = [(c, p.name) for c in ctx.chunks() for p in _params(ctx, expert=expert)]
+    alone = cross_stage_keys(ctx)
+    shared = [k for k in keys if k not in alone]
+    return ([shared] if shared else []) + [[k] for k in keys if k in alone]
+
+
 def _keep_own_shard(
     ctx: Context,
     local: list[dict[Key, np.ndarray | None]],
@@ -381,35 +420,47 @@ def _keep_own_shard(
 ) -> None:
     """Reduce-scatter layout (meshgrad's documented contract, not Megatron's buckets).
 
-    The DP-sync buffer holds the gradients of chunk 0's params in layout order, then chunk
-    1's, ..., flattened; zero-padded to a multiple of the group size n; the member with
-    group index i (members by ascending rank) keeps elements [i*s, (i+1)*s), s = ceil(L/n),
-    reduced. Every other element keeps the rank's local value after the pre-scale.
+    Per buffer of :func:`scatter_buffers` (its gradients flattened, in order, zero-padded
+    to a multiple of the group size n), the member with group index i (members by
+    ascending rank) keeps elements [i*s, (i+1)*s), s = ceil(L/n), reduced. Every other
+    element keeps the rank's local value after the pre-scale.
     """
-    keys = [(c, p.name) for c in ctx.chunks() for p in _params(ctx, expert=expert)]
-    if not keys:
-        return
-    for group in groups:
-        n = len(group)
-        if n == 1:
-            continue
-        for index, rank in enumerate(group):
-            sizes = [ctx.grad(rank, k).size for k in keys]
-            total = sum(sizes)
-            shard = -(-total // n)
-            start, stop = min(index * shard, total), min((index + 1) * shard, total)
-            offset = 0
-            for key, size in zip(keys, sizes):
-                reduced = ctx.grad(rank, key).reshape(-1).copy()
-                mine = np.zeros(size, dtype=bool)
-                lo, hi = max(start - offset, 0), min(stop - offset, size)
-                if lo < hi:
-                    mine[lo:hi] = True
-                kept = _scale(local[rank][key], pre_scale, coll_dtype).reshape(-1)
-                kept = to_dtype(kept, ctx.dtype)
-                reduced[~mine] = kept[~mine]
-                ctx.set_grad(rank, key, reduced.reshape(ctx.grad(rank, key).shape))
-                offset += size
+    for keys in scatter_buffers(ctx, expert):
+        for group in groups:
+            n = len(group)
+            if n == 1:
+                continue
+            for index, rank in enumerate(group):
+                _keep_buffer_shard(ctx, local, keys, rank, n, index, pre_scale, coll_dtype)
+
+
+def _keep_buffer_shard(
+    ctx: Context,
+    local: list[dict[Key, np.ndarray | None]],
+    keys: list[Key],
+    rank: int,
+    n: int,
+    index: int,
+    pre_scale: float,
+    coll_dtype: str | None,
+) -> None:
+    """One buffer on one rank: keep the reduced shard, restore the local value elsewhere."""
+    sizes = [ctx.grad(rank, k).size for k in keys]
+    total = sum(sizes)
+    shard = -(-total // n)
+    start, stop = min(index * shard, total), min((index + 1) * shard, total)
+    offset = 0
+    for key, size in zip(keys, sizes):
+        reduced = ctx.grad(rank, key).reshape(-1).copy()
+        mine = np.zeros(size, dtype=bool)
+        lo, hi = max(start - offset, 0), min(stop - offset, size)
+        if lo < hi:
+            mine[lo:hi] = True
+        kept = _scale(local[rank][key], pre_scale, coll_dtype).reshape(-1)
+        kept = to_dtype(kept, ctx.dtype)
+        reduced[~mine] = kept[~mine]
+        ctx.set_grad(rank, key, reduced.reshape(ctx.grad(rank, key).shape))
+        offset += size
 
 
 def _pp_chunk_sync(ctx: Context, flag: str) -> set[Touch]:
