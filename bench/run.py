@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe", action="store_true", help="add MoE routers (expert bias) and experts to every layout")
     parser.add_argument("--no-fake", action="store_true", help="skip the fake-backend side by side")
     parser.add_argument("--no-gloo", action="store_true", help="skip the gloo world of 4")
+    parser.add_argument("--no-jax", action="store_true", help="skip the JAX rows (bench.jax_rows)")
     parser.add_argument("--no-scale", action="store_true", help="skip the MoE scale rows")
     parser.add_argument(
         "--scale-rows", nargs="+", metavar="LxE", help="MoE scale rows to run (default 8x8 32x8 32x64 64x128)"
@@ -255,7 +256,14 @@ def main(argv: list[str] | None = None) -> int:
             result = run_gloo(lay, rounds=5 if quick else 9, batch=3, megatron=not args.no_megatron)
             report["gloo"].append(result)
             print(format_gloo(result), flush=True)
+    if not args.no_jax:
+        from bench.jax_rows import format_rows, run_subprocess
+
+        print("\n== JAX: jax_impl.finalize vs a hand-written psum tree map (8 fake CPU devices) ==", flush=True)
+        report["jax"] = run_subprocess(quick)
+        print(format_rows(report["jax"]["rows"]), flush=True)
     report["goals"] = goals(report["fake"], report["gloo"], report["scale"])
+    report["goals"] += report.get("jax", {}).get("goals", [])
     report["seconds"] = time.time() - started
     print("\n" + format_goals(report["goals"]))
     if args.markdown:

@@ -1,6 +1,15 @@
 """A tiny GPT-like flax.nnx model trained with PP x DP x TP(+SP) x EP inside one
-``jax.shard_map`` over 8 fake CPU devices, its gradients finalized by ``jax_impl.finalize``
-and checked, step by step, against ``jax.grad`` of the whole model on one device.
+``jax.shard_map`` over 8 fake CPU devices with
+``optax.chain(jax_impl.finalize_gradients(config=..., dims=...), optax.adamw(...))``, and
+checked, step by step, against the same optimizer on the whole model on one device
+(parameters after each step, loss, router expert bias).
+
+The parallel step differs from a single-device optax loop only by the chain's first
+element and two extra arguments of ``update``: ``num_tokens`` (per-token loss) and
+``routers`` (this step's token counts per router; the expert bias lives in the chain's
+state, read with ``jax_impl.router_buffers``). The gradients are the ``nnx.State`` that
+``jax.grad`` returns; their Param metadata (``nnx.Param(w, sequence_parallel=True)``)
+gives finalization its flags.
 
 What is real and what is emulated:
 
@@ -27,7 +36,8 @@ What is real and what is emulated:
   before the last stage) get zero gradients and are left out of the comparison.
 * Not covered here: context parallelism and micro-batching (see ``torch_train.py``).
 
-Run: ``python examples/jax_train.py --pp 2 --dp 2 --tp 2 --steps 3`` (exits 1 on a mismatch).
+Run: ``python examples/jax_train.py --pp 2 --dp 2 --tp 2 --steps 3 [--optimizer sgd]`` (exits 1 on a
+mismatch; with sgd the parameter check is a check of the finalized gradients times lr).
 """
 
 from __future__ import annotations
@@ -50,13 +60,13 @@ ensure_host_devices(8)  # sets XLA_FLAGS before jax is imported
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from jax_impl import make_meshes, router_specs, specs_from_nnx  # noqa: E402
-from jax_impl.finalize import finalize  # noqa: E402  (`jax_impl.finalize` is the submodule)
-from meshgrad import FinalizeConfig, ParallelDims, plan_finalize  # noqa: E402
+from jax_impl import finalize_gradients, make_meshes, router_buffers  # noqa: E402
+from meshgrad import FinalizeConfig, ParallelDims, RouterSpec  # noqa: E402
 
 Array = jax.Array
 Flat = dict[str, Array]
@@ -474,12 +484,20 @@ def global_batch(sizes: Sizes, batch: int, seed: int, step: int) -> tuple[Array,
     return jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:]), jnp.asarray(mask)
 
 
-def single_step(sizes: Sizes, lr: float) -> Callable[..., Any]:
-    """One jitted SGD step of the single-device model: (params, biases, batch) ->
-    (params, biases, grads, loss); grads are of sum(token losses) / total tokens."""
+def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
+    """The optimizer both runs use: ``adamw`` or plain ``sgd``."""
+    # eps: the k layernorm bias has an exactly-zero gradient (softmax ignores a per-row shift),
+    # so both runs hold only round-off there; a tiny eps would turn it into +-lr steps.
+    return optax.adamw(lr, eps=1e-4, weight_decay=1e-2) if name == "adamw" else optax.sgd(lr)
+
+
+def single_step(sizes: Sizes, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+    """One jitted optimizer step of the single-device model: (params, opt_state, biases,
+    batch) -> (params, opt_state, biases, loss); the loss is sum(token losses) / tokens."""
 
     @jax.jit
-    def step(model_def: Any, params: nnx.State, biases: nnx.State, ids: Array, labels: Array, mask: Array) -> Any:
+    def step(model_def: Any, params: nnx.State, opt_state: Any, biases: nnx.State, ids: Array, labels: Array,
+             mask: Array) -> Any:
         def loss_fn(p: nnx.State) -> tuple[Array, dict[str, Array]]:
             loss_sum, counts = rank_loss(nnx.merge(model_def, p, biases), Layout(), ids, labels, mask)
             return loss_sum / mask.sum(), counts
@@ -489,15 +507,21 @@ def single_step(sizes: Sizes, lr: float) -> Callable[..., Any]:
         for router, tokens in counts.items():  # the expert_bias step (docs/semantics.md) on one device
             key = f"{router}.expert_bias"
             flat_b[key] = flat_b[key] + sizes.bias_rate * jnp.sign(tokens.mean() - tokens)
-        params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
-        return params, from_flat(biases, flat_b), grads, loss
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, from_flat(biases, flat_b), loss
 
     return step
 
 
-def sharded_step(sizes: Sizes, layout: Layout, lr: float, model_def: Any, templates: tuple[nnx.State, nnx.State]) -> Callable[..., Any]:
-    """One jitted SGD step of the parallel model: every rank computes its local gradients,
-    ``jax_impl.finalize`` finalizes them (inside the same shard_map), every rank updates."""
+def sharded_step(sizes: Sizes, layout: Layout, optimizer: optax.GradientTransformation, model_def: Any,
+                 templates: tuple[nnx.State, nnx.State]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(init, step) of the parallel model, both jitted shard_maps over the dense mesh.
+
+    The optimizer is ``optax.chain(jax_impl.finalize_gradients(...), optimizer)``: every
+    rank computes its local gradients (an nnx.State whose Param metadata carries the
+    flags), the chain finalizes them and updates; the router buffers live in the chain's
+    state (``jax_impl.router_buffers``).
+    """
     dims = layout.dims
     params_t, biases_t = templates
     config = FinalizeConfig(
@@ -509,44 +533,44 @@ def sharded_step(sizes: Sizes, layout: Layout, lr: float, model_def: Any, templa
         moe_router_load_balancing_type="none",
     )
     router_names = [n.rsplit(".", 1)[0] for n in flat_names(biases_t)]
-    zeros = np.zeros(sizes.experts, np.float32)
-    routers = router_specs({n: {"expert_bias": zeros, "local_tokens_per_expert": zeros} for n in router_names},
-                           has_aux_loss_tracker=False)
-    plan = plan_finalize(specs_from_nnx(params_t), config, dims, routers)
+    routers = [RouterSpec(n, num_experts=sizes.experts, has_expert_bias=True) for n in router_names]
+    tx = optax.chain(finalize_gradients(config=config, dims=dims, router_specs=routers), optimizer)
     mesh = make_meshes(dims).dense
     ranks = PartitionSpec(tuple(mesh.axis_names))
+    local = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731  (this rank's [1, ...] block)
+    lead = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
 
-    def body(params: Flat, biases: Flat, ids: Array, labels: Array, mask: Array) -> Any:
-        params = {k: v[0] for k, v in params.items()}
-        biases = {k: v[0] for k, v in biases.items()}
-        ids, labels, mask = ids[0], labels[0], mask[0]
+    def init_body(params: Flat) -> Any:
+        return lead(tx.init(from_flat(params_t, local(params))))
 
-        def loss_fn(p: Flat) -> tuple[Array, dict[str, Array]]:
-            model = nnx.merge(model_def, from_flat(params_t, p), from_flat(biases_t, biases))
-            return rank_loss(model, layout, ids, labels, mask)
+    def body(params: Flat, opt_state: Any, ids: Array, labels: Array, mask: Array) -> Any:
+        params, opt_state, ids, labels, mask = local((params, opt_state, ids, labels, mask))
+        state = from_flat(params_t, params)
+        buffers = router_buffers(opt_state)
+        biases = from_flat(biases_t, {f"{r}.expert_bias": buffers[r]["expert_bias"] for r in router_names})
 
-        (loss_sum, counts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        router_state = {(0, r): {"expert_bias": biases[f"{r}.expert_bias"], "local_tokens_per_expert": counts[r]}
-                        for r in router_names}
-        num_tokens = mask.sum().astype(jnp.int32)
-        grads, router_state = finalize({(0, k): g for k, g in grads.items()}, router_state, num_tokens,
-                                       plan=plan, dims=dims)
-        grads = {k: grads[(0, k)] for k in params}
-        params = {k: params[k] - lr * grads[k] for k in params}
-        biases = {f"{r}.expert_bias": router_state[(0, r)]["expert_bias"] for r in router_names}
-        lead = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
-        return lead(params), lead(biases), lead(grads), loss_sum[None]
+        def loss_fn(p: nnx.State) -> tuple[Array, dict[str, Array]]:
+            return rank_loss(nnx.merge(model_def, p, biases), layout, ids, labels, mask)
+
+        (loss_sum, counts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state)
+        updates, opt_state = tx.update(
+            grads, opt_state, state, num_tokens=mask.sum().astype(jnp.int32),
+            routers={r: {"local_tokens_per_expert": counts[r]} for r in router_names},
+        )
+        new_biases = {f"{r}.expert_bias": router_buffers(opt_state)[r]["expert_bias"] for r in router_names}
+        return lead((to_flat(optax.apply_updates(state, updates)), opt_state, new_biases, loss_sum))
 
     data = PartitionSpec("dp")
+    init = jax.jit(jax.shard_map(init_body, mesh=mesh, in_specs=(ranks,), out_specs=ranks, check_vma=False))
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(ranks, ranks, data, data, data),
                                  out_specs=(ranks, ranks, ranks, ranks), check_vma=False))
 
-    def run(params: Flat, biases: Flat, ids: Array, labels: Array, mask: Array) -> Any:
+    def run(params: Flat, opt_state: Any, ids: Array, labels: Array, mask: Array) -> Any:
         # Place the inputs as the outputs are placed, so every step reuses one executable.
         on = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))  # noqa: E731
-        return step(on(params, ranks), on(biases, ranks), on(ids, data), on(labels, data), on(mask, data))
+        return step(on(params, ranks), on(opt_state, ranks), on(ids, data), on(labels, data), on(mask, data))
 
-    return run
+    return (lambda params: init(jax.device_put(params, NamedSharding(mesh, ranks)))), run
 
 
 # --------------------------------------------------------------------------- main
@@ -576,9 +600,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{axis}", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--tol", type=float, default=1e-5, help="allowed difference / max |single grad|")
+    parser.add_argument("--tol", type=float, default=1e-5, help="allowed difference / max |single param|")
     args = parser.parse_args(argv)
     sizes, layout = Sizes(), Layout(args.pp, args.dp, args.tp)
     if sizes.layers % layout.pp or (sizes.layers // layout.pp) % sizes.moe_every or sizes.heads % layout.tp \
@@ -590,27 +615,29 @@ def main(argv: list[str] | None = None) -> int:
     rank_model = nnx.eval_shape(lambda: GPT(sizes, layout, nnx.Rngs(0)))
     rank_def, r_params_t, r_biases_t = nnx.split(rank_model, nnx.Param, ExpertBias)
     r_params = rank_states(to_flat(s_params), to_flat(r_params_t), sizes, layout)
-    r_biases = rank_states(to_flat(s_biases), to_flat(r_biases_t), sizes, layout)
-    s_step = single_step(sizes, args.lr)
-    d_step = sharded_step(sizes, layout, args.lr, rank_def, (r_params_t, r_biases_t))
+    optimizer = make_optimizer(args.optimizer, args.lr)
+    s_step = single_step(sizes, optimizer)
+    d_init, d_step = sharded_step(sizes, layout, optimizer, rank_def, (r_params_t, r_biases_t))
+    s_opt, r_opt = optimizer.init(s_params), d_init(r_params)
 
     dims, failed = layout.dims, False
     counted = np.array([dims.coords(r)["pp"] == layout.pp - 1 and dims.coords(r)["tp"] == 0
                         for r in range(dims.world_size)])
-    print(f"mesh {dict(zip(make_meshes(dims).dense.axis_names, dims.dense_shape()))}, ep={layout.ep}")
+    print(f"mesh {dict(zip(make_meshes(dims).dense.axis_names, dims.dense_shape()))}, ep={layout.ep}, "
+          f"optax.chain(jax_impl.finalize_gradients(...), {args.optimizer})")
     for step in range(args.steps):
         ids, labels, mask = global_batch(sizes, args.batch, args.seed, step)
-        s_params, s_biases, s_grads, s_loss = s_step(single_def, s_params, s_biases, ids, labels, mask)
+        s_params, s_opt, s_biases, s_loss = s_step(single_def, s_params, s_opt, s_biases, ids, labels, mask)
         split_rows = lambda x: x.reshape(layout.dp, -1, *x.shape[1:])  # noqa: E731
-        r_params, r_biases, r_grads, loss_sums = d_step(r_params, r_biases, split_rows(ids), split_rows(labels),
-                                                        split_rows(mask))
+        r_params, r_opt, r_biases, loss_sums = d_step(r_params, r_opt, split_rows(ids), split_rows(labels),
+                                                      split_rows(mask))
         loss = float(np.asarray(loss_sums)[counted].sum() / mask.sum())
-        grad_err = compare(r_grads, to_flat(s_grads), layout, sizes)
+        param_err = compare(r_params, to_flat(s_params), layout, sizes)
         bias_err = compare(r_biases, to_flat(s_biases), layout, sizes)
         loss_err = abs(loss - float(s_loss)) / abs(float(s_loss))
-        ok = grad_err <= args.tol and bias_err == 0.0 and loss_err <= args.tol
+        ok = param_err <= args.tol and bias_err == 0.0 and loss_err <= args.tol
         failed |= not ok
-        print(f"step {step}: loss {loss:.6f} (single {float(s_loss):.6f}), grad diff {grad_err:.2e}, "
+        print(f"step {step}: loss {loss:.6f} (single {float(s_loss):.6f}), param diff {param_err:.2e}, "
               f"expert bias diff {bias_err:.2e} {'ok' if ok else 'MISMATCH'}", flush=True)
     return 1 if failed else 0
 

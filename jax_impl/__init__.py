@@ -4,14 +4,15 @@ Submodules (mirroring torch_impl's file names): ``mesh`` (dense / expert Mesh vi
 host devices), ``groups`` (named groups as collectives over mesh axes), ``discover``
 (ParamSpecs from spec trees / flax.nnx metadata), ``checks`` (input checks before
 anything runs), ``execute`` (one pure executor per action type, in one table),
-``finalize`` (pure, jittable finalize and a stacked helper). Errors are
-:mod:`meshgrad.errors` types, as in torch_impl.
+``finalize`` (the one pure, jittable entry: pytrees in and out, local or stacked),
+``transform`` (the optax GradientTransformation). Errors are :mod:`meshgrad.errors` types.
 
 Names are imported lazily so that ``jax_impl.mesh.ensure_host_devices`` can run before
 jax itself is imported; ``dir(jax_impl)`` lists them (``__all__``) without importing jax.
-``jax_impl.finalize`` is always the submodule; the function is
-``jax_impl.finalize.finalize``. Gradients and router buffers are keyed by
-``(chunk, name)`` tuples (:attr:`meshgrad.ParamSpec.key`). See docs/jax.md.
+``jax_impl.finalize`` is the submodule, callable as its function
+(``jax_impl.finalize(grads, ...)`` is ``jax_impl.finalize.finalize(grads, ...)``).
+Gradients are any pytree (leaves named by their dotted paths) or a dict keyed by
+``(chunk, name)`` (:attr:`meshgrad.ParamSpec.key`). See docs/jax.md.
 """
 
 from __future__ import annotations
@@ -30,11 +31,16 @@ _EXPORTS = {
     "execute_stacked": "jax_impl.execute",
     "Collectives": "jax_impl.groups",
     "finalize_stacked": "jax_impl.finalize",
+    "finalize_gradients": "jax_impl.transform",
+    "FinalizeState": "jax_impl.transform",
+    "router_buffers": "jax_impl.transform",
+    "initial_router_buffers": "jax_impl.transform",
+    "tree_keys": "jax_impl.discover",
     "check_keys": "jax_impl.checks",
 }
 
 #: Submodules, listed by ``dir(jax_impl)`` too.
-SUBMODULES = ("checks", "discover", "execute", "finalize", "groups", "mesh")
+SUBMODULES = ("checks", "discover", "execute", "finalize", "groups", "mesh", "transform")
 
 __all__ = sorted(_EXPORTS)
 

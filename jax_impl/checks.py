@@ -46,7 +46,8 @@ def check_plan(plan: FinalizePlan, dims: ParallelDims) -> None:
             )
 
 
-def _is_key(key: Any) -> bool:
+def is_key(key: Any) -> bool:
+    """Whether ``key`` is a ``(int chunk, str name)`` tuple."""
     return (
         isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], int)
         and not isinstance(key[0], bool) and isinstance(key[1], str)
@@ -66,7 +67,7 @@ def check_keys(grads: Mapping[Any, Any], routers: Mapping[Any, Any]) -> None:
     """
     for what, mapping in (("gradient", grads), ("router", routers)):
         for key in mapping:
-            if not _is_key(key):
+            if not is_key(key):
                 hint = f" (use (0, {key!r}) for chunk 0)" if isinstance(key, str) else ""
                 raise FinalizeTypeError(
                     f"{what} key {key!r} is not (chunk, name): key {what}s by a tuple of the "
@@ -74,10 +75,15 @@ def check_keys(grads: Mapping[Any, Any], routers: Mapping[Any, Any]) -> None:
                 )
 
 
+LOCAL = "local mode (one rank's values, inside your shard_map)"
+STACKED = "stacked mode (every rank's values along leading dims, outside shard_map)"
+
+
 def leading_dims(
-    plan: FinalizePlan, grads: Mapping[ParamKey, Any], routers: Mapping[ParamKey, Any], num_tokens: Any
+    plan: FinalizePlan, grads: Mapping[ParamKey, Any], routers: Mapping[ParamKey, Any]
 ) -> tuple[int, ...] | None:
-    """The inputs' leading (stacking) dims, checked consistent; None without inputs.
+    """The gradients' and router buffers' leading (stacking) dims, checked consistent:
+    ``()`` in local mode; None without inputs.
 
     Raises:
       FinalizeInputError: a gradient not in the plan, one whose shape does not end in its
@@ -95,19 +101,71 @@ def leading_dims(
         base = shapes[key]
         shape = tuple(jnp.shape(value))
         if len(shape) < len(base) or shape[len(shape) - len(base):] != base:
-            raise FinalizeInputError(f"gradient {key[1]!r} (chunk {key[0]}): shape {shape} does not end in {base}")
-        found.setdefault(shape[: len(shape) - len(base)], f"gradient {key}")
+            raise FinalizeInputError(
+                f"gradient {key[1]!r} (chunk {key[0]}): shape {shape} does not end in its spec shape "
+                f"{base}: in {LOCAL} pass exactly {base}; in {STACKED} pass (W, *{base})"
+            )
+        found.setdefault(shape[: len(shape) - len(base)], f"gradient {key[1]!r}")
     for key, state in routers.items():
         if key in experts and "expert_bias" in state:
-            found.setdefault(tuple(jnp.shape(state["expert_bias"]))[:-1], f"router {key}")
-    if num_tokens is not None:
-        found.setdefault(tuple(jnp.shape(num_tokens)), "num_tokens")
+            found.setdefault(tuple(jnp.shape(state["expert_bias"]))[:-1], f"router {key[1]!r}")
     if len(found) > 1:
         raise FinalizeInputError(
-            f"inputs disagree on their leading (rank) dims: {found}; stack every gradient, router "
-            "buffer and num_tokens along the same leading dims ([W] or a mesh shape)"
+            f"inputs disagree on their leading (rank) dims: {found}; in {LOCAL} give every gradient "
+            f"exactly its spec shape; in {STACKED} stack every gradient and router buffer along "
+            "the same leading dims ([W] or a mesh shape)"
         )
     return next(iter(found), None)
+
+
+def check_mode(leading: tuple[int, ...] | None, stacked: bool | None) -> bool:
+    """Whether the inputs are stacked, checked against the caller's ``stacked`` option.
+
+    Raises:
+      FinalizeInputError: ``stacked=True`` with gradients of exactly their spec shapes, or
+        ``stacked=False`` with leading dims.
+    """
+    is_stacked = bool(leading)
+    if stacked is True and not is_stacked:
+        raise FinalizeInputError(
+            f"stacked=True ({STACKED}) but the gradients have exactly their spec shapes; stack one "
+            "row per rank along a leading dim, or pass stacked=False inside your shard_map"
+        )
+    if stacked is False and is_stacked:
+        raise FinalizeInputError(
+            f"stacked=False ({LOCAL}) but the gradients have leading dims {leading}; inside "
+            "shard_map pass this rank's block without them (e.g. g[0] of a [1, ...] block)"
+        )
+    return is_stacked
+
+
+def token_count(num_tokens: Any, leading: tuple[int, ...]) -> Any:
+    """``num_tokens`` shaped like the leading dims: in local mode a scalar, from a scalar
+    or a one-element array (as torch takes it); stacked, ``leading`` or ``leading + (1,)``.
+
+    Raises:
+      FinalizeInputError: any other shape, naming the mode.
+      FinalizeTypeError: counts that are not integers.
+    """
+    if num_tokens is None:
+        return None
+    dtype = jnp.result_type(num_tokens)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise FinalizeTypeError(f"num_tokens must hold integers, got dtype {dtype}")
+    shape = tuple(jnp.shape(num_tokens))
+    if shape == leading:
+        return num_tokens
+    if shape == leading + (1,) or (not leading and shape == (1,)):
+        return jnp.reshape(num_tokens, leading)
+    if leading:
+        raise FinalizeInputError(
+            f"num_tokens has shape {shape}; in {STACKED} with leading dims {leading} pass one count "
+            f"per rank: shape {leading} (or {leading + (1,)})"
+        )
+    raise FinalizeInputError(
+        f"num_tokens has shape {shape}; in {LOCAL} pass this rank's count as a scalar or a "
+        "one-element array"
+    )
 
 
 def check_stacked(leading: tuple[int, ...], dims: ParallelDims) -> None:
@@ -131,18 +189,12 @@ def check_present(plan: FinalizePlan, grads: Mapping[ParamKey, Any]) -> None:
             )
 
 
-def check_inputs(
-    plan: FinalizePlan,
-    grads: Mapping[ParamKey, Any],
-    num_tokens: Any,
-    leading: tuple[int, ...] | None,
-) -> None:
+def check_inputs(plan: FinalizePlan, grads: Mapping[ParamKey, Any], leading: tuple[int, ...] | None) -> None:
     """Dtypes always; NaN / Inf with ``config.check_for_nan_in_grad`` (concrete inputs:
     a traced value, under ``jax.jit``, cannot be inspected -- use ``jax_debug_nans``).
 
     Raises:
-      FinalizeTypeError: a gradient that is not floating point, or num_tokens that is not
-        integer.
+      FinalizeTypeError: a gradient that is not floating point.
       NonFiniteGradError: NaN / Inf in a gradient, naming the parameter and the first rank
         (the index along the flattened leading dims) that holds it.
     """
@@ -150,8 +202,6 @@ def check_inputs(
         dtype = jnp.result_type(value)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise FinalizeTypeError(f"gradient {key[1]!r} (chunk {key[0]}) has dtype {dtype}, not a floating type")
-    if num_tokens is not None and not jnp.issubdtype(jnp.result_type(num_tokens), jnp.integer):
-        raise FinalizeTypeError(f"num_tokens must hold integers, got dtype {jnp.result_type(num_tokens)}")
     if plan.config.check_for_nan_in_grad:
         _check_finite(plan, grads, leading)
 
@@ -171,4 +221,7 @@ def _check_finite(plan: FinalizePlan, grads: Mapping[ParamKey, Any], leading: tu
             )
 
 
-__all__ = ["check_inputs", "check_keys", "check_plan", "check_present", "check_stacked", "leading_dims"]
+__all__ = [
+    "check_inputs", "check_keys", "check_mode", "check_plan", "check_present", "check_stacked", "leading_dims",
+    "token_count",
+]

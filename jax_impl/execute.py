@@ -35,7 +35,7 @@ from meshgrad.actions import (
     TokenScale,
 )
 from meshgrad.axes import Group, ParallelDims
-from meshgrad.errors import FinalizeInputError, MissingInputError
+from meshgrad.errors import FinalizeInputError, FinalizeTypeError, MissingInputError
 from meshgrad.params import ParamKey
 
 from jax_impl.groups import Collectives, view_for
@@ -144,7 +144,8 @@ def _reduce_scatter(parts: list[Array], action: Reduction, comm: Collectives) ->
 
 
 def apply_stage_reduction(action: StageReduction, grads: Grads, comm: Collectives) -> Grads:
-    """SUM along pp over the member stages; each stage contributes its own chunk's key.
+    """SUM (or AVG, per ``action.op``) along pp over the member stages; each stage
+    contributes its own chunk's key.
 
     Non-member stages contribute zero and keep their values.
     """
@@ -162,6 +163,8 @@ def apply_stage_reduction(action: StageReduction, grads: Grads, comm: Collective
         masks[key] = jnp.any(stage == jnp.asarray(stages, jnp.int32))
         contribution = jnp.where(masks[key], grads[key], contribution)
     total = comm.sum(contribution, action.group)
+    if action.op is ReduceOp.AVG and len(action.stages) > 1:
+        total = total / jnp.asarray(len(action.stages), total.dtype)
     out = dict(grads)
     for key in keys:
         out[key] = jnp.where(masks[key], total, grads[key])
@@ -318,11 +321,11 @@ def executor(action: Action) -> Executor:
     """The executor of ``action``'s type.
 
     Raises:
-      TypeError: an action type this backend has no executor for.
+      FinalizeTypeError: an action type this backend has no executor for.
     """
     found = EXECUTORS.get(type(action))
     if found is None:
-        raise TypeError(f"unknown plan action {type(action).__name__}")
+        raise FinalizeTypeError(f"unknown plan action {type(action).__name__}")
     return found
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 
 from meshgrad.axes import DENSE_AXES, GROUP_AXES, Axis, Group, ParallelDims
+from meshgrad.errors import FinalizeInputError
 
 from jax_impl.mesh import VIEWS
 
@@ -76,7 +77,7 @@ class Collectives:
 
     def _masked_sum(self, x: Array, group: Group) -> Array:
         if Axis.PP in GROUP_AXES[group]:
-            raise NotImplementedError(f"group {group} varies pp and is not on the {self.view} view")
+            raise FinalizeInputError(f"group {group} varies pp and is not on the {self.view} view")
         inner_axes = tuple(a.value for a in self.view if a is not Axis.PP and self.dims.size(a) > 1)
         inner = self.dims.world_size // self.dims.pp
         member = np.zeros((inner, inner), dtype=bool)
@@ -102,12 +103,12 @@ def view_for(groups: Iterable[Group], dims: ParallelDims, what: str) -> str | No
       The view's name, or None when either view fits.
 
     Raises:
-      ValueError: the groups mix dense-only and expert-only axes.
+      FinalizeInputError: the groups mix dense-only and expert-only axes.
     """
     axes = {a for g in groups for a in GROUP_AXES[g] if dims.size(a) > 1}
     fits = [name for name, view in VIEWS.items() if axes <= set(view)]
     if not fits:
-        raise ValueError(f"{what} mixes dense and expert axes {sorted(axes)}")
+        raise FinalizeInputError(f"{what} mixes dense and expert axes {sorted(axes)}")
     return None if len(fits) == len(VIEWS) else fits[0]
 
 

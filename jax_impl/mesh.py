@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from meshgrad.axes import DENSE_AXES, EXPERT_AXES, Axis, ParallelDims
+from meshgrad.errors import FinalizeInputError
 
 if TYPE_CHECKING:  # pragma: no cover
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -44,10 +45,10 @@ def ensure_host_devices(n: int) -> None:
       n: the number of CPU devices needed.
 
     Raises:
-      RuntimeError: jax was initialised with fewer than ``n`` CPU devices.
+      FinalizeInputError: jax was initialised with fewer than ``n`` CPU devices.
     """
     if n < 1:
-        raise ValueError(f"ensure_host_devices: n must be >= 1, got {n}")
+        raise FinalizeInputError(f"ensure_host_devices: n must be >= 1, got {n}")
     flags = os.environ.get("XLA_FLAGS", "")
     match = re.search(rf"{_COUNT_FLAG}=(\d+)", flags)
     count = n if match is None else max(n, int(match.group(1)))
@@ -65,7 +66,7 @@ def ensure_host_devices(n: int) -> None:
         pass
     found = len(jax.devices("cpu"))
     if found < n:
-        raise RuntimeError(
+        raise FinalizeInputError(
             f"jax has {found} CPU device(s) but {n} are needed: jax was initialised before "
             f"ensure_host_devices({n}) ran. Set XLA_FLAGS={_COUNT_FLAG}={n} before jax is "
             "first imported (e.g. at the top of conftest.py)."
@@ -76,7 +77,7 @@ def default_devices(world: int) -> list[Any]:
     """The first ``world`` devices: the default backend's, else the CPU's.
 
     Raises:
-      ValueError: fewer than ``world`` devices on both.
+      FinalizeInputError (a ValueError): fewer than ``world`` devices on both.
     """
     import jax
 
@@ -84,7 +85,7 @@ def default_devices(world: int) -> list[Any]:
     if len(devices) < world:
         devices = jax.devices("cpu")
     if len(devices) < world:
-        raise ValueError(
+        raise FinalizeInputError(
             f"{world} devices needed, {len(devices)} available; call "
             f"jax_impl.mesh.ensure_host_devices({world}) before jax is imported"
         )
@@ -108,7 +109,7 @@ class MeshViews:
     def mesh(self, view: str) -> "Mesh":
         """The Mesh of ``view`` ("dense" or "expert")."""
         if view not in VIEWS:
-            raise ValueError(f"unknown mesh view {view!r}; expected one of {sorted(VIEWS)}")
+            raise FinalizeInputError(f"unknown mesh view {view!r}; expected one of {sorted(VIEWS)}")
         return self.dense if view == "dense" else self.expert
 
     def rank_spec(self, view: str = "dense") -> "PartitionSpec":
@@ -135,7 +136,7 @@ def make_meshes(dims: ParallelDims, devices: Sequence[Any] | None = None) -> Mes
       The two Meshes.
 
     Raises:
-      ValueError: the number of devices is not the world size.
+      FinalizeInputError (a ValueError): the number of devices is not the world size.
     """
     import numpy as np
     from jax.sharding import Mesh
@@ -143,7 +144,7 @@ def make_meshes(dims: ParallelDims, devices: Sequence[Any] | None = None) -> Mes
     world = dims.world_size
     devices = default_devices(world) if devices is None else list(devices)
     if len(devices) != world:
-        raise ValueError(f"{len(devices)} devices given for a world of {world} ranks ({dims})")
+        raise FinalizeInputError(f"{len(devices)} devices given for a world of {world} ranks ({dims})")
     flat = np.empty(world, dtype=object)
     flat[:] = devices
     dense = Mesh(flat.reshape(dims.dense_shape()), DENSE_NAMES)

@@ -234,6 +234,8 @@ class StageReduction:
       keys_by_stage: per pp stage (index = stage), the gradient that stage contributes,
         or None when that stage has none (not a member, or frozen).
       dtype: gradient dtype.
+      op: the reduction over the member stages (SUM, as Megatron; AVG divides by the
+        number of member stages), so a variant can change it with ``dataclasses.replace``.
     """
 
     step: Step
@@ -241,6 +243,7 @@ class StageReduction:
     stages: tuple[int, ...]
     keys_by_stage: tuple[ParamKey | None, ...]
     dtype: str
+    op: ReduceOp = ReduceOp.SUM
 
     def key_for(self, stage: int) -> ParamKey | None:
         """The gradient ``stage`` contributes (None: not a member, or none)."""
@@ -262,20 +265,20 @@ class StageReduction:
     def describe(self, size_of: SizeOf | None = None) -> str:
         """One line for errors: step, group and its stages."""
         return (
-            f"{self.step}: sum all-reduce over group {str(self.group)!r} (pp stages "
+            f"{self.step}: {self.op} all-reduce over group {str(self.group)!r} (pp stages "
             f"{list(self.stages)}) of 1 {self.dtype} tensor"
         )
 
     def summary(self) -> str:
         """One line for a plan listing."""
-        return f"{self.step}: sum over {self.group} stages {list(self.stages)}"
+        return f"{self.step}: {self.op} over {self.group} stages {list(self.stages)}"
 
     def signature(self, stage: int | None, shapes: Shapes) -> tuple[Signature, ...]:
         """Its collective (the operand of ``stage``, or of every stage when None) and stages."""
         keys = self.keys_by_stage if stage is None else (self.key_for(stage),)
         operands = tuple(Operand(None, shapes[k]) for k in keys if k is not None)
         return (
-            Signature(self.group, str(self.step), ReduceOp.SUM, dtype=self.dtype, operands=operands, stages=self.stages),
+            Signature(self.group, str(self.step), self.op, dtype=self.dtype, operands=operands, stages=self.stages),
         )
 
 

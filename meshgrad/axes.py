@@ -37,15 +37,24 @@ EXPERT_AXES: tuple[Axis, ...] = (Axis.PP, Axis.EDP, Axis.EGTP, Axis.EP, Axis.ETP
 
 
 class Group(str, enum.Enum):
-    """Named groups of docs/semantics.md, "Ranks, axes and groups" (Megatron ``ProcessGroupCollection`` fields)."""
+    """Named groups of docs/semantics.md, "Ranks, axes and groups" (Megatron ``ProcessGroupCollection`` fields).
+
+    Each member's name is its value upper-cased (``Group.EXPT_DP.value == "expt_dp"``);
+    the older short names (``EDP``, ``GTP``, ``EGTP``, ``DP_CP_GTP``) are aliases.
+    """
 
     TP = "tp"
     PP = "pp"
     DP_CP = "dp_cp"
-    EDP = "expt_dp"
+    EXPT_DP = "expt_dp"
     TP_DP_CP = "tp_dp_cp"
     EMBD = "embd"
     POS_EMBD = "pos_embd"
+    GTP_REMAT = "gtp_remat"
+    EXPT_GTP_REMAT = "expt_gtp_remat"
+    DP_CP_GTP_REMAT = "dp_cp_gtp_remat"
+    # Older names, kept as aliases of the members above (``Group.EDP is Group.EXPT_DP``).
+    EDP = "expt_dp"
     GTP = "gtp_remat"
     EGTP = "expt_gtp_remat"
     DP_CP_GTP = "dp_cp_gtp_remat"

@@ -1,8 +1,8 @@
 """Run parity scenarios through jax_impl in this process, on fake CPU devices.
 
 Per scenario: ParamSpecs / RouterSpecs from the layout, every rank's inputs from
-``make_rank_inputs`` stacked along a leading world dimension, one ``finalize_stacked``
-call (compiled once per distinct program, then run again to time the run alone).
+``make_rank_inputs`` stacked along a leading world dimension, one ``jax_impl.finalize``
+call (stacked mode: compiled once per distinct program, then run again to time the run alone).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_impl.finalize import finalize_stacked  # noqa: E402
+from jax_impl.finalize import finalize  # noqa: E402
 from meshgrad import FinalizeConfig, ResetTemporaries, plan_finalize  # noqa: E402
 from parity_tests.results import ScenarioResult  # noqa: E402
 from parity_tests.specs import scenario_dims, scenario_specs  # noqa: E402
@@ -82,19 +82,16 @@ def run_scenario(scenario: Scenario) -> ScenarioResult:
         if len(devices) < dims.world_size:
             raise RuntimeError(f"{dims.world_size} CPU devices needed, {len(devices)} available")
         devices = devices[: dims.world_size]
-        plan = plan_finalize(params, config, dims, routers)
+        plan = plan_finalize(params, config, dims, routers, force_all_reduce=scenario.force_all_reduce)
         aux_reset = {k for a in plan.actions if isinstance(a, ResetTemporaries) for k in a.reset_aux_loss}
         inputs = [make_rank_inputs(scenario, rank) for rank in range(dims.world_size)]
         grads, rstate, tokens = stack_inputs(scenario, inputs)
-        kwargs = dict(
-            params=params, routers=routers, config=config, dims=dims, devices=devices,
-            force_all_reduce=scenario.force_all_reduce,
-        )
+        kwargs = dict(plan=plan, dims=dims, devices=devices, stacked=True)
         start = time.perf_counter()
-        jax.block_until_ready(finalize_stacked(grads, rstate, tokens, **kwargs))
+        jax.block_until_ready(finalize(grads, rstate, tokens, **kwargs))
         first = time.perf_counter() - start
         start = time.perf_counter()
-        out = jax.block_until_ready(finalize_stacked(grads, rstate, tokens, **kwargs))
+        out = jax.block_until_ready(finalize(grads, rstate, tokens, **kwargs))
         seconds = time.perf_counter() - start
         return ScenarioResult(
             outputs=_outputs(inputs, out[0], out[1], aux_reset),

@@ -181,29 +181,26 @@ def test_semantics_links_resolve() -> None:
 # --------------------------------------------------------------------------- jax_impl
 
 
-def test_bare_string_key_is_rejected_with_the_format() -> None:
+def test_bare_string_key_is_the_pytree_path_of_chunk_0() -> None:
     out = run([sys.executable, "-c", """
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import numpy as np
 from meshgrad import FinalizeConfig, ParallelDims, ParamSpec, plan_finalize
-from jax_impl import finalize_stacked
 from jax_impl.finalize import finalize
 dims = ParallelDims(dp=2, tp=2)
-specs = [ParamSpec("w", shape=(2,))]
-for call in (
-    lambda: finalize({"w": np.ones((4, 2), np.float32)}, plan=plan_finalize(specs, FinalizeConfig(), dims), dims=dims),
-    lambda: finalize_stacked({"w": np.ones((4, 2), np.float32)}, None, None, params=specs,
-                             config=FinalizeConfig(), dims=dims),
-):
-    try:
-        call()
-    except TypeError as err:
-        print(err)
+plan = plan_finalize([ParamSpec("w", shape=(2,))], FinalizeConfig(), dims)
+g = np.arange(8, dtype=np.float32).reshape(4, 2)
+by_name = finalize({"w": g}, plan=plan, dims=dims)[0]["w"]
+by_key = finalize({(0, "w"): g}, plan=plan, dims=dims)[0][(0, "w")]
+print(np.asarray(by_name).tolist() == np.asarray(by_key).tolist(), np.asarray(by_name)[0].tolist())
+try:
+    finalize({"v": g}, plan=plan, dims=dims)
+except ValueError as err:
+    print(err)
 """], ROOT).strip().splitlines()
-    assert len(out) == 2
-    for line in out:
-        assert "'w' is not (chunk, name)" in line and "use (0, 'w') for chunk 0" in line
+    assert out[0] == "True [2.0, 3.0]"  # dp mean of rows 0 and 2
+    assert "gradient 'v' (chunk 0) is not in the plan" in out[1]
 
 
 def test_dir_lists_public_names_without_importing_jax() -> None:

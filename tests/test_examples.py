@@ -110,8 +110,15 @@ def test_comparison_catches_a_small_error(single: dict[str, dict[str, Any]]) -> 
         assert_dumps_match({**want, "expert_bias": biases}, want, TOLERANCE["float32"])
 
 
-@pytest.mark.parametrize("pp,dp,tp", [(2, 2, 2), (2, 1, 4)], ids=["pp2-dp2-tp2", "pp2-tp4"])
-def test_jax_example_matches_single_device(pp: int, dp: int, tp: int) -> None:
+@pytest.mark.parametrize(
+    "pp,dp,tp,optimizer", [(2, 2, 2, "adamw"), (2, 1, 4, "sgd")], ids=["pp2-dp2-tp2-adamw", "pp2-tp4-sgd"]
+)
+def test_jax_example_matches_single_device(pp: int, dp: int, tp: int, optimizer: str) -> None:
+    """optax.chain(finalize_gradients, optimizer) on 8 devices == the optimizer on one: the
+    parameters after every step (sgd: exactly the finalized gradients times lr), loss, bias."""
     pytest.importorskip("flax")
-    out = run([sys.executable, str(JAX_EXAMPLE), f"--pp={pp}", f"--dp={dp}", f"--tp={tp}", f"--steps={STEPS}"])
+    pytest.importorskip("optax")
+    out = run([sys.executable, str(JAX_EXAMPLE), f"--pp={pp}", f"--dp={dp}", f"--tp={tp}", f"--steps={STEPS}",
+               f"--optimizer={optimizer}"] + (["--lr=0.1"] if optimizer == "sgd" else []))
     assert out.count(" ok") == STEPS and "MISMATCH" not in out, out
+    assert f"finalize_gradients(...), {optimizer})" in out

@@ -33,7 +33,7 @@ CONFIG = FinalizeConfig(sequence_parallel=True)
 
 
 def test_values_and_untouched_frozen():
-    g, r = finalize_stacked(inputs(), None, None, params=specs(), config=CONFIG, dims=DIMS)
+    g, r = finalize(inputs(), specs=specs(), config=CONFIG, dims=DIMS, stacked=True)
     assert r == {}
     assert set(g) == {(0, "w"), (0, "ln")}
     # w: 1/dp_cp pre-scale, SUM over dp ({r, r^2}): (2r + 2(r^2)) / 2
@@ -56,19 +56,19 @@ def test_compiles_once_for_repeated_calls(monkeypatch):
     monkeypatch.setattr(jf, "run_stacked", counting)
     shape = (7, 5)  # a program no other test builds
     outs = [
-        finalize_stacked(inputs(shape, s), None, None, params=specs(shape), config=CONFIG, dims=DIMS)[0]
+        finalize(inputs(shape, s), specs=specs(shape), config=CONFIG, dims=DIMS)[0]
         for s in (1.0, 2.0, 3.0)
     ]
     assert len(traces) == 1
     np.testing.assert_array_equal(np.asarray(outs[2][(0, "w")]), 3 * np.asarray(outs[0][(0, "w")]))
-    finalize_stacked(inputs((7, 6)), None, None, params=specs((7, 6)), config=CONFIG, dims=DIMS)
+    finalize(inputs((7, 6)), specs=specs((7, 6)), config=CONFIG, dims=DIMS)
     assert len(traces) == 2  # new shapes: one more compile
 
 
 def test_leading_mesh_dims_match_world_dim():
-    flat, _ = finalize_stacked(inputs(), None, None, params=specs(), config=CONFIG, dims=DIMS)
+    flat, _ = finalize(inputs(), specs=specs(), config=CONFIG, dims=DIMS, stacked=True)
     dense = {k: v.reshape(DIMS.dense_shape() + v.shape[1:]) for k, v in inputs().items()}
-    got, _ = finalize_stacked(dense, None, None, params=specs(), config=CONFIG, dims=DIMS)
+    got, _ = finalize(dense, specs=specs(), config=CONFIG, dims=DIMS)
     for key, value in got.items():
         assert value.shape == dense[key].shape
         np.testing.assert_array_equal(np.asarray(value).reshape(flat[key].shape), np.asarray(flat[key]))
@@ -100,6 +100,10 @@ def test_errors_before_running():
     with pytest.raises(ValueError, match="not in the plan"):
         finalize({**inputs(), (3, "x"): np.zeros((8, 1))}, plan=plan, dims=DIMS)
     with pytest.raises(KeyError, match="'w'"):
+        finalize({(0, "ln"): inputs()[(0, "ln")]}, plan=plan, dims=DIMS)
+    with pytest.raises(KeyError, match="'w'"):  # local mode runs the same presence check
+        finalize({(0, "ln"): inputs()[(0, "ln")][0]}, plan=plan, dims=DIMS)
+    with pytest.warns(DeprecationWarning), pytest.raises(KeyError, match="'w'"):
         finalize_stacked({(0, "ln"): inputs()[(0, "ln")]}, None, None, params=specs(), config=CONFIG, dims=DIMS)
     with pytest.raises(ValueError, match="devices"):
         finalize(inputs(), plan=plan, dims=DIMS, devices=jax.devices("cpu")[:4])
@@ -113,7 +117,7 @@ def test_expert_mesh_leading_dims_and_untouched_router_fields():
     grads = {(0, "e"): np.arange(8, dtype=np.float32).reshape(dims.expert_shape() + (1,))}
     extra = np.ones((8, 2), np.float32).reshape(dims.expert_shape() + (2,))
     rstate = {(0, "r"): {"expert_bias": extra}}
-    g, r = finalize_stacked(grads, rstate, None, params=params, routers=routers, config=config, dims=dims)
+    g, r = finalize(grads, rstate, None, specs=params, router_specs=routers, config=config, dims=dims)
     # expert rank = edp*4 + ep*2 + etp: expt_dp groups {r, r+4} summed.
     np.testing.assert_array_equal(np.asarray(g[(0, "e")]).reshape(-1), [4, 6, 8, 10, 4, 6, 8, 10])
     assert r[(0, "r")]["expert_bias"] is extra

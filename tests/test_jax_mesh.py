@@ -8,6 +8,8 @@ import jax
 import numpy as np
 import pytest
 
+from meshgrad.errors import FinalizeInputError
+
 from jax_impl.mesh import DENSE_NAMES, EXPERT_NAMES, ensure_host_devices, make_meshes
 from meshgrad import DENSE_AXES, EXPERT_AXES, ParallelDims
 
@@ -48,7 +50,7 @@ def test_errors():
 def test_ensure_host_devices_after_import(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
     ensure_host_devices(8)  # enough devices already: no error
-    with pytest.raises(RuntimeError, match="before jax is"):
+    with pytest.raises(FinalizeInputError, match="before jax is"):
         ensure_host_devices(4096)
     import os
 

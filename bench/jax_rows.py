@@ -1,0 +1,213 @@
+"""JAX rows: jax_impl.finalize against the hand-written psum tree map, in one run.
+
+At about 100, 1,000 and 16,000 gradient leaves on 8 fake CPU devices (dp = 4, tp = 2,
+every fourth leaf a sequence-parallel layernorm), inside one ``jax.jit(jax.shard_map)``
+step (quick mode: the first two rows), both candidates do the same reductions:
+
+* ``meshgrad``: ``jax_impl.finalize(grads, plan=plan, dims=dims)`` (plan made once,
+  outside the step, as a training loop does);
+* ``hand``: ``jax.tree.map(lambda g, axes: lax.psum(g * scale, axes), grads, axes)``
+  (dp mean of every leaf, then a tp sum of the layernorms: what a researcher writes).
+
+Per row: the jit compile time (trace + lower + XLA compile, one each) and the steady
+step time (median of interleaved timed rounds), the ratios meshgrad / hand, the ratios'
+growth against the leaf-count growth, and the HLO's all-reduce count of each (XLA's
+combiner decides how many collectives run). Run alone (it forces 8 host devices before
+jax is imported): ``python -m bench.jax_rows [--quick] [--json PATH]``; ``python -m bench``
+runs it in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+    from jax_impl.mesh import ensure_host_devices
+
+    ensure_host_devices(8)
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+#: Leaf counts of the rows.
+LEAVES = (100, 1_000, 16_000)
+#: Goals: meshgrad / hand.
+STEP_GOAL, COMPILE_GOAL = 1.1, 1.5
+
+
+def _tree(n: int) -> tuple[dict[str, Any], list[Any]]:
+    """n stacked [8, 16] gradient leaves in layers of four and their ParamSpecs."""
+    import numpy as np
+
+    from meshgrad import ParamSpec
+
+    rng = np.random.default_rng(0)
+    grads, specs = {}, []
+    for i in range(n):
+        layer, kind = divmod(i, 4)
+        name = f"layers.{layer}.{'ln' if kind == 0 else f'w{kind}'}"
+        grads.setdefault(f"layers.{layer}", {})[name.rsplit(".", 1)[1]] = rng.normal(size=(8, 16)).astype(np.float32)
+        specs.append(ParamSpec(name, shape=(16,), sequence_parallel=kind == 0))
+    return grads, specs
+
+
+def _steps(n: int) -> dict[str, Any]:
+    """The two jitted shard_mapped steps for n leaves and their inputs (placed)."""
+    import jax
+    from jax import lax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jax_impl import make_meshes
+    from jax_impl.finalize import finalize
+    from meshgrad import FinalizeConfig, ParallelDims, plan_finalize
+
+    dims = ParallelDims(dp=4, tp=2)
+    grads, specs = _tree(n)
+    plan = plan_finalize(specs, FinalizeConfig(sequence_parallel=True), dims)
+    mesh = make_meshes(dims).dense
+    ranks = PartitionSpec(mesh.axis_names)
+    sp = jax.tree.map(lambda _: False, grads)
+    for layer in sp.values():
+        layer["ln"] = True
+
+    def hand(g):
+        mean = jax.tree.map(lambda x: lax.psum(x * (1 / dims.dp), "dp"), g)
+        return jax.tree.map(lambda x, s: lax.psum(x, "tp") if s else x, mean, sp)
+
+    def ours(g):
+        return finalize(g, plan=plan, dims=dims)[0]
+
+    def wrap(fn):
+        body = lambda g: jax.tree.map(lambda x: x[None], fn(jax.tree.map(lambda x: x[0], g)))  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(ranks,), out_specs=ranks, check_vma=False))
+
+    placed = jax.device_put(grads, NamedSharding(mesh, ranks))
+    return {"meshgrad": wrap(ours), "hand": wrap(hand), "grads": placed, "check": (ours, hand)}
+
+
+def _compile(fn: Any, grads: Any) -> tuple[Any, float, collections.Counter]:
+    """The compiled step, its compile time and its HLO op counts (op name -> count)."""
+    start = time.perf_counter()
+    compiled = fn.lower(grads).compile()
+    seconds = time.perf_counter() - start
+    return compiled, seconds, collections.Counter(re.findall(r"= (?:\([^)]*\)|\S+) ([a-z][a-z\-]*)\(", compiled.as_text()))
+
+
+def measure_row(n: int, rounds: int) -> dict[str, Any]:
+    """One row: compile each candidate once, check equal outputs, time interleaved rounds."""
+    import jax
+    import numpy as np
+
+    steps = _steps(n)
+    grads = steps["grads"]
+    row: dict[str, Any] = {"leaves": n}
+    compiled = {}
+    ops = {}
+    for name in ("meshgrad", "hand"):
+        compiled[name], row[f"{name}_compile_s"], ops[name] = _compile(steps[name], grads)
+        row[f"{name}_all_reduces"] = ops[name]["all-reduce"] + ops[name]["all-reduce-start"]
+    row["same_hlo_ops"] = ops["meshgrad"] == ops["hand"]
+    outs = {name: jax.block_until_ready(fn(grads)) for name, fn in compiled.items()}
+    diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+               for a, b in zip(jax.tree.leaves(outs["meshgrad"]), jax.tree.leaves(outs["hand"])))
+    row["max_abs_diff"] = diff
+    times: dict[str, list[float]] = {"meshgrad": [], "hand": []}
+    # calls per timed round (about the same work per row); each one waited for: many steps
+    # in flight on fake CPU devices can abort XLA's collective rendezvous
+    per_round = max(1, 2_000 // n)
+    for i in range(rounds):
+        for name, fn in sorted(compiled.items(), reverse=bool(i % 2)):  # alternate who goes first
+            start = time.perf_counter()
+            for _ in range(per_round):
+                jax.block_until_ready(fn(grads))
+            times[name].append((time.perf_counter() - start) / per_round)
+    for name, values in times.items():
+        row[f"{name}_step_ms"] = 1e3 * statistics.median(values)
+    row["step_ratio"] = row["meshgrad_step_ms"] / row["hand_step_ms"]
+    row["compile_ratio"] = row["meshgrad_compile_s"] / row["hand_compile_s"]
+    return row
+
+
+def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The JAX goals of the rows (ratios in this run; growth against the leaf count)."""
+    out = []
+    for row in rows:
+        n = row["leaves"]
+        out.append({"goal": f"jax {n} leaves: step <= {STEP_GOAL}x hand-written psum",
+                    "value": row["step_ratio"], "ok": row["step_ratio"] <= STEP_GOAL})
+        out.append({"goal": f"jax {n} leaves: compile <= {COMPILE_GOAL}x hand-written psum",
+                    "value": row["compile_ratio"], "ok": row["compile_ratio"] <= COMPILE_GOAL})
+    if len(rows) > 1:
+        # Growth: meshgrad's time at the last row over the first, per leaf-count growth. The
+        # floor is the hand-written step's own growth (XLA's compile alone grows faster than
+        # the leaves), so the goal is printed only where that floor meets it.
+        first, last = rows[0], rows[-1]
+        growth = last["leaves"] / first["leaves"]
+        for what, unit in (("step", "step_ms"), ("compile", "compile_s")):
+            ours = (last[f"meshgrad_{unit}"] / first[f"meshgrad_{unit}"]) / growth
+            floor = (last[f"hand_{unit}"] / first[f"hand_{unit}"]) / growth
+            span = f"{first['leaves']} -> {last['leaves']} leaves"
+            if floor <= 1.1:
+                out.append({"goal": f"jax {what} grows no faster than the leaves ({span}; per-leaf growth)",
+                            "value": ours, "ok": ours <= 1.1})
+            else:
+                out.append({"goal": f"jax {what} grows no faster than the hand-written one's "
+                            f"({span}; its own per-leaf growth {floor:.2f}x, XLA's)",
+                            "value": ours / floor, "ok": ours / floor <= 1.1})
+    return out
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """The rows as a table."""
+    lines = [f"{'leaves':>7} {'compile s (ours/hand)':>24} {'ratio':>6} {'step ms (ours/hand)':>22} {'ratio':>6} "
+             f"{'all-reduces (ours/hand)':>24} {'same HLO ops':>12} {'max diff':>9}"]
+    for r in rows:
+        lines.append(
+            f"{r['leaves']:>7} {r['meshgrad_compile_s']:>11.2f} / {r['hand_compile_s']:<10.2f} {r['compile_ratio']:>6.2f} "
+            f"{r['meshgrad_step_ms']:>10.3f} / {r['hand_step_ms']:<9.3f} {r['step_ratio']:>6.2f} "
+            f"{r['meshgrad_all_reduces']:>11} / {r['hand_all_reduces']:<11} {str(r['same_hlo_ops']):>12} "
+            f"{r['max_abs_diff']:>9.1e}"
+        )
+    return "\n".join(lines)
+
+
+def run_subprocess(quick: bool) -> dict[str, Any]:
+    """Run the rows in a fresh interpreter (8 host devices) and return its JSON."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "bench.jax_rows", "--print-json"] + (["--quick"] if quick else [])
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.jax_rows", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer timed rounds, the 100 and 1,000 leaf rows")
+    parser.add_argument("--leaves", type=int, nargs="+", help=f"leaf counts of the rows (default {list(LEAVES)})")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows here")
+    parser.add_argument("--print-json", action="store_true", help="print only the JSON (for python -m bench)")
+    args = parser.parse_args(argv)
+    leaves = args.leaves or (list(LEAVES[:2]) if args.quick else list(LEAVES))
+    rows = [measure_row(n, rounds=5 if args.quick else 11) for n in leaves]
+    result = {"rows": rows, "goals": goals(rows)}
+    if args.print_json:
+        print(json.dumps(result))
+        return 0
+    print(format_rows(rows))
+    for g in result["goals"]:
+        print(f"  [{'met' if g['ok'] else 'MISSED':>6}] {g['goal']}  (measured {g['value']:.3f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
