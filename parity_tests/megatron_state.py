@@ -1,5 +1,7 @@
 """What the megatron-core oracles (0.16.1 and 0.19.2) share: Megatron's ``parallel_state``
-for a test layout, and a Megatron-DDP-like chunk (megatron-core's DDP needs CUDA).
+for a test layout, a Megatron-DDP-like chunk (for the oracles that compare single
+helpers), and :func:`megatron_on_cpu`, which lets megatron-core's real DDP, models and
+schedules run on CPU gloo.
 
 Megatron is a black box here: only its public ``initialize_model_parallel`` is called.
 """
@@ -92,3 +94,53 @@ def fake_ddp(module: Any, ddp_config: Any, dp_cp: Any, expt_dp: Any) -> Any:
                 g.mul_(scale)
 
     return DDPLike()
+
+
+class _CudaDevicesOnCpu:
+    """A ``TorchFunctionMode`` (built lazily: torch is imported in workers) that creates
+    tensors asked for on a CUDA device on the CPU and makes ``Tensor.cuda()`` a no-op."""
+
+    @staticmethod
+    def make() -> Any:
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        class CudaDevicesOnCpu(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                kwargs = dict(kwargs or {})
+                device = kwargs.get("device")
+                if device is not None and "cuda" in str(device):
+                    kwargs["device"] = "cpu"
+                if func is torch.Tensor.cuda:
+                    return args[0]
+                return func(*args, **kwargs)
+
+        return CudaDevicesOnCpu()
+
+
+def megatron_on_cpu() -> Any:
+    """Point megatron-core's device lookups at the CPU, in this (test) process, for good.
+
+    Megatron is not changed: ``torch.cuda.current_device`` returns ``"cpu"`` (the DDP's
+    buffers, the schedules' p2p buffers and token counts then live on the CPU),
+    ``torch.cuda.synchronize`` does nothing, a ``TorchFunctionMode`` creates tensors asked
+    for with ``device="cuda"`` on the CPU (the pipelined schedules' token counter), and the
+    model-parallel CUDA RNG tracker's ``fork()`` is a no-op context (its CUDA RNG states
+    cannot be made without CUDA; the test models use no dropout).
+
+    Returns:
+      The entered TorchFunctionMode (exit it with ``mode.__exit__(None, None, None)``).
+    """
+    import contextlib
+
+    import torch
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core import tensor_parallel
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    mode = _CudaDevicesOnCpu.make()
+    mode.__enter__()
+    return mode
