@@ -12,6 +12,10 @@
 #      (no host sync inside), checked by value; megatron-core tried under capture too.
 #   3. python -m bench.cuda --backend fake       the same capture / replay / check for
 #      the multi-rank layout under the fake backend.
+#   4. python -m bench.full_graph                a whole training step (forward, backward,
+#      megatron-core's real DDP, torch_impl's finalize with num_tokens) captured in one
+#      CUDA graph, as FullCudaGraphWrapper captures forward_backward_func; replays on new
+#      inputs compared with eager steps of a twin model, and timed against them.
 #
 # Usage: bash bench/gpu.sh [--quick] [--cpu-smoke]
 #   --quick      fewer rounds, the 24-layer layouts only
@@ -33,7 +37,7 @@ for arg in "$@"; do
   case "$arg" in
     --quick) QUICK=(--quick) ;;
     --cpu-smoke) SMOKE=1; QUICK=(--quick) ;;
-    -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "bench/gpu.sh: unknown argument: $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -62,6 +66,7 @@ if [[ $SMOKE -eq 1 ]]; then
   WORLD1=(--backend gloo --device cpu --layers 2 --hidden 128)
   FAKE=(--backend fake --device cpu --layers 2 --hidden 128)
   SIDE=(--layouts gpt-24L-h1024 --rounds 2 --no-scale)
+  GRAPH=(--device cpu --rounds 2)
 else
   if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "bench/gpu.sh: no usable CUDA device (use --cpu-smoke to test the script on a CPU)" >&2
@@ -71,6 +76,7 @@ else
   WORLD1=(--backend nccl --device cuda)
   FAKE=(--backend fake --device cuda)
   SIDE=()
+  GRAPH=(--device cuda)
 fi
 
 failed=()
@@ -88,15 +94,17 @@ run() {  # run NAME CMD...: run a step, keep going on failure, remember it
   fi
 }
 
-run "1/3 side by side, fake backend, gradients on $DEVICE" \
+run "1/4 side by side, fake backend, gradients on $DEVICE" \
   "$PY" -m bench --device "$DEVICE" --no-gloo "${QUICK[@]}" "${SIDE[@]}" --json "$RESULTS/gpu_side_by_side.json"
-run "2/3 world of one (${WORLD1[1]}), CUDA graph capture" \
+run "2/4 world of one (${WORLD1[1]}), CUDA graph capture" \
   "$PY" -m bench.cuda "${WORLD1[@]}" "${QUICK[@]}" --json "$RESULTS/gpu_world_of_one.json"
-run "3/3 fake multi-rank layout, CUDA graph capture" \
+run "3/4 fake multi-rank layout, CUDA graph capture" \
   "$PY" -m bench.cuda "${FAKE[@]}" "${QUICK[@]}" --json "$RESULTS/gpu_fake_graph.json"
+run "4/4 whole training step in one CUDA graph (FullCudaGraphWrapper-style), torch_impl finalize" \
+  "$PY" -m bench.full_graph "${GRAPH[@]}" --json "$RESULTS/gpu_full_step_graph.json"
 
 say "summary"
-echo "results: $RESULTS/gpu_side_by_side.json gpu_world_of_one.json gpu_fake_graph.json"
+echo "results: $RESULTS/gpu_side_by_side.json gpu_world_of_one.json gpu_fake_graph.json gpu_full_step_graph.json"
 if [[ ${#failed[@]} -gt 0 ]]; then
   echo "failed steps: ${failed[*]}" >&2
   exit 1

@@ -222,6 +222,10 @@ MUST_RAISE = {"fin-missing-tp_dp_cp", "fin-pos-frozen"}
 #: Deliberate differences (README, "Deliberate differences from Megatron-Core"), by case:
 #: keys containing the text are not compared; everything else of the case is, bit for bit.
 KNOWN_DIFFERENCES: dict[str, str] = {}
+#: Where current Megatron-Core asserts and 0.19.2 did not (tests/test_megatron_head_diffs.py):
+#: GTP active (gtp_weight_remat_size > 1) and no gtp_remat in the collection. Ours raises
+#: MegatronAssertionError there, with nothing changed.
+CURRENT_RAISES = {"fin-missing-gtp"}
 
 _WORLDS: dict[int, Any] = {}
 
@@ -284,7 +288,7 @@ def _diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return out
 
 
-def _compare(per_rank: list[dict[str, Any]], skip: str | None = None) -> None:
+def _compare(per_rank: list[dict[str, Any]], skip: str | None = None, current_raises: bool = False) -> None:
     problems = []
     for rank, pair in enumerate(per_rank):
         meg, ours = pair["megatron"], pair["ours"]
@@ -299,6 +303,8 @@ def _compare(per_rank: list[dict[str, Any]], skip: str | None = None) -> None:
             problems += [f"rank {rank}: ours raised but changed {d}" for d in changed[:5]]
             continue
         if ours[0] != "ok":
+            if current_raises and ours[1] == "MegatronAssertionError" and not _diff(pair["inputs"], ours[4]):
+                continue
             problems.append(f"rank {rank}: ours raised {ours[1]}: {ours[2]!r}; megatron did not")
             continue
         problems += [f"rank {rank}: {d}" for d in _diff(meg[1], ours[1]) if skip is None or skip not in d.split(":")[0]]
@@ -309,12 +315,12 @@ def _compare(per_rank: list[dict[str, Any]], skip: str | None = None) -> None:
 
 @pytest.mark.parametrize("name", _names(4))
 def test_oracle019_world4(name: str) -> None:
-    _compare(_per_rank(4, name), KNOWN_DIFFERENCES.get(name.split(":")[-1]))
+    _compare(_per_rank(4, name), KNOWN_DIFFERENCES.get(name.split(":")[-1]), name.split(":")[-1] in CURRENT_RAISES)
 
 
 @pytest.mark.parametrize("name", _names(8))
 def test_oracle019_world8(name: str) -> None:
-    _compare(_per_rank(8, name), KNOWN_DIFFERENCES.get(name.split(":")[-1]))
+    _compare(_per_rank(8, name), KNOWN_DIFFERENCES.get(name.split(":")[-1]), name.split(":")[-1] in CURRENT_RAISES)
 
 
 def test_oracle019_cases_are_not_vacuous() -> None:

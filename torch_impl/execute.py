@@ -40,7 +40,7 @@ from meshgrad.plan import (
     scatter_shard,
 )
 from torch_impl.errors import action_failed
-from torch_impl.grads import GradAccess
+from torch_impl.grads import GradAccess, get_grad, grad_attr, is_dtensor
 from torch_impl.groups import TorchGroups
 
 # --------------------------------------------------------------------------- collectives
@@ -289,6 +289,14 @@ def bind_stage_reduction(
     if key is None or group is None:
         return None
     tensor = grads[key]
+    param = grads.params[key] if isinstance(grads, GradAccess) and grads.local_shards else None
+    if param is not None and is_dtensor(get_grad(param)):
+        # Megatron-FSDP: as Megatron, the reduced local shard becomes the gradient (a plain tensor).
+        def run_fsdp() -> None:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+            setattr(param, grad_attr(param), tensor)
+
+        return run_fsdp
     if tensor.is_contiguous():
         return lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     copied = 2 * _nbytes([tensor])

@@ -481,6 +481,11 @@ def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Reques
         stages = {"embedding_stages": config.embedding_stages, "position_embedding_stages": config.position_embedding_stages}
         return groups.resolve(ep=requested.ep_size, etp=requested.etp, egtp=requested.egtp, **stages)
     if is_process_group_collection(pg_collection):
+        if requested.gtp > 1 and vars(pg_collection).get("gtp_remat") is None:
+            raise MegatronAssertionError(
+                f"rank {world_rank()}: config.gtp_weight_remat_size is {requested.gtp} but pg_collection has no "
+                "gtp_remat group. Pass a pg_collection carrying `gtp_remat` (Megatron-Core asserts the same)"
+            )
         return collection_groups(
             pg_collection, expert_bias=config.moe_router_enable_expert_bias, flextron=config.flextron
         )
