@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from meshgrad.axes import DENSE_AXES, ParallelDims
 from meshgrad.config import FinalizeConfig
 from meshgrad.errors import FinalizeInputError
-from meshgrad.params import ParamKey, ParamSpec, RouterSpec
+from meshgrad.params import ParamKey, RouterSpec
 from meshgrad.plan import Action, FinalizePlan, plan_finalize
 
 from jax_impl.checks import (
@@ -32,7 +32,8 @@ from jax_impl.checks import (
     token_count,
 )
 from jax_impl.discover import TreeKeys, router_specs as specs_of_routers, specs_for_tree, tree_keys
-from jax_impl.execute import LocalState, execute_local, execute_stacked, merge, select
+from jax_impl.execute import LocalState, execute_local
+from jax_impl.stacked import execute_stacked, merge, select
 from jax_impl.groups import Collectives
 from jax_impl.mesh import make_meshes
 
