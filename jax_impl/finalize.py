@@ -28,7 +28,7 @@ from meshgrad.params import ParamKey, RouterSpec
 from meshgrad.plan import Action, FinalizePlan, plan_finalize
 
 from jax_impl.checks import (
-    check_inputs, check_keys, check_mode, check_plan, check_present, check_stacked, is_key, leading_dims,
+    check_inputs, check_keys, check_mode, check_plan, check_present, check_stacked, is_key, is_traced, leading_dims,
     token_count,
 )
 from jax_impl.discover import TreeKeys, router_specs as specs_of_routers, specs_for_tree, tree_keys
@@ -85,7 +85,7 @@ def _from_world(tree: Any, leading: tuple[int, ...]) -> Any:
 
 
 def _traced(tree: Any) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+    return any(map(is_traced, jax.tree.leaves(tree)))
 
 
 def _run_stacked_mode(
