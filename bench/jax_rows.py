@@ -199,12 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-json", action="store_true", help="print only the JSON (for python -m bench)")
     args = parser.parse_args(argv)
     leaves = args.leaves or (list(LEAVES[:2]) if args.quick else list(LEAVES))
-    rows = [measure_row(n, rounds=5 if args.quick else 11) for n in leaves]
+    rows = []
+    for n in leaves:
+        rows.append(measure_row(n, rounds=5 if args.quick else 11))
+        if not args.print_json:
+            print(format_rows(rows[-1:]).splitlines()[-1], flush=True)  # each row as it is done
     result = {"rows": rows, "goals": goals(rows)}
     if args.print_json:
         print(json.dumps(result))
         return 0
-    print(format_rows(rows))
+    print(format_rows(rows))  # the table again, with its header
     for g in result["goals"]:
         print(f"  [{'met' if g['ok'] else 'MISSED':>6}] {g['goal']}  (measured {g['value']:.3f})")
     if args.json:
