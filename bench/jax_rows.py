@@ -94,7 +94,14 @@ def _steps(n: int) -> dict[str, Any]:
 
 
 def _compile(fn: Any, grads: Any) -> tuple[Any, float, collections.Counter]:
-    """The compiled step, its compile time and its HLO op counts (op name -> count)."""
+    """The compiled step, its compile time and its HLO op counts (op name -> count).
+
+    jax's in-memory caches are cleared first: a second ``lower().compile()`` of the same
+    program would otherwise return the cached executable.
+    """
+    import jax
+
+    jax.clear_caches()
     start = time.perf_counter()
     compiled = fn.lower(grads).compile()
     seconds = time.perf_counter() - start
