@@ -9,8 +9,9 @@ step (quick mode: the first two rows), both candidates do the same reductions:
 * ``hand``: ``jax.tree.map(lambda g, axes: lax.psum(g * scale, axes), grads, axes)``
   (dp mean of every leaf, then a tp sum of the layernorms: what a researcher writes).
 
-Per row: the jit compile time (trace + lower + XLA compile, one each) and the steady
-step time (median of interleaved timed rounds), the ratios meshgrad / hand, the ratios'
+Per row: the jit compile time (trace + lower + XLA compile; the faster of two, below
+4,000 leaves) and the steady step time (median of paired, alternating calls), the ratios
+meshgrad / hand (step: the median of the pairs' ratios), the ratios'
 growth against the leaf-count growth, and the HLO's all-reduce count of each (XLA's
 combiner decides how many collectives run). Run alone (it forces 8 host devices before
 jax is imported): ``python -m bench.jax_rows [--quick] [--json PATH]``; ``python -m bench``
@@ -93,7 +94,14 @@ def _steps(n: int) -> dict[str, Any]:
 
 
 def _compile(fn: Any, grads: Any) -> tuple[Any, float, collections.Counter]:
-    """The compiled step, its compile time and its HLO op counts (op name -> count)."""
+    """The compiled step, its compile time and its HLO op counts (op name -> count).
+
+    jax's in-memory caches are cleared first: a second ``lower().compile()`` of the same
+    program would otherwise return the cached executable.
+    """
+    import jax
+
+    jax.clear_caches()
     start = time.perf_counter()
     compiled = fn.lower(grads).compile()
     seconds = time.perf_counter() - start
@@ -101,36 +109,39 @@ def _compile(fn: Any, grads: Any) -> tuple[Any, float, collections.Counter]:
 
 
 def measure_row(n: int, rounds: int) -> dict[str, Any]:
-    """One row: compile each candidate once, check equal outputs, time interleaved rounds."""
+    """One row: compile each candidate (alternating, the faster of two compiles below
+    4,000 leaves), check equal outputs, time paired calls (alternating who goes first)."""
     import jax
     import numpy as np
 
     steps = _steps(n)
     grads = steps["grads"]
     row: dict[str, Any] = {"leaves": n}
-    compiled = {}
-    ops = {}
-    for name in ("meshgrad", "hand"):
-        compiled[name], row[f"{name}_compile_s"], ops[name] = _compile(steps[name], grads)
+    compiled, ops, seconds = {}, {}, {"meshgrad": [], "hand": []}
+    for i in range(2 if n < 4_000 else 1):
+        for name in sorted(seconds, reverse=bool(i % 2)):
+            compiled[name], took, ops[name] = _compile(steps[name], grads)
+            seconds[name].append(took)
+    for name in seconds:
+        row[f"{name}_compile_s"] = min(seconds[name])
         row[f"{name}_all_reduces"] = ops[name]["all-reduce"] + ops[name]["all-reduce-start"]
     row["same_hlo_ops"] = ops["meshgrad"] == ops["hand"]
     outs = {name: jax.block_until_ready(fn(grads)) for name, fn in compiled.items()}
     diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                for a, b in zip(jax.tree.leaves(outs["meshgrad"]), jax.tree.leaves(outs["hand"])))
     row["max_abs_diff"] = diff
+    # Paired calls, each waited for (many steps in flight on fake CPU devices can abort
+    # XLA's collective rendezvous); the step ratio is the median of the pairs' ratios,
+    # which a shared machine's drift affects less than a ratio of medians.
     times: dict[str, list[float]] = {"meshgrad": [], "hand": []}
-    # calls per timed round (about the same work per row); each one waited for: many steps
-    # in flight on fake CPU devices can abort XLA's collective rendezvous
-    per_round = max(1, 2_000 // n)
-    for i in range(rounds):
-        for name, fn in sorted(compiled.items(), reverse=bool(i % 2)):  # alternate who goes first
+    for i in range(rounds * max(1, 2_000 // n)):
+        for name in sorted(compiled, reverse=bool(i % 2)):
             start = time.perf_counter()
-            for _ in range(per_round):
-                jax.block_until_ready(fn(grads))
-            times[name].append((time.perf_counter() - start) / per_round)
+            jax.block_until_ready(compiled[name](grads))
+            times[name].append(time.perf_counter() - start)
     for name, values in times.items():
         row[f"{name}_step_ms"] = 1e3 * statistics.median(values)
-    row["step_ratio"] = row["meshgrad_step_ms"] / row["hand_step_ms"]
+    row["step_ratio"] = statistics.median(a / b for a, b in zip(times["meshgrad"], times["hand"]))
     row["compile_ratio"] = row["meshgrad_compile_s"] / row["hand_compile_s"]
     return row
 
@@ -195,12 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-json", action="store_true", help="print only the JSON (for python -m bench)")
     args = parser.parse_args(argv)
     leaves = args.leaves or (list(LEAVES[:2]) if args.quick else list(LEAVES))
-    rows = [measure_row(n, rounds=5 if args.quick else 11) for n in leaves]
+    rows = []
+    for n in leaves:
+        rows.append(measure_row(n, rounds=5 if args.quick else 11))
+        if not args.print_json:
+            print(format_rows(rows[-1:]).splitlines()[-1], flush=True)  # each row as it is done
     result = {"rows": rows, "goals": goals(rows)}
     if args.print_json:
         print(json.dumps(result))
         return 0
-    print(format_rows(rows))
+    print(format_rows(rows))  # the table again, with its header
     for g in result["goals"]:
         print(f"  [{'met' if g['ok'] else 'MISSED':>6}] {g['goal']}  (measured {g['value']:.3f})")
     if args.json:

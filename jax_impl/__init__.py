@@ -3,7 +3,8 @@
 Submodules (mirroring torch_impl's file names): ``mesh`` (dense / expert Mesh views, fake
 host devices), ``groups`` (named groups as collectives over mesh axes), ``discover``
 (ParamSpecs from spec trees / flax.nnx metadata), ``checks`` (input checks before
-anything runs), ``execute`` (one pure executor per action type, in one table),
+anything runs), ``execute`` (one pure executor per action type, in one table), ``stacked`` (the
+executors on stacked values, one ``shard_map`` per mesh view),
 ``finalize`` (the one pure, jittable entry: pytrees in and out, local or stacked),
 ``transform`` (the optax GradientTransformation). Errors are :mod:`meshgrad.errors` types.
 
@@ -28,7 +29,7 @@ _EXPORTS = {
     "specs_from_nnx": "jax_impl.discover",
     "router_specs": "jax_impl.discover",
     "execute_local": "jax_impl.execute",
-    "execute_stacked": "jax_impl.execute",
+    "execute_stacked": "jax_impl.stacked",
     "Collectives": "jax_impl.groups",
     "finalize_stacked": "jax_impl.finalize",
     "finalize_gradients": "jax_impl.transform",
@@ -40,7 +41,7 @@ _EXPORTS = {
 }
 
 #: Submodules, listed by ``dir(jax_impl)`` too.
-SUBMODULES = ("checks", "discover", "execute", "finalize", "groups", "mesh", "transform")
+SUBMODULES = ("checks", "discover", "execute", "finalize", "groups", "mesh", "stacked", "transform")
 
 __all__ = sorted(_EXPORTS)
 

@@ -25,6 +25,16 @@ from meshgrad.params import ParamKey
 from meshgrad.plan import STAGE_GROUPS, FinalizePlan
 
 
+_TRACER = getattr(jax.core, "Tracer", None)
+
+
+def is_traced(value: Any) -> bool:
+    """Whether ``value`` is a tracer (under ``jax.jit`` / ``shard_map``), not a concrete array."""
+    if _TRACER is not None:
+        return isinstance(value, _TRACER)
+    return type(value).__name__.endswith("Tracer")  # a jax without the public jax.core.Tracer
+
+
 def check_plan(plan: FinalizePlan, dims: ParallelDims) -> None:
     """Raise PlanMismatchError when ``plan`` was made for other group sizes than ``dims``.
 
@@ -210,7 +220,7 @@ def _check_finite(plan: FinalizePlan, grads: Mapping[ParamKey, Any], leading: tu
     width = int(np.prod(leading)) if leading else 1
     for spec in plan.params:
         value = grads.get(spec.key)
-        if value is None or not spec.has_grad or isinstance(value, jax.core.Tracer):
+        if value is None or not spec.has_grad or is_traced(value):
             continue
         ok = np.asarray(jnp.isfinite(jnp.asarray(value)).reshape(width, -1).all(axis=1))
         if not ok.all():
@@ -222,6 +232,6 @@ def _check_finite(plan: FinalizePlan, grads: Mapping[ParamKey, Any], leading: tu
 
 
 __all__ = [
-    "check_inputs", "check_keys", "check_mode", "check_plan", "check_present", "check_stacked", "leading_dims",
+    "check_inputs", "check_keys", "is_traced", "check_mode", "check_plan", "check_present", "check_stacked", "leading_dims",
     "token_count",
 ]

@@ -284,7 +284,17 @@ def specs_for_tree(specs: Any, grads: Any) -> list[ParamSpec] | None:
       grads: the gradient pytree.
     """
     if specs is None:
-        return specs_from_nnx(grads) if _is_nnx(grads) else None
+        if not _is_nnx(grads):
+            return None
+        from flax import nnx
+
+        if not all(isinstance(v, nnx.Variable) for _, v in nnx.to_flat_state(grads)):
+            raise FinalizeInputError(
+                "the gradients are a pure nnx.State (arrays, no Variable metadata: nnx.Optimizer "
+                "passes them so), so they carry no flags; give specs=model (the nnx Module, or "
+                "nnx.state(model, nnx.Param)) to read the flags from"
+            )
+        return specs_from_nnx(grads)
     if _is_nnx(specs):
         return specs_from_nnx(specs)
     spec_leaves, spec_def = jax.tree_util.tree_flatten(specs, is_leaf=_is_spec)

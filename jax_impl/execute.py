@@ -6,10 +6,8 @@ along ``pp``, router updates -> ``meshgrad.rules`` with ``jax.numpy``. Which gra
 where is read from the plan, never re-derived. :data:`EXECUTORS` is the one table from
 action type to executor (what it runs, what it reads and writes).
 
-:func:`execute_stacked` runs a list of actions on values stacked along a leading world
-dimension (rank order): consecutive actions that fit one mesh view run in one
-``shard_map``; dense groups on the dense view, ``expt_dp`` / ``expt_gtp_remat`` on the
-expert view.
+:mod:`jax_impl.stacked` runs the same executors on values stacked along a leading world
+dimension (rank order), one ``shard_map`` per run of actions that fit one mesh view.
 """
 
 from __future__ import annotations
@@ -34,12 +32,11 @@ from meshgrad.actions import (
     StageReduction,
     TokenScale,
 )
-from meshgrad.axes import Group, ParallelDims
+from meshgrad.axes import Group
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError, MissingInputError
 from meshgrad.params import ParamKey
 
-from jax_impl.groups import Collectives, view_for
-from jax_impl.mesh import VIEWS, MeshViews
+from jax_impl.groups import Collectives
 
 Array = jax.Array
 Grads = dict[ParamKey, Array]
@@ -67,7 +64,8 @@ class LocalState:
     num_tokens: Array | None = None
 
 
-def _get(grads: Mapping[ParamKey, Array], key: ParamKey, what: str) -> Array:
+def grad_of(grads: Mapping[ParamKey, Array], key: ParamKey, what: str) -> Array:
+    """``grads[key]``; MissingInputError naming ``what`` (the step) when it is missing."""
     if key not in grads:
         raise MissingInputError(f"{what}: gradient of {key[1]!r} (chunk {key[0]}) is missing")
     return grads[key]
@@ -91,9 +89,9 @@ def apply_reduction(action: Reduction, grads: Grads, comm: Collectives) -> Grads
     copies = action.copies or ((),) * len(action.keys)
     parts = []
     for key, extra in zip(action.keys, copies):
-        x = _get(grads, key, str(action.step))
+        x = grad_of(grads, key, str(action.step))
         for c in extra:
-            x = x + _get(grads, c, str(action.step))
+            x = x + grad_of(grads, c, str(action.step))
         parts.append(x)
     dtypes = [p.dtype for p in parts]
     # The collective's dtype: float32 under reduce_in_fp32, else the plan's (a fused
@@ -152,7 +150,7 @@ def apply_stage_reduction(action: StageReduction, grads: Grads, comm: Collective
     keys = action.distinct_keys()
     if not keys:
         return dict(grads)
-    shapes = {_get(grads, k, str(action.step)).shape for k in keys}
+    shapes = {grad_of(grads, k, str(action.step)).shape for k in keys}
     if len(shapes) > 1:
         raise FinalizeInputError(f"{action.step}: gradients {list(keys)} differ in shape {sorted(shapes)}")
     stage = comm.stage()
@@ -247,7 +245,7 @@ def apply_token_scale(action: TokenScale, grads: Grads, num_tokens: Array, comm:
     scale = rules.token_scale(n.astype(jnp.float32), jnp)
     out = dict(grads)
     for key in action.keys:
-        g = _get(grads, key, str(action.step))
+        g = grad_of(grads, key, str(action.step))
         out[key] = (g.astype(jnp.float32) * scale).astype(g.dtype)
     return out
 
@@ -348,122 +346,3 @@ def touched(action: Action) -> Touched:
     are optional in the router state.
     """
     return executor(action).touches(action)
-
-
-# --------------------------------------------------------------------------- stacked
-
-
-def touched_all(actions: Sequence[Action]) -> Touched:
-    """Union of :func:`touched` over ``actions``, in first-use order."""
-    grad_keys: dict[ParamKey, None] = {}
-    fields: dict[RouterField, None] = {}
-    tokens = False
-    for action in actions:
-        g, r, t = touched(action)
-        grad_keys.update(dict.fromkeys(g))
-        fields.update(dict.fromkeys(r))
-        tokens = tokens or t
-    return tuple(grad_keys), tuple(fields), tokens
-
-
-def view_of(action: Action, dims: ParallelDims) -> str | None:
-    """"dense", "expert", or None when the action fits either view."""
-    return view_for(action.groups(), dims, type(action).__name__)
-
-
-def select(
-    grads: Mapping[ParamKey, Any],
-    routers: Mapping[ParamKey, Mapping[str, Any]],
-    actions: Sequence[Action],
-) -> tuple[dict[ParamKey, Any], dict[ParamKey, dict[str, Any]], bool]:
-    """The gradients and router fields ``actions`` use (optional aux-loss fields if present).
-
-    Raises:
-      MissingInputError: a planned gradient, router or required router field is missing.
-    """
-    grad_keys, fields, tokens = touched_all(actions)
-    sub_grads = {k: _get(grads, k, "finalize") for k in grad_keys}
-    sub_routers: dict[ParamKey, dict[str, Any]] = {}
-    for key, field in fields:
-        state = routers.get(key)
-        if state is None and field == AUX_LOSS:  # optional: absent router state is fine
-            continue
-        if state is None:
-            raise MissingInputError(f"router {key[1]!r} (chunk {key[0]}) is missing")
-        if field in state:
-            sub_routers.setdefault(key, {})[field] = state[field]
-        elif field != AUX_LOSS:
-            raise MissingInputError(f"router {key[1]!r} (chunk {key[0]}) has no {field!r}")
-    return sub_grads, sub_routers, tokens
-
-
-def merge(
-    routers: Mapping[ParamKey, Mapping[str, Any]], updates: Mapping[ParamKey, Mapping[str, Any]]
-) -> dict[ParamKey, dict[str, Any]]:
-    """Router states with ``updates``' fields replacing theirs."""
-    out = {k: dict(v) for k, v in routers.items()}
-    for key, fields in updates.items():
-        out.setdefault(key, {}).update(fields)
-    return out
-
-
-def segments(actions: Sequence[Action], dims: ParallelDims) -> list[tuple[str, tuple[Action, ...]]]:
-    """Split ``actions`` into maximal runs that fit one view, in order."""
-    out: list[tuple[str, list[Action]]] = []
-    for action in actions:
-        view = view_of(action, dims)
-        if out and view in (None, out[-1][0]):
-            out[-1][1].append(action)
-        else:
-            out.append((view or "dense", [action]))
-    return [(view, tuple(acts)) for view, acts in out]
-
-
-def _run_segment(
-    view: str, actions: tuple[Action, ...], state: LocalState, meshes: MeshViews
-) -> LocalState:
-    grads, routers, tokens = select(state.grads, state.routers, actions)
-    num_tokens = state.num_tokens if tokens else None
-    comm = Collectives(meshes.dims, VIEWS[view])
-    spec = meshes.rank_spec(view)
-
-    def body(g: Grads, r: RouterStates, n: Any) -> tuple[Grads, RouterStates]:
-        squeeze = lambda x: x[0]  # noqa: E731  (local block of one rank: [1, ...])
-        local = LocalState(
-            jax.tree.map(squeeze, g), jax.tree.map(squeeze, r), None if n is None else n[0]
-        )
-        local = execute_local(actions, local, comm)
-        expand = lambda x: x[None]  # noqa: E731
-        return jax.tree.map(expand, local.grads), jax.tree.map(expand, local.routers)
-
-    mapped = jax.shard_map(
-        body, mesh=meshes.mesh(view), in_specs=(spec, spec, spec), out_specs=(spec, spec), check_vma=False
-    )
-    new_grads, new_routers = mapped(grads, routers, num_tokens)
-    return LocalState({**state.grads, **new_grads}, merge(state.routers, new_routers), state.num_tokens)
-
-
-def execute_stacked(
-    actions: Sequence[Action],
-    grads: Mapping[ParamKey, Array],
-    routers: Mapping[ParamKey, Mapping[str, Array]],
-    num_tokens: Array | None,
-    meshes: MeshViews,
-) -> tuple[Grads, RouterStates]:
-    """Apply ``actions`` to per-rank values stacked along a leading world dimension.
-
-    Args:
-      actions: plan actions in order.
-      grads: (chunk, name) -> [W, *shape] (row r = rank r).
-      routers: (chunk, name) -> {field: [W, ...]}.
-      num_tokens: [W] per-rank token counts, or None.
-      meshes: the two mesh views of the world.
-
-    Returns:
-      (grads, routers), stacked like the inputs; entries no action touches are returned
-      as given.
-    """
-    state = LocalState(dict(grads), {k: dict(v) for k, v in routers.items()}, num_tokens)
-    for view, acts in segments(actions, meshes.dims):
-        state = _run_segment(view, acts, state, meshes)
-    return state.grads, state.routers

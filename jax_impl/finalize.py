@@ -24,15 +24,16 @@ import jax.numpy as jnp
 from meshgrad.axes import DENSE_AXES, ParallelDims
 from meshgrad.config import FinalizeConfig
 from meshgrad.errors import FinalizeInputError
-from meshgrad.params import ParamKey, ParamSpec, RouterSpec
+from meshgrad.params import ParamKey, RouterSpec
 from meshgrad.plan import Action, FinalizePlan, plan_finalize
 
 from jax_impl.checks import (
-    check_inputs, check_keys, check_mode, check_plan, check_present, check_stacked, is_key, leading_dims,
+    check_inputs, check_keys, check_mode, check_plan, check_present, check_stacked, is_key, is_traced, leading_dims,
     token_count,
 )
 from jax_impl.discover import TreeKeys, router_specs as specs_of_routers, specs_for_tree, tree_keys
-from jax_impl.execute import LocalState, execute_local, execute_stacked, merge, select
+from jax_impl.execute import LocalState, execute_local
+from jax_impl.stacked import execute_stacked, merge, select
 from jax_impl.groups import Collectives
 from jax_impl.mesh import make_meshes
 
@@ -84,7 +85,7 @@ def _from_world(tree: Any, leading: tuple[int, ...]) -> Any:
 
 
 def _traced(tree: Any) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+    return any(map(is_traced, jax.tree.leaves(tree)))
 
 
 def _run_stacked_mode(
@@ -142,13 +143,14 @@ def _plan(
     return plan_finalize(params, config, dims, router_specs, force_all_reduce=force_all_reduce)
 
 
-def _keyed_routers(routers: Mapping[Any, Any] | None) -> tuple[dict[ParamKey, dict[str, Any]], bool]:
-    """Router buffers keyed by (chunk, name), and whether they were keyed by bare names."""
-    routers = {} if routers is None else routers
-    named = bool(routers) and all(isinstance(k, str) for k in routers)
-    if named:
-        return {(0, k): dict(v) for k, v in routers.items()}, True
-    return {k: dict(v) for k, v in routers.items()}, False
+def _keyed_routers(routers: Mapping[Any, Mapping[str, Any]] | None) -> tuple[RouterStates, dict[ParamKey, Any]]:
+    """Router buffers keyed by (chunk, name) (a bare router name is chunk 0's), and the
+    caller's key of each."""
+    keyed, given = {}, {}
+    for key, fields in ({} if routers is None else routers).items():
+        plan_key = (0, key) if isinstance(key, str) else key
+        keyed[plan_key], given[plan_key] = dict(fields), key
+    return keyed, given
 
 
 def finalize(
@@ -203,7 +205,7 @@ def finalize(
       non-integer num_tokens; MissingInputError (a KeyError): a planned entry is missing.
       All from :mod:`meshgrad.errors`, before anything runs.
     """
-    keyed_routers, named = _keyed_routers(routers)
+    keyed_routers, router_keys = _keyed_routers(routers)
     layout: TreeKeys | None = None
     if isinstance(grads, Mapping) and grads and all(is_key(k) for k in grads):
         keyed = dict(grads)
@@ -229,8 +231,7 @@ def finalize(
     else:
         state = execute_local(actions, LocalState(keyed, keyed_routers, tokens), Collectives(dims, DENSE_AXES))
         out_grads, out_routers = state.grads, state.routers
-    if named:
-        out_routers = {k[1]: v for k, v in out_routers.items()}
+    out_routers = {router_keys.get(k, k): v for k, v in out_routers.items()}
     return (out_grads if layout is None else layout.unkeyed(out_grads)), out_routers
 
 

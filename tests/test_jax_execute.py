@@ -7,11 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_impl.execute import (
-    AUX_LOSS,
-    execute_stacked,
-    segments,
-)
+from jax_impl.execute import AUX_LOSS
+from jax_impl.stacked import execute_stacked, segments
 from jax_impl.finalize import finalize
 from jax_impl.mesh import make_meshes
 from meshgrad import (

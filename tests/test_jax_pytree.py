@@ -208,3 +208,36 @@ def test_stage_reduction_op_is_editable():
     chex.assert_trees_all_equal(out["sum"], np.tile(total, (2, 1)))
     chex.assert_trees_all_equal(out["avg"], np.tile(total / 2, (2, 1)))
     assert Step.WORD_EMBEDDING in [a.step for a in edited.actions]
+
+
+def test_nnx_optimizer_with_specs_from_the_module():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.ln = nnx.Param(jnp.ones(3), sequence_parallel=True)
+            self.w = nnx.Param(jnp.ones((3, 2)))
+
+        def __call__(self, x):
+            return (x * self.ln[...]) @ self.w[...]
+
+    config = FinalizeConfig(sequence_parallel=True)
+    # nnx.Optimizer hands optax a pure State (no metadata): the flags come from specs=
+    tx = optax.chain(finalize_gradients(specs=nnx.eval_shape(Model), config=config, dims=DIMS), optax.sgd(1.0))
+
+    def step_with(tx):
+        def step(x):
+            model = Model()
+            optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+            optimizer.update(model, nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model))
+            return model.ln[...]
+        return jax.jit(shard_mapped(step))
+
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)  # rank r's row
+    got = step_with(tx)(x)
+    g = 4 * x.sum(1, keepdims=True) * x  # d/d ln of sum(((x * ln) @ 1) ** 2) at ln = 1, w = 1
+    g = g.reshape(2, 2, 3).mean(0).sum(0)  # dp mean, then the SP layernorm's tp sum
+    chex.assert_trees_all_close(got, np.tile(1 - g, (4, 1)), rtol=1e-6)
+    bare = optax.chain(finalize_gradients(config=config, dims=DIMS), optax.sgd(1.0))  # no specs
+    with pytest.raises(FinalizeInputError, match="pure nnx.State"):
+        step_with(bare)(x)
