@@ -341,6 +341,14 @@ def dense_scenarios() -> Iterator[Scenario]:
         )
         if pp >= 2:
             stages = tuple(range(pp))
+            # Every cross-stage-summed gradient (tied word and position embedding, cond
+            # embedder, flextron router; two chunk copies each) in a reduce-scatter of its own.
+            yield Scenario(
+                _name(mesh, "distopt-scatter-cross-stage"),
+                **base,
+                num_chunks=2,
+                config=dict(all_on, use_distributed_optimizer=True, position_embedding_stages=stages),
+            )
             yield Scenario(
                 _name(mesh, "pos-embd-all-stages"),
                 **base,

@@ -127,3 +127,19 @@ def test_no_reduce_scatter_nothing_misaligned():
 def test_misalignment_message_names_params_and_dp_size():
     text = misalignment_message(("embedding.position_embeddings.weight",), 4)
     assert "'embedding.position_embeddings.weight'" in text and "4 DP ranks" in text and "844" in text
+
+
+def test_stage_models_of_different_layouts_line_up_the_tied_copies():
+    """A real pipeline: the word embedding first on stage 0, the output layer last on stage 1."""
+    from meshgrad.layout import scatter_shard
+
+    first = [ParamSpec(WORD, 0, (8, 4), role=Role.WORD_EMBEDDING), ParamSpec("layers.0.weight", 0, (5, 4))]
+    last = [ParamSpec("layers.1.weight", 0, (7, 4)), ParamSpec("output_layer.weight", 0, (8, 4), role=Role.WORD_EMBEDDING)]
+    config = FinalizeConfig(use_distributed_optimizer=True)
+    shards = {}
+    for stage, params in ((0, first), (1, last)):
+        plan = plan_finalize(params, config, ParallelDims(pp=2, dp=4), stage=stage)
+        (alone,) = [a for a in _dp_actions(plan) if any(k[1] in (WORD, "output_layer.weight") for k in a.keys)]
+        total = sum(p.numel for p in params if p.key in alone.keys)
+        shards[stage] = [scatter_shard(total, 4, i) for i in range(4)]
+    assert shards[0] == shards[1] == [(0, 8), (8, 16), (16, 24), (24, 32)]
