@@ -53,6 +53,7 @@ import operator
 import os
 import struct
 import threading
+import uuid
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -489,6 +490,9 @@ class Recorder:
       background: write the files in a thread (the call returns once the values are
         copied); :meth:`flush` (or leaving :func:`record`, or the interpreter's exit)
         waits for it.
+      run_id: the recording's id, written into every step file (the replay refuses a
+        step whose files carry different ids); default: rank 0's random id, broadcast
+        over the default process group at the first call.
     """
 
     def __init__(
@@ -498,6 +502,7 @@ class Recorder:
         finalize: FinalizeFn | None = None,
         start_step: int = 0,
         background: bool = True,
+        run_id: str | None = None,
     ) -> None:
         if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
             raise ValueError(f"audit: sample must be an int >= 1, got {sample!r}")
@@ -507,7 +512,10 @@ class Recorder:
             finalize = finalize_model_grads
         if not callable(finalize):
             raise TypeError(f"audit: finalize must be callable, got {type(finalize).__name__}")
+        if run_id is not None and not isinstance(run_id, str):
+            raise TypeError(f"audit: run_id must be a str, got {type(run_id).__name__}")
         self.directory = os.fspath(directory)
+        self.run_id = run_id
         self.sample = sample
         self.finalize = finalize
         self.step = start_step
@@ -540,6 +548,8 @@ class Recorder:
           What the wrapped function returned.
         """
         chunks = [model] if isinstance(model, nn.Module) else list(model)
+        if self.run_id is None:
+            self.run_id = agree_run_id()
         state = model_state(chunks)
         calls = state.stats.calls
         plan = self._plan
@@ -582,6 +592,7 @@ class Recorder:
             "step": self.step,
             "rank": plan.rank,
             "plan": plan.digest,
+            "run": self.run_id,
             "force_all_reduce": bool(force_all_reduce),
             "num_tokens": {
                 "before": None if tokens is None else tokens[0],
@@ -751,6 +762,18 @@ class Recorder:
             _save(path, arrays)
         except Exception as err:  # reported by flush()
             raise OSError(f"audit: could not write {path}: {type(err).__name__}: {err}") from err
+
+
+def agree_run_id() -> str:
+    """A new recording's id, the same on every rank: rank 0's random id, broadcast over
+    the default process group (every rank calls the recorder at its first step)."""
+    run_id = uuid.uuid4().hex[:16]
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [run_id if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        run_id = str(box[0])
+    return run_id
 
 
 def _background_priority() -> None:
