@@ -119,13 +119,57 @@ def run(layout: Layout, sample: int, rounds: int) -> dict[str, Any]:
             "step_file_bytes": res["step_bytes"], "plan_file_bytes": res["plan_bytes"], "plans_made": res["plans"]}
 
 
+SCALE_GOAL_S, SCALE_GOAL_MB = 60.0, 2048.0
+
+
+def scale(ranks: int, params: int, sample: int, tp: int = 8) -> dict[str, Any]:
+    """The replay at scale: a synthetic correct step of ``ranks`` ranks (``parity_tests.audit_synth``,
+    ``dp = ranks / tp``), replayed in a fresh process; its wall time and peak memory (max RSS)."""
+    import resource
+    import subprocess
+
+    from parity_tests.audit_synth import write_step
+
+    with tempfile.TemporaryDirectory(prefix="meshgrad-audit-scale-") as directory:
+        start = time.perf_counter()
+        write_step(directory, dp=ranks // tp, tp=tp, params=params, sample=sample)
+        generated = time.perf_counter() - start
+        code = ("import sys; from parity_tests.audit import replay; "
+                "sys.exit(0 if replay(sys.argv[1])['ok'] else 1)")
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", code, directory], env=dict(os.environ, PYTHONPATH=os.getcwd()))
+        wall = time.perf_counter() - start
+    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return {"ranks": ranks, "params": params, "sample": sample, "generate_s": generated, "replay_s": wall,
+            "replay_peak_mb": peak_mb, "passed": done.returncode == 0}
+
+
+def scale_main(args: argparse.Namespace) -> int:
+    """Print the scale figure and its goals (<= 60 s, <= 2 GB)."""
+    r = scale(args.ranks, args.params, args.sample)
+    ok = r["passed"] and r["replay_s"] <= SCALE_GOAL_S and r["replay_peak_mb"] <= SCALE_GOAL_MB
+    print(f"replay of a synthetic step: {r['ranks']} ranks x {r['params']} parameters x {r['sample']} samples: "
+          f"{r['replay_s']:.1f} s, peak {r['replay_peak_mb']:.0f} MB ({'passed' if r['passed'] else 'FAILED'}; "
+          f"generated in {r['generate_s']:.1f} s)")
+    print(f"replay <= {SCALE_GOAL_S:.0f} s and <= {SCALE_GOAL_MB / 1024:.0f} GB: goal {'met' if ok else 'MISSED'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.audit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", action="store_true", help="time the replay of a synthetic step instead")
+    parser.add_argument("--ranks", type=int, default=1024, help="--scale: ranks (a multiple of 8)")
+    parser.add_argument("--params", type=int, default=500, help="--scale: parameters per rank")
     parser.add_argument("--sample", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--layout", choices=sorted(LAYOUTS), action="append", help="default: all")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
+    if args.scale:
+        return scale_main(args)
     rows = [run(LAYOUTS[n], args.sample, args.rounds) for n in (args.layout or list(LAYOUTS))]
     print(f"{'layout':<24} {'world':>5} {'grads':>6} {'finalize':>10} {'+ audit':>10} {'ratio':>7} {'paired':>7} "
           f"{'rec. CPU':>9} {'CPU/call':>8} {'step file':>10} {'plan file':>10}")

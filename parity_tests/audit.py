@@ -172,16 +172,61 @@ def load(directory: str) -> dict[int, list[RankFile]]:
     if len(worlds) > 1:
         raise AuditError(f"{directory}: files from runs of different world sizes {sorted(worlds)}")
     world = worlds.pop()
+    _check_complete(directory, found, world)
+    steps = {s: [files[r] for r in range(world)] for s, files in sorted(found.items())}
+    for files in steps.values():
+        _check_one_run(files)
+    return steps
+
+
+def _check_complete(directory: str, found: dict[int, dict[int, RankFile]], world: int) -> None:
+    """Every step has every rank's file.
+
+    Raises:
+      AuditError: naming each missing rank and the steps it is missing from; "files from
+        different steps" only when no rank has files of more than one step (each rank's
+        files come from another step).
+    """
     incomplete = {s: sorted(set(range(world)) - set(files)) for s, files in found.items() if len(files) != world}
-    if incomplete:
-        have = {s: sorted(files) for s, files in found.items()}
-        if len(found) > 1 and all(len(f) < world for f in found.values()):
-            raise AuditError(
-                f"{directory}: files from different steps: ranks per step {have}; every step needs all {world} ranks"
-            )
-        lines = "; ".join(f"step {s}: missing ranks {m}" for s, m in sorted(incomplete.items()))
-        raise AuditError(f"{directory}: world of {world} ranks, {lines}")
-    return {s: [files[r] for r in range(world)] for s, files in sorted(found.items())}
+    if not incomplete:
+        return
+    have = {s: sorted(files) for s, files in found.items()}
+    steps_of = {r: [s for s in sorted(found) if r in found[s]] for r in range(world)}
+    if len(found) > 1 and all(len(s) <= 1 for s in steps_of.values()):
+        raise AuditError(
+            f"{directory}: files from different steps: ranks per step {have}; every step needs all {world} ranks"
+        )
+    missing: dict[int, list[int]] = {}
+    for s, ranks in incomplete.items():
+        for r in ranks:
+            missing.setdefault(r, []).append(s)
+    lines = "; ".join(f"rank {r} missing from step{'s' if len(ss) > 1 else ''} {ss if len(ss) > 1 else ss[0]}"
+                      + (" (no file of this rank at all)" if not steps_of[r] else "")
+                      for r, ss in sorted(missing.items()))
+    per_step = "; ".join(f"step {s}: missing ranks {m}" for s, m in sorted(incomplete.items()))
+    raise AuditError(f"{directory}: world of {world} ranks: {lines} ({per_step}; each step needs the "
+                     "stepSSSSSSSS.rankRRRRR.npz file of every rank)")
+
+
+def _check_one_run(files: list[RankFile]) -> None:
+    """All files of a step come from one recording (the same run id).
+
+    Raises:
+      AuditError: naming the ranks and files whose run id differs from most ranks'.
+    """
+    ids: dict[Any, list[RankFile]] = {}
+    for f in files:
+        ids.setdefault(f.meta.get("run"), []).append(f)
+    if len(ids) <= 1:
+        return
+    main_id = max(ids, key=lambda k: (len(ids[k]), str(k)))
+    odd = [f for k, fs in ids.items() if k != main_id for f in fs]
+    names = "; ".join(f"rank {f.rank}: {f.path} (run {f.meta.get('run')!r})" for f in odd[:8])
+    more = f" and {len(odd) - 8} more" if len(odd) > 8 else ""
+    raise AuditError(
+        f"step {files[0].meta['step']}: files of different recordings mixed: {len(ids[main_id])} of {len(files)} ranks "
+        f"are from run {main_id!r}, these are not: {names}{more} (replace them with the files of the same run)"
+    )
 
 
 # =========================================================================== global view
@@ -515,6 +560,29 @@ class Row:
         if bad and self.status != "MISMATCH":
             self.status, self.detail = "MISMATCH", detail
 
+    def nonfinite(self, detail: str) -> None:
+        """The recorded "before" values hold NaN or inf: the expected values there are
+        not finite, no tolerance applies (compared exactly), and the row cannot pass."""
+        if self.status != NONFINITE:
+            self.status, self.detail = NONFINITE, detail
+
+
+#: The verdict of a row whose recorded "before" values hold NaN or inf (not a pass).
+NONFINITE = "NONFINITE"
+#: Verdicts that fail a step.
+FAILING = ("MISMATCH", NONFINITE)
+
+
+def _tolerance(eps: float, world: int, bound: np.ndarray) -> tuple[np.ndarray, bool]:
+    """(per-element tolerance, whether any bound is NaN or inf); where the bound is not
+    finite the tolerance is 0 (an exact comparison: ``inf > nan`` is false, so a NaN
+    tolerance would pass anything)."""
+    tol = eps * (world + 2) * np.abs(np.asarray(bound, np.float64)) + 1e-30
+    finite = np.isfinite(tol)
+    if finite.all():
+        return tol, False
+    return np.where(finite, tol, 0.0), True
+
 
 def _diff(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> tuple[float, int | None]:
     """(max abs difference, first index outside the tolerance or None); NaN == NaN."""
@@ -585,7 +653,7 @@ def replay_step(files: list[RankFile], use_jax: bool = False) -> dict[str, Any]:
                 if not p["has_grad_after"]:
                     row.worse(math.inf, True, f"rank {r}: the gradient is gone after finalize")
                     continue
-                tol = eps * (world + 2) * np.abs(bounds[v].grads[key]) + 1e-30
+                tol, nonfinite = _tolerance(eps, world, bounds[v].grads[key])
                 diff, bad = _diff(got, want, tol)
                 detail = ""
                 if bad is not None:
@@ -593,6 +661,14 @@ def replay_step(files: list[RankFile], use_jax: bool = False) -> dict[str, Any]:
                     detail = (f"rank {r}, flat index {pos}: recorded {float(got[bad])!r}, expected {float(want[bad])!r} "
                               f"(before: {float(inputs[v].grads[key][bad])!r})")
                 row.worse(diff, bad is not None, detail)
+                if nonfinite:
+                    where = [view.actual[u] for u in range(world)
+                             if inputs[u].grads.get(key) is not None and not np.isfinite(inputs[u].grads[key]).all()]
+                    odd = int(np.flatnonzero(~np.isfinite(np.asarray(bounds[v].grads[key], np.float64)))[0])
+                    pos = int(f.arrays["positions"][sum(q["samples"] for q in f.meta["params"][:i]) + odd])
+                    row.nonfinite(f"the recorded before values hold NaN/inf (rank{'s' if len(where) != 1 else ''} "
+                                  f"{where if len(where) != 1 else where[0]}): rank {r}, flat index {pos} expects "
+                                  f"{float(want[odd])!r}; such a step cannot be verified (compared exactly)")
                 if jax_out is not None and key in jax_out:
                     jd, jbad = _diff(got, jax_out[key][v], tol)
                     row.jax_max_abs_diff = max(row.jax_max_abs_diff or 0.0, jd)
@@ -601,12 +677,13 @@ def replay_step(files: list[RankFile], use_jax: bool = False) -> dict[str, Any]:
             _compare_routers(files, view, routers, inputs, outputs, rows)
     rows[("num_tokens", 0, "num_tokens")] = _compare_tokens(files, view)
     out_rows = list(rows.values())
-    ok = all(r.status != "MISMATCH" for r in out_rows) and all(r.jax_status != "MISMATCH" for r in out_rows)
+    ok = all(r.status not in FAILING for r in out_rows) and all(r.jax_status != "MISMATCH" for r in out_rows)
     return {
         "step": step,
         "world_size": world,
         "finalize": meta0["finalize"],
         "layout": view.sizes,
+        "has_experts": any(p.layout.expert for p in vparams.values()) or bool(routers),
         "rank_map": view.virtual,
         "config": view.config,
         "force_all_reduce": force,
@@ -672,10 +749,13 @@ def _compare_routers(files: list[RankFile], view: View, layouts: dict[Any, Route
                 if got.shape != want.shape:
                     row.worse(math.inf, True, f"rank {f.rank}: shape {got.shape}, expected {want.shape}")
                     continue
-                diff, bad = _diff(got.ravel(), want.ravel(), np.full(want.size, eps * scale))
+                finite = bool(np.isfinite(scale))
+                diff, bad = _diff(got.ravel(), want.ravel(), np.full(want.size, eps * scale if finite else 0.0))
                 detail = "" if bad is None else (
                     f"rank {f.rank}, element {bad}: recorded {float(got.ravel()[bad])!r}, expected {float(want.ravel()[bad])!r}")
                 row.worse(diff, bad is not None, detail)
+                if not finite:
+                    row.nonfinite(f"rank {f.rank}: the recorded router values hold NaN/inf; such a step cannot be verified")
 
 
 def _compare_tokens(files: list[RankFile], view: View) -> Row:
@@ -779,7 +859,9 @@ def format_report(result: dict[str, Any]) -> str:
     """The human-readable table of :func:`replay`'s result."""
     lines = []
     for s in result["steps"]:
-        lay = " ".join(f"{'ep*etp' if k == 'ep' else k}{v}" for k, v in s["layout"].items() if v > 1 and k != "etp") or "one rank"
+        expert_axes = ("edp", "egtp", "ep") if s.get("has_experts", True) else ()
+        lay = " ".join(f"{'ep*etp' if k == 'ep' else k}{v}" for k, v in s["layout"].items()
+                       if v > 1 and k != "etp" and (k not in ("edp", "egtp", "ep") or k in expert_axes)) or "one rank"
         lines.append(f"step {s['step']}: world {s['world_size']} ({lay}), finalize {s['finalize']}")
         width = max([len(f"{r['chunk']}/{r['name']}") for r in s["rows"]] + [20])
         head = f"  {'chunk/parameter':<{width}}  ranks  max|diff|  verdict"
@@ -791,12 +873,15 @@ def format_report(result: dict[str, Any]) -> str:
                 line += f"  {'' if r['jax_max_abs_diff'] is None else format(r['jax_max_abs_diff'], '.3g')} {r['jax_status'] or ''}"
             if r["status"] != "ok" or r["detail"]:
                 line += f"  [{r['detail']}]" if r["detail"] else ""
-            if r["status"] == "MISMATCH" and r["steps"]:
+            if r["status"] in FAILING and r["steps"]:
                 line += f"  (steps touching it: {', '.join(r['steps'])})"
             lines.append(line)
-        bad = [r for r in s["rows"] if r["status"] == "MISMATCH" or r["jax_status"] == "MISMATCH"]
-        lines.append(f"step {s['step']}: {'ok' if s['ok'] else f'{len(bad)} MISMATCH'}"
-                     + "".join(f"\n  MISMATCH step {s['step']} {r['kind']} {r['chunk']}/{r['name']}" for r in bad))
+        bad = [r for r in s["rows"] if r["status"] in FAILING or r["jax_status"] == "MISMATCH"]
+        counts = {v: sum(1 for r in bad if (r["status"] if r["status"] in FAILING else "MISMATCH") == v) for v in FAILING}
+        summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+        lines.append(f"step {s['step']}: {'ok' if s['ok'] else summary}"
+                     + "".join(f"\n  {r['status'] if r['status'] in FAILING else 'MISMATCH'} step {s['step']} "
+                               f"{r['kind']} {r['chunk']}/{r['name']}" for r in bad))
         lines.append("")
     n_bad = sum(not s["ok"] for s in result["steps"])
     lines.append(f"audit {'PASS' if result['ok'] else 'FAIL'}: {len(result['steps'])} step(s), {n_bad} with mismatches")

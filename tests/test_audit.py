@@ -57,6 +57,9 @@ CASES: dict[int, list[tuple[Scenario, str | None, int]]] = {
         (_scen("bug-replace-dp2tp2", dp=2, tp=2, ep=2), "replace", 0),
         (_scen("bug-group-dp2tp2", dp=2, tp=2, ep=2), "group", 0),
         (_scen("bug-router-dp2tp2", dp=2, tp=2, ep=2), "router", 0),
+        # no experts; recorded twice (other values): the second run's files mixed into the first's
+        (_scen("dense-dp2tp2", dp=2, tp=2, params=gpt_params(), routers=(), config=dict(LN)), None, 0),
+        (_scen("dense-dp2tp2-b", dp=2, tp=2, params=gpt_params(), routers=(), config=dict(LN), seed=7), None, 0),
     ],
     8: [
         (_scen("pp2dp2tp2-ep2", pp=2, dp=2, tp=2, ep=2, num_chunks=2), None, 0),
@@ -385,7 +388,15 @@ def test_clear_errors(tmp_path: Any) -> None:
     _copy(src, str(wrong), skip=set(names) - set(step0) | {step0[1]})
     layout = os.path.join(_world(4), "dp4-bf16-grad")
     _copy(layout, str(wrong), skip={n for n in os.listdir(layout) if "rank00001" not in n})
-    with pytest.raises(AuditError, match="layout does not match the world|group has"):
+    with pytest.raises(AuditError, match="different recordings.*rank 1"):  # another run's files, refused first
+        replay(str(wrong))
+    with np.load(os.path.join(src, step0[0]), allow_pickle=False) as data:
+        run = json.loads(data["meta"].tobytes().decode())["run"]
+    path = os.path.join(wrong, step0[1])
+    with np.load(path, allow_pickle=False) as data:
+        meta = json.loads(data["meta"].tobytes().decode())
+    _rewrite(path, meta=np.frombuffer(json.dumps(dict(meta, run=run)).encode(), dtype=np.uint8))
+    with pytest.raises(AuditError, match="layout does not match the world|group has"):  # the same run id: the layout
         replay(str(wrong))
     with pytest.raises(AuditError, match="no audit files"):
         load(str(tmp_path))
@@ -522,3 +533,73 @@ def test_embeddings_are_sampled_alike_on_every_stage(tmp_path: Any) -> None:
     other = recorder._entry(spec("output_layer.weight", "none"), param).positions
     assert first.size == 16 and np.array_equal(first, last) and not np.array_equal(first, other)
     assert np.array_equal(first, audit.sample_positions("[word embedding]", 64 * 32, 16))
+
+
+# =========================================================================== damaged and mixed records
+
+
+def _rewrite(path: str, **changes: Any) -> None:
+    """Rewrite one recorded .npz with some arrays changed (np.savez, uncompressed)."""
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {k: data[k] for k in data.files}
+    arrays.update(changes)
+    os.remove(path)
+    np.savez(path, **arrays)
+
+
+def test_a_rank_deleted_from_every_step_is_named(tmp_path: Any) -> None:
+    """One rank's files deleted from a two-step run: that rank is named as missing from
+    both steps (not "files from different steps")."""
+    src = os.path.join(_world(4), "tp2pp2-vpp2")
+    gone = tmp_path / "gone"
+    _copy(src, str(gone), skip={f"step{s:08d}.rank00002.npz" for s in (0, 1)})
+    with pytest.raises(AuditError, match=r"rank 2 missing from steps \[0, 1\]") as err:
+        load(str(gone))
+    assert "different steps" not in str(err.value)
+    assert audit_main([str(gone)]) == 2
+
+
+def test_nonfinite_before_values_do_not_pass(tmp_path: Any, capsys: Any) -> None:
+    """A NaN in rank 0's recorded "before" values: the tolerance there would be NaN (and
+    ``inf > nan`` is false); the row's verdict is NONFINITE, naming the rank, and the step fails."""
+    src = os.path.join(_world(4), "dp4-bf16-grad")
+    nan = tmp_path / "nan"
+    _copy(src, str(nan))
+    path = os.path.join(nan, "step00000000.rank00000.npz")
+    with np.load(path, allow_pickle=False) as data:
+        before = data["grads_before"].copy()
+    before[0] = np.nan
+    _rewrite(path, grads_before=before)
+    result = replay(str(nan))
+    bad = [r for s in result["steps"] for r in s["rows"] if r["status"] != "ok"]
+    assert not result["ok"] and len(bad) == 1, format_report(result)
+    assert bad[0]["status"] == "NONFINITE" and "rank 0" in bad[0]["detail"] and "NaN" in bad[0]["detail"]
+    # every other parameter still compares (the same files without the NaN pass)
+    assert replay(src)["ok"]
+    assert audit_main([str(nan)]) == 1
+    assert "NONFINITE step 0" in capsys.readouterr().out
+
+
+def test_files_of_another_run_are_refused(tmp_path: Any) -> None:
+    """Rank 1's files replaced by another recording's of the same step and layout (other
+    values): a clear error naming the rank and the file, not a MISMATCH of every parameter."""
+    root = _world(4)
+    mixed = tmp_path / "mixed"
+    _copy(os.path.join(root, "dense-dp2tp2"), str(mixed))
+    other = os.path.join(root, "dense-dp2tp2-b")
+    _copy(other, str(mixed), skip={n for n in os.listdir(other) if "rank00001" not in n})
+    with pytest.raises(AuditError, match=r"different recordings.*rank 1: .*step00000000\.rank00001\.npz"):
+        load(str(mixed))
+    assert audit_main([str(mixed)]) == 2
+    runs = {f.meta["run"] for f in load(os.path.join(root, "dense-dp2tp2"))[0]}
+    assert len(runs) == 1 and runs != {f.meta["run"] for f in load(other)[0]}
+
+
+def test_header_lists_only_the_axes_the_run_has() -> None:
+    """A model without experts: the header says ``dp2 tp2``, no expert axes."""
+    result = replay(os.path.join(_world(4), "dense-dp2tp2"))
+    assert result["ok"], format_report(result)
+    header = format_report(result).splitlines()[0]
+    assert "(dp2 tp2)" in header and "edp" not in header and "ep*etp" not in header, header
+    header = format_report(replay(os.path.join(_world(4), "dp2tp2-ep2-distopt"))).splitlines()[0]
+    assert "ep*etp" in header, header
