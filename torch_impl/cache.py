@@ -28,6 +28,7 @@ from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, Role
 from meshgrad.plan import FinalizePlan, GroupSizes, Step, plan_finalize
 from meshgrad.steps import ROUTER_ONLY_STEPS
+from meshgrad.errors import FinalizeTypeError
 from torch_impl.checks import collection_source, plan_keys, requirements
 from torch_impl.consensus import CheckSpec, PlanRecord, before_communication, share_local_error
 from torch_impl.discover import Discovered, candidate_keys, chunk_facts, discover, dtype_name, one_weight, watched_keys
@@ -35,6 +36,7 @@ from torch_impl.errors import ranked
 from torch_impl.execute import ExecStats, Program, run_actions
 from torch_impl.grads import GradAccess, ModelWatch, differs, get_grad, is_dtensor
 from torch_impl.groups import MeshGroups, TorchGroups, is_device_mesh, world_rank, world_size
+from torch_impl.status import already_shared
 from torch_impl.megatron import (
     CONFIG_SIZES,
     Requested,
@@ -42,7 +44,7 @@ from torch_impl.megatron import (
     chunk_configs,
     ddp_object,
     is_process_group_collection,
-    parallel_state_groups,
+    parallel_state_keyed,
     resolve_config,
     resolve_groups,
 )
@@ -64,12 +66,12 @@ def as_chunks(model: Any) -> list[Any]:
     if isinstance(model, nn.Module):
         return [model]
     if not isinstance(model, (list, tuple)) or not model:
-        raise TypeError(
+        raise FinalizeTypeError(
             f"rank {world_rank()}: model must be a non-empty list of nn.Module chunks, got {type(model).__name__}"
         )
     for i, chunk in enumerate(model):
         if not isinstance(chunk, nn.Module):
-            raise TypeError(f"rank {world_rank()}: model[{i}] is a {type(chunk).__name__}, not an nn.Module")
+            raise FinalizeTypeError(f"rank {world_rank()}: model[{i}] is a {type(chunk).__name__}, not an nn.Module")
     return list(model)
 
 
@@ -236,6 +238,8 @@ class ModelState:
         self.helper_configs: dict[tuple[FinalizeConfig, tuple[tuple[str, Any], ...]], FinalizeConfig] = {}
         self.embeddings: dict[tuple[Any, ...], tuple[Any, Any, bool, Discovered]] = {}
         self.explicit_groups: dict[tuple[Any, ...], tuple[dict[Group, Any], TorchGroups]] = {}
+        self.meshes: dict[int, MeshGroups] = {}  # id(DeviceMesh) -> its groups (which hold the mesh)
+        self.parallel_state: tuple[tuple[Any, ...], TorchGroups] | None = None
         self.stats = ExecStats()
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -391,9 +395,29 @@ class ModelState:
         _put(self.programs, id(bound), (bound, program, found))
         return program
 
+    def mesh_groups(self, mesh: Any) -> MeshGroups:
+        """The MeshGroups of a DeviceMesh, made once per mesh and kept here (nothing is
+        written on the mesh)."""
+        hit = self.meshes.get(id(mesh))
+        if hit is None or hit.mesh is not mesh:
+            hit = _put(self.meshes, id(mesh), MeshGroups(mesh))
+        return hit
+
+    def parallel_state_groups(self) -> TorchGroups | None:
+        """Megatron's ``parallel_state`` groups, one TorchGroups while its groups stay the
+        same objects (so one cached plan serves every step; nothing is written on the
+        module)."""
+        found = parallel_state_keyed(memo=self.parallel_state)
+        if found is not None:
+            self.parallel_state = found
+        return found[1] if found is not None else None
+
     def resolve_groups(self, source: Any, config: FinalizeConfig, requested: Requested) -> TorchGroups:
-        """Resolved groups, cached per group source (DeviceMesh groups cache themselves)."""
-        if isinstance(source, TorchGroups) or is_device_mesh(source) or isinstance(source, MeshGroups):
+        """Resolved groups, cached per group source (a DeviceMesh's groups by its
+        MeshGroups, kept here)."""
+        if is_device_mesh(source):
+            source = self.mesh_groups(source)
+        if isinstance(source, TorchGroups) or isinstance(source, MeshGroups):
             return resolve_groups(source, config, requested)
         key = (world_size(), config.moe_router_enable_expert_bias, config.flextron)
         hit = self.groups
@@ -579,7 +603,7 @@ def _prepare(model: Any, source: Any, request: Request, known: dict[str, Any]) -
     config, known["raw"] = _config(state, chunks, request)
     known["config"] = config
     requested = state.requested(known["raw"][0]) if request.finalize else Requested()
-    groups = state.resolve_groups(parallel_state_groups() if source is None else source, config, requested)
+    groups = state.resolve_groups(state.parallel_state_groups() if source is None else source, config, requested)
     known["groups"] = groups
     if request.layout:
         found = _layout_found(chunks, config)
@@ -632,8 +656,8 @@ def _shared(model: Any, source: Any, request: Request) -> Prepared:
     known: dict[str, Any] = {}
     try:
         return _prepare(model, source, request, known)
-    except (TypeError, ValueError) as err:
-        if not request.layout and not known.get("shared"):
+    except BaseException as err:  # any type (KeyboardInterrupt too) is held for the status round
+        if not request.layout and not known.get("shared") and not already_shared(err):
             extra = {"over": request.over} if not request.finalize else {}
             share_local_error(
                 err, known.get("groups"), known.get("config"), source=source, raw=known.get("raw", ()), **extra

@@ -28,6 +28,7 @@ from torch import nn
 from meshgrad import rules
 from meshgrad.axes import Group
 from meshgrad.params import ParamKey
+from meshgrad.errors import FinalizeTypeError
 from meshgrad.plan import (
     Action,
     ExpertBiasUpdate,
@@ -463,7 +464,7 @@ Binder = Callable[[Any, Mapping[ParamKey, torch.Tensor], Mapping[ParamKey, nn.Mo
 
 
 def _token_scale(action: TokenScale, *_: Any) -> Callable[[], None]:
-    raise TypeError("TokenScale needs num_tokens: use global_token_scale and scale_grads")
+    raise FinalizeTypeError("TokenScale needs num_tokens: use global_token_scale and scale_grads")
 
 
 #: The one table from action type to executor: each entry binds an action to its
@@ -495,7 +496,7 @@ def bind_action(
     """
     binder = BINDERS.get(type(action))
     if binder is None:
-        raise TypeError(f"unknown plan action {type(action).__name__}")  # pragma: no cover
+        raise FinalizeTypeError(f"unknown plan action {type(action).__name__}")  # pragma: no cover
     return binder(action, grads, routers, groups, stats)
 
 

@@ -36,9 +36,10 @@ import torch.distributed as dist
 
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
+from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.discover import attr_or, find_attr, has_attr
 from torch_impl.errors import MegatronAssertionError
-from torch_impl.groups import MeshGroups, TorchGroups, group_ranks, is_device_mesh, mesh_groups, world_rank, world_size
+from torch_impl.groups import MeshGroups, TorchGroups, group_ranks, is_device_mesh, world_rank, world_size
 
 ProcessGroup = Any
 
@@ -92,7 +93,6 @@ PARALLEL_STATE_GETTERS: dict[Group, tuple[str, dict[str, Any], tuple[str, ...]]]
     Group.GTP: ("get_gtp_weight_remat_group", {"check_initialized": False}, ()),
     Group.EGTP: ("get_expert_gtp_weight_remat_group", {"check_initialized": False}, ()),
 }
-_PARALLEL_STATE_CACHE = "_meshgrad_groups"
 _UNDEFINED = object()
 
 
@@ -127,27 +127,37 @@ def parallel_state_values(ps: Any) -> dict[Group, ProcessGroup | None]:
 
 
 def parallel_state_groups(ps: Any | None = None) -> TorchGroups | None:
-    """This rank's :class:`TorchGroups` from Megatron's initialized ``parallel_state``, as
-    ``finalize_model_grads(pg_collection=None)`` reads it.
+    """This rank's :class:`TorchGroups` from Megatron's initialized ``parallel_state``
+    (a new one; :func:`parallel_state_keyed` keeps one while the groups stay the same),
+    or None when it is not initialized."""
+    found = parallel_state_keyed(ps)
+    return found[1] if found is not None else None
 
-    Resolved once and kept on the ``parallel_state`` module while its groups stay the same
-    objects (re-initializing resolves again), so a loop passing ``pg_collection=None``
-    reuses one TorchGroups -- and one cached plan -- every step.
+
+def parallel_state_keyed(
+    ps: Any | None = None, memo: tuple[tuple[Any, ...], TorchGroups] | None = None
+) -> tuple[tuple[Any, ...], TorchGroups] | None:
+    """This rank's :class:`TorchGroups` from Megatron's initialized ``parallel_state``, as
+    ``finalize_model_grads(pg_collection=None)`` reads it, with its key (the groups'
+    identities).
+
+    Args:
+      ps: the ``parallel_state`` module (default: Megatron's, when imported).
+      memo: a previous result: returned again while the groups are the same objects (the
+        caller keeps it -- the model state -- so a loop passing ``pg_collection=None``
+        reuses one TorchGroups, and one cached plan, every step).
 
     Returns:
-      The groups, or None when parallel_state is not initialized.
+      (key, groups), or None when parallel_state is not initialized.
     """
     ps = parallel_state() if ps is None else ps
     if ps is None:
         return None
     values = parallel_state_values(ps)
     key = tuple((g, id(v)) for g, v in values.items())
-    cached = getattr(ps, _PARALLEL_STATE_CACHE, None)
-    if isinstance(cached, tuple) and len(cached) == 2 and cached[0] == key:
-        return cached[1]
-    groups = TorchGroups.from_mapping(values, source="Megatron parallel_state")
-    setattr(ps, _PARALLEL_STATE_CACHE, (key, groups))  # the TorchGroups keeps the groups alive
-    return groups
+    if memo is not None and memo[0] == key:
+        return memo
+    return key, TorchGroups.from_mapping(values, source="Megatron parallel_state")  # it keeps the groups alive
 
 
 # =========================================================================== ProcessGroupCollection
@@ -356,7 +366,7 @@ def config_size(config: Any, name: str, default: int | None) -> int | None:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
-        raise ValueError(f"rank {world_rank()}: config.{name} must be a positive int, got {value!r}")
+        raise FinalizeInputError(f"rank {world_rank()}: config.{name} must be a positive int, got {value!r}")
     return int(value)
 
 
@@ -439,7 +449,7 @@ def resolve_config(config: Any, ddp_config: Any = None) -> FinalizeConfig:
     if isinstance(config, FinalizeConfig) and ddp_config is None:
         return config
     if config is None and ddp_config is None:
-        raise TypeError(
+        raise FinalizeTypeError(
             f"rank {world_rank()}: no config found: set `config` (a Megatron TransformerConfig or a "
             "meshgrad.FinalizeConfig) on the first model chunk (or on a module along its `.module` chain)"
         )
@@ -477,7 +487,7 @@ def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Reques
     if isinstance(pg_collection, TorchGroups):
         return pg_collection
     if is_device_mesh(pg_collection) or isinstance(pg_collection, MeshGroups):
-        groups = mesh_groups(pg_collection) if is_device_mesh(pg_collection) else pg_collection
+        groups = MeshGroups(pg_collection) if is_device_mesh(pg_collection) else pg_collection
         stages = {"embedding_stages": config.embedding_stages, "position_embedding_stages": config.position_embedding_stages}
         return groups.resolve(ep=requested.ep_size, etp=requested.etp, egtp=requested.egtp, **stages)
     if is_process_group_collection(pg_collection):
@@ -487,7 +497,7 @@ def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Reques
     if isinstance(pg_collection, Mapping):
         return TorchGroups.from_mapping(pg_collection, source="group mapping")
     if not any(hasattr(pg_collection, g.value) for g in Group):
-        raise TypeError(
+        raise FinalizeTypeError(
             f"rank {world_rank()}: pg_collection must be None, a ProcessGroupCollection (or any object "
             f"with its attribute names tp, pp, embd, pos_embd, dp_cp, ...), a torch DeviceMesh, a "
             f"MeshGroups or a TorchGroups; got {type(pg_collection).__name__}"
@@ -505,7 +515,7 @@ def status_groups(source: Any) -> TorchGroups | None:
         if isinstance(source, TorchGroups):
             return source
         if is_device_mesh(source) or isinstance(source, MeshGroups):
-            return (mesh_groups(source) if is_device_mesh(source) else source).spanning()
+            return None  # a DeviceMesh's round runs over the world (torch_impl.status)
         if isinstance(source, Mapping):
             return TorchGroups.from_mapping(source, source="group mapping")
         return TorchGroups.from_collection(source)
@@ -530,6 +540,7 @@ __all__ = [
     "parallel_state",
     "parallel_state_group",
     "parallel_state_groups",
+    "parallel_state_keyed",
     "parallel_state_values",
     "resolve_config",
     "resolve_groups",
