@@ -118,7 +118,7 @@ def _torch_rank(rank: int, plan: FinalizePlan, grads: dict[tuple[int, str], np.n
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torch_impl.execute import run_actions
+    from torch_impl.execute import execute_local
     from torch_impl.grads import GradAccess
     from torch_impl.groups import MeshGroups
 
@@ -132,7 +132,7 @@ def _torch_rank(rank: int, plan: FinalizePlan, grads: dict[tuple[int, str], np.n
             param = torch.nn.Parameter(torch.zeros(stacked.shape[1:]))
             param.grad = torch.from_numpy(stacked[rank].copy())
             params[key] = param
-        run_actions(plan.actions, GradAccess(params), {}, MeshGroups(mesh).resolve())
+        execute_local(plan.actions, GradAccess(params), {}, MeshGroups(mesh).resolve())
         torch.save({k: p.grad.numpy() for k, p in params.items()}, f"{folder}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -132,6 +132,27 @@ def case_param_data_of_another_shape_after_step1(rank: int, world: int) -> tuple
     return live_vs_fresh(rank, _param_data_of_another_shape)
 
 
+def case_num_tokens_dtype_differs_on_rank0(rank: int, world: int) -> tuple:
+    groups = timed_collection(DP_TP)
+    model = setup_model(DP_TP, rank)
+    tokens = torch.tensor(6.0, dtype=torch.float16 if rank == 0 else torch.float32)
+    outcome = attempt_any(model, lambda m: finalize_model_grads(m, num_tokens=tokens, pg_collection=groups))
+    unchanged = tokens.item() == 6.0
+    fresh = setup_model(DP_TP, rank)
+    finalize_model_grads(model, num_tokens=torch.tensor(6.0), pg_collection=groups)
+    finalize_model_grads(fresh, num_tokens=torch.tensor(6.0), pg_collection=groups)
+    return (*outcome, unchanged and snapshot(model) == snapshot(fresh))
+
+
+def case_num_tokens_nan_on_rank1_checked(rank: int, world: int) -> tuple:
+    groups = timed_collection(DP_TP)
+    model = setup_model(DP_TP, rank, {"check_for_nan_in_grad": True})
+    tokens = torch.tensor(float("nan") if rank == 1 else 6.0)
+    outcome = attempt_any(model, lambda m: finalize_model_grads(m, num_tokens=tokens, pg_collection=groups))
+    same = (tokens.isnan() if rank == 1 else tokens == 6.0).item()
+    return (*outcome, bool(same))
+
+
 def case_zz_finalize_entered_on_some_ranks_only(rank: int, world: int) -> tuple:
     groups = timed_collection(DP_TP, timeout=SHORT)
     model = setup_model(DP_TP, rank)
@@ -223,9 +244,34 @@ def test_finalize_entered_on_some_ranks_only_raises_a_collective_error(world, re
         if rank == 3:
             continue
         assert got == "CollectiveError", (rank, got, message)
-        assert "finalize status check" in message and "may not have entered finalize" in message, (rank, message)
+        assert "finalize status check" in message and "not entered finalize" in message, (rank, message)
         assert untouched, rank
         assert seconds < SHORT * 2.5, (rank, seconds)
         slowest = max(slowest, seconds)
     reliability("bad input", f"finalize entered on ranks 0-2 only [4 ranks, {SHORT:g} s timeout]",
                 f"CollectiveError naming the status round on ranks 0-2 after <= {slowest:.2f} s; nothing changed")
+
+
+def test_num_tokens_of_different_floating_dtypes_raise_on_every_rank(world, reliability):
+    for rank, (got, message, untouched, seconds, recovered) in enumerate(
+        case_values(world, "case_num_tokens_dtype_differs_on_rank0")
+    ):
+        assert got == "ConsistencyError", (rank, got, message)
+        assert untouched and recovered, rank
+        assert seconds < TIMEOUT / 2, (rank, seconds)
+        if rank in (0, 2):  # rank 0's dp_cp group names the dtypes
+            assert "float16" in message and "float32" in message, (rank, message)
+    reliability("bad input", "num_tokens float16 on rank 0, float32 elsewhere [4 ranks]",
+                "ConsistencyError on every rank (rank 0's group names both dtypes); nothing changed")
+
+
+def test_non_finite_num_tokens_under_the_nan_check_raise_on_every_rank(world, reliability):
+    for rank, (got, message, untouched, seconds, same) in enumerate(
+        case_values(world, "case_num_tokens_nan_on_rank1_checked")
+    ):
+        assert got == "NonFiniteGradError", (rank, got, message)
+        assert untouched and same, rank
+        assert seconds < TIMEOUT / 2, (rank, seconds)
+        assert ("num_tokens is nan" in message) if rank == 1 else ("rank 1 has NaN or Inf" in message), (rank, message)
+    reliability("bad input", "num_tokens NaN on rank 1, check_for_nan_in_grad [4 ranks]",
+                "NonFiniteGradError on every rank naming num_tokens there; nothing changed")

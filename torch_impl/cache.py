@@ -29,13 +29,13 @@ from meshgrad.params import ParamKey, Role
 from meshgrad.plan import FinalizePlan, GroupSizes, Step, plan_finalize
 from meshgrad.steps import ROUTER_ONLY_STEPS
 from meshgrad.errors import FinalizeTypeError
-from torch_impl.checks import collection_source, plan_keys, requirements
+from torch_impl.checks import plan_keys, requirements
 from torch_impl.consensus import CheckSpec, PlanRecord, before_communication, share_local_error
 from torch_impl.discover import Discovered, candidate_keys, chunk_facts, discover, dtype_name, one_weight, watched_keys
 from torch_impl.errors import ranked
-from torch_impl.execute import ExecStats, Program, run_actions
+from torch_impl.execute import ExecStats, Program, execute_local
 from torch_impl.grads import GradAccess, ModelWatch, differs, get_grad, is_dtensor
-from torch_impl.groups import MeshGroups, TorchGroups, is_device_mesh, world_rank, world_size
+from torch_impl.groups import MeshGroups, TorchGroups, world_rank, world_size
 from torch_impl.status import already_shared
 from torch_impl.megatron import (
     CONFIG_SIZES,
@@ -43,7 +43,10 @@ from torch_impl.megatron import (
     accepts,
     chunk_configs,
     ddp_object,
-    is_process_group_collection,
+    LISTED_KINDS,
+    MEGATRON_KINDS,
+    MESH_KINDS,
+    source_kind,
     parallel_state_keyed,
     resolve_config,
     resolve_groups,
@@ -415,15 +418,16 @@ class ModelState:
     def resolve_groups(self, source: Any, config: FinalizeConfig, requested: Requested) -> TorchGroups:
         """Resolved groups, cached per group source (a DeviceMesh's groups by its
         MeshGroups, kept here)."""
-        if is_device_mesh(source):
+        kind = source_kind(source)
+        if kind == "device_mesh":
             source = self.mesh_groups(source)
-        if isinstance(source, TorchGroups) or isinstance(source, MeshGroups):
+        if kind in MESH_KINDS or kind == "torch_groups":
             return resolve_groups(source, config, requested)
         key = (world_size(), config.moe_router_enable_expert_bias, config.flextron)
         hit = self.groups
         if hit is not None and hit[0].source is source and hit[1] == key and hit[0].same():
             return hit[2]
-        snapshot = Snapshot(source, _GROUP_NAMES, by_vars=is_process_group_collection(source))
+        snapshot = Snapshot(source, _GROUP_NAMES, by_vars=kind == "megatron_collection")
         resolved = resolve_groups(source, config, requested)
         self.groups = (snapshot, key, resolved)
         return resolved
@@ -572,9 +576,13 @@ def _finalize_plan(
         requested,
         plain_dp_sync=bool(plain),
         num_tokens=request.num_tokens is not None,
-        megatron_groups=source is None or is_process_group_collection(source),
+        megatron_groups=source_kind(source) in MEGATRON_KINDS,
     )
     groups.check(required, expected, strict=config.strict_groups)
+    # PLUG-IN POINT (plan stage, once per plan): the core's likely-mistake warnings go here,
+    #   for text in likely_mistakes(found.params, config, num_tokens_given=request.num_tokens is not None):
+    #       warn_user(text, LikelyMistakeWarning)
+    # (meshgrad.mistakes / meshgrad.errors.LikelyMistakeWarning; torch_impl.warn.warn_user).
     bound = build_plan(found, config, groups.group_sizes(config), ddp, request.force_all_reduce, groups.pp_stage)
     own = tuple(s.key for s in found.params if s.has_grad and ddp[s.chunk] is None)
     checks = CheckSpec(
@@ -583,7 +591,7 @@ def _finalize_plan(
         ddp=bound.ddp,
         requested=requested,
         experts=found.untouched_experts or any(p.expert and p.has_grad for p in found.params),
-        collection=collection_source(source),
+        collection=source_kind(source) in LISTED_KINDS,
     )
     return dataclasses.replace(bound, checks=checks)
 
@@ -680,7 +688,7 @@ def run(prepared: Prepared) -> Program | None:
         program.run()
     else:
         grads = GradAccess(found.tensors, config.use_megatron_fsdp)
-        run_actions(bound.plan.actions, grads, found.router_modules, groups, stats=state.stats)
+        execute_local(bound.plan.actions, grads, found.router_modules, groups, stats=state.stats)
     return program
 
 

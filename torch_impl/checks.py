@@ -13,13 +13,11 @@ together live in :mod:`torch_impl.consensus`.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from meshgrad.axes import Group, ParallelDims
 from meshgrad.config import CONSISTENCY_CHECKS, FinalizeConfig, config_get
@@ -28,9 +26,10 @@ from meshgrad.plan import FinalizePlan, Reduction, StageReduction
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.discover import Discovered
 from torch_impl.grads import GradAccess, get_grad, grad_attr, is_dtensor
-from torch_impl.groups import STAGE_GROUPS, MeshGroups, TorchGroups, group_ranks, is_device_mesh, world_size
+from torch_impl.groups import STAGE_GROUPS, TorchGroups, group_ranks, world_size
 from torch_impl.megatron import Requested
 from torch_impl.status import backend
+from torch_impl.warn import warn_user
 
 #: Gradient dtypes a plan can reduce.
 GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -247,24 +246,13 @@ def nonfinite_message(rank: int, bad: Sequence[ParamKey]) -> str:
 # --------------------------------------------------------------------------- groups
 
 
-def collection_source(pg_collection: Any) -> bool:
-    """Whether groups came from a user's ProcessGroupCollection or mapping (whose
-    members are checked against the mesh), not from a DeviceMesh or resolved groups."""
-    return not (
-        pg_collection is None
-        or isinstance(pg_collection, (TorchGroups, MeshGroups))
-        or is_device_mesh(pg_collection)
-    )
-
-
 def _layout_mismatch(strict: bool, message: str) -> None:
     """Raise ``message`` (strict mode) or warn with it."""
     if strict:
         raise FinalizeInputError(message)
-    warnings.warn(
+    warn_user(
         f"{message}. Running with the groups as given, as Megatron-Core does "
-        "(config.strict_groups = True makes this an error)",
-        stacklevel=5,
+        "(config.strict_groups = True makes this an error)"
     )
 
 
@@ -445,7 +433,6 @@ __all__ = [
     "check_layout",
     "check_modes",
     "check_num_tokens",
-    "collection_source",
     "nonfinite",
     "nonfinite_message",
     "plan_keys",

@@ -43,8 +43,8 @@ from torch_impl.checks import (
 )
 from torch_impl.discover import Discovered
 from torch_impl.errors import ConsistencyError, NonFiniteGradError, collective_guard
-from torch_impl.groups import MeshGroups, TorchGroups, group_ranks, is_device_mesh, timeout_of, world_rank, world_size
-from torch_impl.megatron import Requested, status_groups
+from torch_impl.groups import TorchGroups, group_ranks, timeout_of, world_rank, world_size
+from torch_impl.megatron import MESH_KINDS, Requested, source_kind, status_groups
 from torch_impl.status import (
     COMPARE,
     ERROR,
@@ -82,7 +82,9 @@ def signatures(
     extra: dict[Group, list[str]] = {}
     if isinstance(num_tokens, torch.Tensor):
         wide = "float64" if num_tokens.is_floating_point() else "int64"  # reduced in this dtype
-        what = f"num_tokens {wide}[{num_tokens.numel()}]"
+        # A floating count's own dtype is the dtype of the factor it gives: one everywhere.
+        own = f" ({str(num_tokens.dtype).removeprefix('torch.')})" if num_tokens.is_floating_point() else ""
+        what = f"num_tokens {wide}[{num_tokens.numel()}]{own}"
         extra.setdefault(Group.PP, []).append(f"token_scale broadcast {what} from the last stage")
         extra.setdefault(plan.token_scale.group, []).append(f"token_scale sum {what}")
     out: dict[Group, tuple[str, ...]] = {}
@@ -242,7 +244,7 @@ def share_local_error(
     mode, nan = (config.consistency_check, config.check_for_nan_in_grad) if config is not None else check_modes(*raw)
     if (mode == "off" and not nan) or capturing():
         return
-    if groups is None and (is_device_mesh(source) or isinstance(source, MeshGroups)):
+    if groups is None and source_kind(source) in MESH_KINDS:
         if world_size() > 1:  # the peers' round (a layout round or a status round) runs over the world
             share_error(err, world_route(), world_rank(), "finalize status check")
         return
@@ -336,6 +338,14 @@ def _compare(spec: CheckSpec, plan: FinalizePlan, groups: TorchGroups, config: F
         )
 
 
+def _nonfinite_tokens(num_tokens: Any) -> bool:
+    """Whether a floating ``num_tokens`` holds NaN or Inf (one host sync)."""
+    return (
+        isinstance(num_tokens, torch.Tensor) and num_tokens.is_floating_point()
+        and not bool(torch.isfinite(num_tokens).all())
+    )
+
+
 def before_communication(
     spec: CheckSpec,
     plan: FinalizePlan,
@@ -373,7 +383,8 @@ def before_communication(
     tokens = (num_tokens.dtype, num_tokens.numel()) if error is None and isinstance(num_tokens, torch.Tensor) else None
     compare = error is None and mode != "off" and (mode == "every_step" or not record.consistent or record.tokens != tokens)
     bad = nonfinite(found, spec.nan_keys) if nan_check and error is None else []
-    status = status_vector(groups.rank, error=error is not None, compare=compare, nonfinite=bool(bad),
+    bad_tokens = nan_check and error is None and _nonfinite_tokens(num_tokens)
+    status = status_vector(groups.rank, error=error is not None, compare=compare, nonfinite=bool(bad) or bad_tokens,
                            layout=groups.layout)
     route = status_route(groups, spec.over)
     reduced = reduce_max(status, route, groups.rank, "finalize status check")
@@ -384,9 +395,14 @@ def before_communication(
         record.consistent, record.tokens = True, tokens
     if bad:
         raise NonFiniteGradError(nonfinite_message(groups.rank, bad))
+    if bad_tokens:
+        raise NonFiniteGradError(
+            f"rank {groups.rank}: num_tokens is {num_tokens.item()!r}, not finite (check_for_nan_in_grad); found "
+            "before any collective: no gradient was changed"
+        )
     if nan:
         raise NonFiniteGradError(
-            f"rank {groups.rank}: rank {flagged_rank(nan)} has NaN or Inf in a gradient (check_for_nan_in_grad; its "
+            f"rank {groups.rank}: rank {flagged_rank(nan)} has NaN or Inf in a gradient or num_tokens (check_for_nan_in_grad; its "
             "error names the parameter); found before any collective: no gradient was changed"
         )
     return record

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ from meshgrad.axes import DENSE_AXES, EXPERT_AXES, GROUP_AXES, Axis, Group, Para
 from meshgrad.config import FinalizeConfig
 from meshgrad.errors import FinalizeInputError
 from meshgrad.plan import GroupSizes
+from torch_impl.warn import warn_user
 from torch_impl.status import AgreedInputError, layout_digest, reduce_max, settle, share_error, status_vector, world_route
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps duck-typed groups usable
@@ -192,10 +192,9 @@ class TorchGroups:
             )
             if strict:
                 raise FinalizeInputError(message)
-            warnings.warn(
+            warn_user(
                 f"{message}; running with the groups as given, as Megatron-Core does "
-                "(config.strict_groups = True makes this an error)",
-                stacklevel=4,
+                "(config.strict_groups = True makes this an error)"
             )
 
     # ------------------------------------------------------------------ constructors

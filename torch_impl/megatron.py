@@ -30,7 +30,7 @@ import inspect
 import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 
@@ -468,6 +468,39 @@ def _no_groups() -> TorchGroups:
     return TorchGroups.trivial()
 
 
+#: The kinds of group source ``finalize_model_grads`` takes (:func:`source_kind`).
+SourceKind = Literal[
+    "parallel_state", "megatron_collection", "device_mesh", "mesh_groups", "torch_groups", "mapping", "collection"
+]
+#: Kinds read the Megatron way (Megatron's rules resolve or refuse their groups).
+MEGATRON_KINDS = frozenset({"parallel_state", "megatron_collection"})
+#: Kinds whose groups a user listed (their members are checked against the mesh).
+LISTED_KINDS = frozenset({"megatron_collection", "mapping", "collection"})
+#: Kinds meshgrad builds from a DeviceMesh (their status round runs over the world).
+MESH_KINDS = frozenset({"device_mesh", "mesh_groups"})
+
+
+def source_kind(source: Any) -> SourceKind:
+    """The kind of a group source: the one place it is classified.
+
+    ``None`` is Megatron's ``parallel_state``; a Megatron ``ProcessGroupCollection``; a
+    torch DeviceMesh; meshgrad's MeshGroups / TorchGroups; a mapping; else any object
+    with the collection's attribute names (``resolve_groups`` refuses one without)."""
+    if source is None:
+        return "parallel_state"
+    if isinstance(source, TorchGroups):
+        return "torch_groups"
+    if isinstance(source, MeshGroups):
+        return "mesh_groups"
+    if is_device_mesh(source):
+        return "device_mesh"
+    if is_process_group_collection(source):
+        return "megatron_collection"
+    if isinstance(source, Mapping):
+        return "mapping"
+    return "collection"
+
+
 def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Requested) -> TorchGroups:
     """This rank's TorchGroups from whatever ``finalize_model_grads`` was given.
 
@@ -481,20 +514,21 @@ def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Reques
       ValueError: no groups in a multi-rank world, or a DeviceMesh that does not fit.
       TypeError: an object that is no group source.
     """
-    if pg_collection is None:
+    kind = source_kind(pg_collection)
+    if kind == "parallel_state":
         from_megatron = parallel_state_groups()
         return from_megatron if from_megatron is not None else _no_groups()
-    if isinstance(pg_collection, TorchGroups):
+    if kind == "torch_groups":
         return pg_collection
-    if is_device_mesh(pg_collection) or isinstance(pg_collection, MeshGroups):
-        groups = MeshGroups(pg_collection) if is_device_mesh(pg_collection) else pg_collection
+    if kind in MESH_KINDS:
+        groups = MeshGroups(pg_collection) if kind == "device_mesh" else pg_collection
         stages = {"embedding_stages": config.embedding_stages, "position_embedding_stages": config.position_embedding_stages}
         return groups.resolve(ep=requested.ep_size, etp=requested.etp, egtp=requested.egtp, **stages)
-    if is_process_group_collection(pg_collection):
+    if kind == "megatron_collection":
         return collection_groups(
             pg_collection, expert_bias=config.moe_router_enable_expert_bias, flextron=config.flextron
         )
-    if isinstance(pg_collection, Mapping):
+    if kind == "mapping":
         return TorchGroups.from_mapping(pg_collection, source="group mapping")
     if not any(hasattr(pg_collection, g.value) for g in Group):
         raise FinalizeTypeError(
@@ -507,16 +541,18 @@ def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Reques
 
 def status_groups(source: Any) -> TorchGroups | None:
     """The groups of the status round for a rank that failed before resolving its
-    groups: built from ``source`` without creating any process group, or None."""
+    groups: built from ``source`` without creating any process group, or None (a
+    DeviceMesh's round runs over the world: :mod:`torch_impl.status`)."""
+    kind = source_kind(source)
     try:
-        if source is None:
+        if kind == "parallel_state":
             groups = parallel_state_groups()
             return groups if groups is not None else (TorchGroups.trivial() if world_size() == 1 else None)
-        if isinstance(source, TorchGroups):
+        if kind == "torch_groups":
             return source
-        if is_device_mesh(source) or isinstance(source, MeshGroups):
-            return None  # a DeviceMesh's round runs over the world (torch_impl.status)
-        if isinstance(source, Mapping):
+        if kind in MESH_KINDS:
+            return None
+        if kind == "mapping":
             return TorchGroups.from_mapping(source, source="group mapping")
         return TorchGroups.from_collection(source)
     except Exception:  # nothing to share over: the caller raises locally
@@ -536,6 +572,10 @@ __all__ = [
     "gtp_fence",
     "helper_group",
     "is_process_group_collection",
+    "source_kind",
+    "MEGATRON_KINDS",
+    "LISTED_KINDS",
+    "MESH_KINDS",
     "loaded_parallel_state",
     "parallel_state",
     "parallel_state_group",

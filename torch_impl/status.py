@@ -45,8 +45,8 @@ class AgreedInputError(FinalizeInputError):
 
 
 _PEER_HINT = (
-    "a peer rank may not have entered finalize (or this seed helper), may have raised "
-    "before this round, died, or stalled past the process-group timeout; nothing was reduced"
+    "a peer rank may have died, stalled past the process-group timeout, raised before this "
+    "round, or not entered finalize (or this seed helper) at all; nothing was reduced"
 )
 
 
