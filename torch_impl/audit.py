@@ -64,7 +64,7 @@ from torch import nn
 
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
-from torch_impl.cache import ModelState
+from torch_impl.model_state import ModelState
 from torch_impl.discover import FLAG_ATTRS
 from torch_impl.finalize import finalize_model_grads
 from torch_impl.grads import is_dtensor

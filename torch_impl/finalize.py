@@ -31,7 +31,8 @@ from meshgrad.config import FinalizeConfig
 from meshgrad.params import Role
 from meshgrad.plan import Step, embedding_chunk
 from meshgrad.errors import FinalizeInputError
-from torch_impl.cache import ModelState, Prepared, Request, as_chunks, prepare, run
+from torch_impl.cache import Prepared, Request, as_chunks, prepare, run
+from torch_impl.model_state import ModelState
 from torch_impl.consensus import share_local_error
 from torch_impl.discover import position_embedding, shared_word_embedding, unwrap
 from torch_impl.errors import MegatronAssertionError, collective_guard, ranked
