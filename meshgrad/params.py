@@ -10,6 +10,8 @@ import dataclasses
 import enum
 import math
 
+from meshgrad.errors import FinalizeInputError, FinalizeTypeError
+
 #: Dtype names the plan accepts.
 FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
 
@@ -67,13 +69,13 @@ class ParamSpec:
 
     def __post_init__(self) -> None:
         if type(self.name) is not str or not self.name:
-            raise ValueError(f"ParamSpec.name must be a non-empty str, got {self.name!r}")
+            raise FinalizeInputError(f"ParamSpec.name must be a non-empty str, got {self.name!r}")
         if type(self.chunk) is not int or self.chunk < 0:
-            raise ValueError(f"ParamSpec {self.name!r}: chunk must be an int >= 0, got {self.chunk!r}")
+            raise FinalizeInputError(f"ParamSpec {self.name!r}: chunk must be an int >= 0, got {self.chunk!r}")
         fields = self.__dict__  # frozen: set through the instance dict (one store each)
         shape = fields["shape"] = tuple(map(int, self.shape))
         if self.dtype not in FLOAT_DTYPES:
-            raise TypeError(
+            raise FinalizeTypeError(
                 f"ParamSpec {self.name!r} (chunk {self.chunk}): gradient dtype {self.dtype!r} "
                 f"is not a floating type in {sorted(FLOAT_DTYPES)}"
             )

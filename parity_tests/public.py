@@ -153,7 +153,7 @@ def _torch_rank(rank: int, plan: FinalizePlan, dims: ParallelDims, grads: Grads,
 
     # The one place this module reaches below torch_impl's public names (no public
     # "run a plan" entry yet): rewire here when torch_impl gets one.
-    from torch_impl.execute import run_actions
+    from torch_impl.execute import execute_local
     from torch_impl.grads import GradAccess
     from torch_impl.groups import MeshGroups
 
@@ -167,7 +167,7 @@ def _torch_rank(rank: int, plan: FinalizePlan, dims: ParallelDims, grads: Grads,
             param = torch.nn.Parameter(torch.zeros(stacked.shape[1:]))
             param.grad = torch.from_numpy(np.ascontiguousarray(stacked[rank]))
             params[key] = param
-        run_actions(plan.actions, GradAccess(params), {}, MeshGroups(mesh).resolve())
+        execute_local(plan.actions, GradAccess(params), {}, MeshGroups(mesh).resolve())
         torch.save({k: p.grad.numpy() for k, p in params.items()}, f"{folder}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -22,6 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from test_reliability_inputs import kind_of  # noqa: E402
 from parity_tests.torch_world import case_values, run_cases  # noqa: E402
 
 WORLD = 4
@@ -140,7 +141,7 @@ def _error(call: Any) -> tuple[str, bool, str]:
     try:
         call()
     except Exception as err:  # the type name, whether it is an AssertionError, the text
-        return type(err).__name__, isinstance(err, AssertionError), str(err)
+        return kind_of(err), isinstance(err, AssertionError), str(err)
     return "no error", False, ""
 
 

@@ -18,6 +18,7 @@ from meshgrad import FinalizeConfig  # noqa: E402
 from torch_impl import finalize_model_grads, reset_model_temporary_tensors  # noqa: E402
 discover_module = importlib.import_module("torch_impl.discover")
 cache_module = importlib.import_module("torch_impl.cache")
+state_module = importlib.import_module("torch_impl.model_state")
 from torch_impl.grads import GradWatch, ModelWatch  # noqa: E402
 from torch_impl.finalize import ModelState, execution_stats  # noqa: E402
 
@@ -80,10 +81,11 @@ def test_a_repeated_step_does_no_per_parameter_python(monkeypatch):
         raise AssertionError("O(parameters) work in a repeated step")
 
     monkeypatch.setattr(cache_module, "discover", boom)
+    monkeypatch.setattr(state_module, "discover", boom)
     monkeypatch.setattr(cache_module, "plan_finalize", boom)
     monkeypatch.setattr(discover_module, "param_spec", boom)
     monkeypatch.setattr(discover_module.Discovered, "fingerprint", boom)
-    monkeypatch.setattr(cache_module, "Program", boom)
+    monkeypatch.setattr(state_module, "Program", boom)
     before = step(model, 4)
     assert_scaled(model, before, 4)
 
@@ -344,7 +346,7 @@ def test_snapshot_sees_every_change_of_a_config_or_group_source():
     import dataclasses
     import types
 
-    from torch_impl.cache import Snapshot
+    from torch_impl.model_state import Snapshot
 
     plain = types.SimpleNamespace(sequence_parallel=True, tp=object())
     snap = Snapshot(plain, ("sequence_parallel", "tp"))

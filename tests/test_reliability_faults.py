@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity_tests.torch_world import spawn_world  # noqa: E402
-from test_reliability_inputs import DP_TP, PP_TP, setup_model, timed_collection  # noqa: E402
+from test_reliability_inputs import DP_TP, PP_TP, kind_of, setup_model, timed_collection  # noqa: E402
 
 WORLD = 4
 PG_TIMEOUT = 5.0
@@ -72,7 +72,7 @@ def _target(rank: int, world: int, payload: dict[str, Any], sink: Any) -> None:
         finalize_model_grads(model, pg_collection=groups, num_tokens=num_tokens)
         sink.put("result", ("ok", "", time.monotonic() - start))
     except Exception as err:  # recorded for the parent
-        sink.put("result", (type(err).__name__, str(err), time.monotonic() - start))
+        sink.put("result", (kind_of(err), str(err), time.monotonic() - start))
 
 
 def _run(**payload: Any) -> tuple[list[Any], Any, float]:
@@ -122,7 +122,7 @@ def test_a_broken_rank_makes_the_others_raise_naming_the_collective(reliability,
             continue
         if expect == "shared":
             assert kind == "ConsistencyError", (rank, kind, message)
-            assert f"rank {bad} failed its own checks: TypeError" in message, message
+            assert f"rank {bad} failed its own checks: FinalizeTypeError" in message, message
             assert elapsed < bound, (rank, elapsed)
             slowest = max(slowest, elapsed)
             continue

@@ -13,6 +13,7 @@ shared with the other reliability tests.
 from __future__ import annotations
 
 import datetime
+import re
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -106,6 +107,16 @@ def timed_collection(
     return cache[key]
 
 
+def kind_of(err: BaseException) -> str:
+    """The error's type name, meshgrad's two plain input types named by the builtin they
+    subclass (``FinalizeInputError`` -> ValueError, ``FinalizeTypeError`` -> TypeError:
+    what code written against Megatron catches); every other type by its own name.
+    :func:`test_torch_raises_meshgrad_error_types` holds the meshgrad types themselves."""
+    from meshgrad.errors import FinalizeInputError, FinalizeTypeError
+
+    return {FinalizeInputError: "ValueError", FinalizeTypeError: "TypeError"}.get(type(err), type(err).__name__)
+
+
 def _bytes(tensor: Any) -> Any:
     if not isinstance(tensor, torch.Tensor):
         return repr(tensor)
@@ -163,7 +174,7 @@ def attempt(model: Sequence[Any], call: Callable[[Sequence[Any]], Any]) -> tuple
         call(model)
         kind, message = "ok", ""
     except Exception as err:  # recorded; the parent checks type and text
-        kind, message = type(err).__name__, str(err)
+        kind, message = kind_of(err), str(err)
     return kind, message, snapshot(model) == before, time.monotonic() - start
 
 
@@ -277,7 +288,7 @@ def case_check_collectives_per_mode(rank: int, world: int) -> dict[str, list[int
     """The checks' collectives (status rounds, the comparison's all-gathers) over two
     steps, per consistency_check mode, and the data collectives of the second step."""
     from bench.counting import CollectiveCounter
-    from torch_impl import consensus
+    from torch_impl import status as consensus  # the status round's one reduction
 
     groups = timed_collection(DP_TP)
     rounds: list[int] = []
@@ -489,6 +500,17 @@ def test_bad_local_inputs_raise_before_touching_anything(reliability, label, pre
     assert untouched
     what = "num_tokens" if label.startswith("num_tokens") else "the parameter"
     reliability("bad input", f"{label} [1 rank]", f"{error.__name__} naming the rank and {what}; nothing changed")
+
+
+@pytest.mark.parametrize("label,prepare,kwargs,error,text", LOCAL_CASES, ids=[c[0] for c in LOCAL_CASES])
+def test_torch_raises_meshgrad_error_types(label, prepare, kwargs, error, text):
+    from meshgrad.errors import FinalizeInputError, FinalizeTypeError
+
+    model = _local_model()
+    prepare(model)
+    with pytest.raises(error, match=re.escape(text)) as raised:
+        finalize_model_grads(model, **kwargs)
+    assert isinstance(raised.value, FinalizeInputError if error is ValueError else FinalizeTypeError), raised.value
 
 
 def test_nan_check_world_of_one_names_the_parameter(reliability):

@@ -44,6 +44,7 @@ from test_reliability_inputs import (  # noqa: E402
     TIMEOUT,
     _seeded,
     attempt,
+    kind_of,
     param,
     setup_model,
     snapshot,
@@ -160,7 +161,7 @@ def one_rank(rank: int, bad: int, change: Callable[[list[Any], int], Any], ddp: 
         _call(groups)(target)
         kind, message = "ok", ""
     except Exception as err:  # recorded for the parent
-        kind, message = type(err).__name__, str(err)
+        kind, message = kind_of(err), str(err)
     return kind, message, snapshot(model) == before, time.monotonic() - start
 
 

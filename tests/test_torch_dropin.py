@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch")
 
 import torch_impl  # noqa: E402
 from parity_tests.scenarios import RankData, Scenario, gpt_params, make_rank_inputs, moe_routers  # noqa: E402
+from test_reliability_inputs import kind_of  # noqa: E402
 from parity_tests.torch_world import build_model, collection, load_inputs, read_outputs, run_cases  # noqa: E402
 
 #: Parameter names, in order, of every function of the seed API page (megatron-core).
@@ -183,7 +184,7 @@ def _error(call: Any) -> tuple[str, str]:
     try:
         call()
     except Exception as err:
-        return type(err).__name__, str(err)
+        return kind_of(err), str(err)
     return "no error", ""
 
 
@@ -236,9 +237,11 @@ def _megatron_sources(rank: int) -> Any:
         out["pgc"] = _run(DROPIN, rank, ProcessGroupCollection.use_mpu_process_groups(), model)
         model = build_model(DROPIN, rank, config)
         out["none"] = _run(DROPIN, rank, None, model)
-        from torch_impl.megatron import parallel_state_groups
+        from torch_impl import execution_stats
 
-        out["stable"] = parallel_state_groups() is parallel_state_groups()
+        built = execution_stats(model).plans_built  # one TorchGroups per parallel_state: the plan is reused
+        _run(DROPIN, rank, None, model)  # the same call again
+        out["stable"] = built >= 1 and execution_stats(model).plans_built == built
         return out
     finally:
         ps.destroy_model_parallel()

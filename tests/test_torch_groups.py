@@ -346,3 +346,18 @@ def test_reduce_scatter_keeps_own_shard(world):
                 for i in range(start, stop):
                     want[i] = (8 * i + 100 * 28) / n
                 assert got[f"{name}-{op}"] == want, (rank, name, op)
+
+
+def test_a_group_size_warning_points_at_the_users_line():
+    import warnings
+
+    from meshgrad.axes import Group
+    from torch_impl.groups import TorchGroups
+
+    groups = TorchGroups.trivial(rank=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        groups.check(expected={Group.TP: (2, "config.tensor_model_parallel_size")}, strict=False)  # the user's line
+    (warning,) = [w for w in caught if "expected size 2" in str(w.message)]
+    assert warning.filename == __file__, warning.filename
+    assert "process group 'tp'" in str(warning.message) and "config.tensor_model_parallel_size" in str(warning.message)

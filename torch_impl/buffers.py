@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from meshgrad.params import ParamKey
+from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.cache import Request, as_chunks, prepare
 from torch_impl.discover import dtype_name
 from torch_impl.execute import TORCH_DTYPES
@@ -112,7 +113,7 @@ def _buffer_keys(
             seen.add(id(param))
             where = torch.device(device) if device is not None else param.device
             if attr == "grad" and dtype != dtype_name(param.dtype):
-                raise ValueError(
+                raise FinalizeInputError(
                     f"attach_grad_buffers: parameter {key[1]!r} (chunk {key[0]}) is {dtype_name(param.dtype)} but "
                     f"its gradient would be {dtype}; use attr='main_grad' (e.g. with grad_reduce_in_fp32)"
                 )
@@ -147,7 +148,7 @@ def allocate(
         parameter's (torch requires ``.grad`` to match).
     """
     if attr not in ("main_grad", "grad"):
-        raise ValueError(f"attach_grad_buffers: attr must be 'main_grad' or 'grad', got {attr!r}")
+        raise FinalizeInputError(f"attach_grad_buffers: attr must be 'main_grad' or 'grad', got {attr!r}")
     groups = _buffer_keys(layout, params, attr, device)
     buffers: list[torch.Tensor] = []
     views: dict[ParamKey, torch.Tensor] = {}
@@ -215,7 +216,7 @@ def attach_grad_buffers(
     chunks = as_chunks(model)
     for i, chunk in enumerate(chunks):
         if ddp_object(chunk) is not None:
-            raise TypeError(
+            raise FinalizeTypeError(
                 f"rank {world_rank()}: attach_grad_buffers: model[{i}] is wrapped in {type(ddp_object(chunk)).__name__}, "
                 "which owns its gradient buffers (finish_grad_sync); attach to unwrapped chunks only"
             )

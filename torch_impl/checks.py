@@ -13,22 +13,23 @@ together live in :mod:`torch_impl.consensus`.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from meshgrad.axes import Group, ParallelDims
 from meshgrad.config import CONSISTENCY_CHECKS, FinalizeConfig, config_get
 from meshgrad.params import ParamKey, ParamSpec
 from meshgrad.plan import FinalizePlan, Reduction, StageReduction
+from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.discover import Discovered
 from torch_impl.grads import GradAccess, get_grad, grad_attr, is_dtensor
-from torch_impl.groups import STAGE_GROUPS, MeshGroups, TorchGroups, group_ranks, is_device_mesh, world_size
+from torch_impl.groups import STAGE_GROUPS, TorchGroups, group_ranks, world_size
 from torch_impl.megatron import Requested
+from torch_impl.status import backend
+from torch_impl.warn import warn_user
 
 #: Gradient dtypes a plan can reduce.
 GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -83,21 +84,21 @@ def _check_grad(grad: Any, param: torch.Tensor, what: str, rank: int, sharded: b
       ValueError: another shape (unless ``sharded``), or on the meta device.
     """
     if not isinstance(grad, torch.Tensor):
-        raise TypeError(f"rank {rank}: {what} is a {type(grad).__name__}, not a tensor")
+        raise FinalizeTypeError(f"rank {rank}: {what} is a {type(grad).__name__}, not a tensor")
     if grad.layout is not torch.strided:
-        raise TypeError(
+        raise FinalizeTypeError(
             f"rank {rank}: {what} has layout {grad.layout}; finalize reduces dense (strided) gradients "
             "(densify it, e.g. grad.to_dense(), or use nn.Embedding(sparse=False))"
         )
     if grad.dtype not in GRAD_DTYPES:
-        raise TypeError(
+        raise FinalizeTypeError(
             f"rank {rank}: {what} has dtype {grad.dtype}; finalize reduces "
             f"{', '.join(str(d).removeprefix('torch.') for d in GRAD_DTYPES)} gradients"
         )
     if not sharded and tuple(grad.shape) != tuple(param.shape):
-        raise ValueError(f"rank {rank}: {what} has shape {tuple(grad.shape)}, the parameter {tuple(param.shape)}")
+        raise FinalizeInputError(f"rank {rank}: {what} has shape {tuple(grad.shape)}, the parameter {tuple(param.shape)}")
     if grad.device.type == "meta":
-        raise ValueError(f"rank {rank}: {what} is on the meta device (it holds no data)")
+        raise FinalizeInputError(f"rank {rank}: {what} is on the meta device (it holds no data)")
 
 
 def _check_disjoint(by_storage: Mapping[Any, list[tuple[torch.Tensor, str]]], rank: int) -> None:
@@ -118,7 +119,7 @@ def _check_disjoint(by_storage: Mapping[Any, list[tuple[torch.Tensor, str]]], ra
                 (a, what_a), (b, what_b) = items[i], items[j]
                 if _overlap(a, b):
                     same = " (the same tensor)" if a is b else ""
-                    raise ValueError(
+                    raise FinalizeInputError(
                         f"rank {rank}: {what_a} and {what_b} share memory{same}; each element must be reduced "
                         "and scaled exactly once: give each parameter its own gradient storage (a parameter "
                         "listed in two chunks must be in one only)"
@@ -163,18 +164,18 @@ def check_gradients(
         _check_grad(grad, param, what, rank, config.use_megatron_fsdp or dtensor)
         here = grad.device
         if nccl and here.type != "cuda":
-            raise ValueError(f"rank {rank}: {what} is on {here}, but the NCCL process groups need CUDA tensors")
+            raise FinalizeInputError(f"rank {rank}: {what} is on {here}, but the NCCL process groups need CUDA tensors")
         if device is None:
             device, first = here, what
         elif here != device:
-            raise ValueError(
+            raise FinalizeInputError(
                 f"rank {rank}: {what} is on {here}, but {first} is on {device}; finalize needs every "
                 "gradient of a rank on one device"
             )
         if dtensor:
             continue
         if torch._debug_has_internal_overlap(grad) == 1:
-            raise ValueError(
+            raise FinalizeInputError(
                 f"rank {rank}: {what} has elements that share memory (strides {tuple(grad.stride())}, e.g. an "
                 "expanded tensor); each element must be reduced once: give it its own storage (.contiguous())"
             )
@@ -204,19 +205,19 @@ def check_num_tokens(
     rank = groups.rank
     if not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
         shape = tuple(num_tokens.shape) if isinstance(num_tokens, torch.Tensor) else ""
-        raise TypeError(f"rank {rank}: num_tokens must be a one-element tensor, got {type(num_tokens).__name__}{shape}")
+        raise FinalizeTypeError(f"rank {rank}: num_tokens must be a one-element tensor, got {type(num_tokens).__name__}{shape}")
     if num_tokens.is_complex() or num_tokens.dtype == torch.bool:
-        raise TypeError(f"rank {rank}: num_tokens must be an integer or floating tensor, got {num_tokens.dtype}")
+        raise FinalizeTypeError(f"rank {rank}: num_tokens must be an integer or floating tensor, got {num_tokens.dtype}")
     here = num_tokens.device
     if here.type == "meta":
-        raise ValueError(f"rank {rank}: num_tokens is on the meta device (it holds no data)")
+        raise FinalizeInputError(f"rank {rank}: num_tokens is on the meta device (it holds no data)")
     if device is not None and here != device:
-        raise ValueError(f"rank {rank}: num_tokens is on {here}, the gradients on {device}")
+        raise FinalizeInputError(f"rank {rank}: num_tokens is on {here}, the gradients on {device}")
     if (uses_nccl(groups) if nccl is None else nccl) and here.type != "cuda":
-        raise ValueError(f"rank {rank}: num_tokens is on {here}, but the NCCL process groups need CUDA tensors")
+        raise FinalizeInputError(f"rank {rank}: num_tokens is on {here}, but the NCCL process groups need CUDA tensors")
     for obj in ddp:
         if not callable(getattr(obj, "scale_gradients", None)):
-            raise TypeError(
+            raise FinalizeTypeError(
                 f"rank {rank}: {type(obj).__name__} has finish_grad_sync but no scale_gradients(); "
                 "cannot scale its gradients by num_tokens"
             )
@@ -245,24 +246,13 @@ def nonfinite_message(rank: int, bad: Sequence[ParamKey]) -> str:
 # --------------------------------------------------------------------------- groups
 
 
-def collection_source(pg_collection: Any) -> bool:
-    """Whether groups came from a user's ProcessGroupCollection or mapping (whose
-    members are checked against the mesh), not from a DeviceMesh or resolved groups."""
-    return not (
-        pg_collection is None
-        or isinstance(pg_collection, (TorchGroups, MeshGroups))
-        or is_device_mesh(pg_collection)
-    )
-
-
 def _layout_mismatch(strict: bool, message: str) -> None:
     """Raise ``message`` (strict mode) or warn with it."""
     if strict:
-        raise ValueError(message)
-    warnings.warn(
+        raise FinalizeInputError(message)
+    warn_user(
         f"{message}. Running with the groups as given, as Megatron-Core does "
-        "(config.strict_groups = True makes this an error)",
-        stacklevel=5,
+        "(config.strict_groups = True makes this an error)"
     )
 
 
@@ -437,29 +427,12 @@ def uses_nccl(groups: TorchGroups) -> bool:
     return any(pg is not None and backend(pg) == "nccl" for pg in map(groups.group, Group))
 
 
-def backend(pg: Any) -> str:
-    """The backend name of a process group ("" for a fake or foreign group)."""
-    try:
-        return str(dist.get_backend(pg))
-    except Exception:  # pragma: no cover - a fake or foreign group
-        return ""
-
-
-def device_for(pg: Any) -> torch.device:
-    """Where a small tensor for a collective over ``pg`` must live."""
-    if backend(pg) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 __all__ = [
     "GRAD_DTYPES",
     "check_gradients",
     "check_layout",
     "check_modes",
     "check_num_tokens",
-    "collection_source",
-    "device_for",
     "nonfinite",
     "nonfinite_message",
     "plan_keys",

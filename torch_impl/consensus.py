@@ -37,27 +37,31 @@ from torch_impl.checks import (
     check_layout,
     check_modes,
     check_num_tokens,
-    device_for,
     nonfinite,
     nonfinite_message,
     uses_nccl,
 )
 from torch_impl.discover import Discovered
-from torch_impl.errors import ConsistencyError, NonFiniteGradError, collective_error, collective_guard, first_line
-from torch_impl.groups import (
-    MeshGroups,
-    TorchGroups,
-    group_ranks,
-    is_device_mesh,
-    mesh_groups,
-    timeout_of,
-    world_size,
+from torch_impl.errors import ConsistencyError, NonFiniteGradError, collective_guard
+from torch_impl.groups import TorchGroups, group_ranks, timeout_of, world_rank, world_size
+from torch_impl.megatron import MESH_KINDS, Requested, source_kind, status_groups
+from torch_impl.status import (
+    COMPARE,
+    ERROR,
+    NONFINITE,
+    Hop,
+    device_for,
+    flagged_rank,
+    gather_texts,
+    reduce_max,
+    settle,
+    share_error,
+    status_vector,
+    world_route,
 )
-from torch_impl.megatron import Requested, status_groups
 
 #: Groups whose sequential MAX-reduction reaches every rank of a model (docs/semantics.md (ranks, axes and groups) axes).
 SPANNING_GROUPS = (Group.TP, Group.DP_CP, Group.GTP, Group.PP)
-_BIG = 1 << 40  # status value = _BIG - rank, so MAX picks the lowest rank
 
 
 def signatures(
@@ -78,7 +82,9 @@ def signatures(
     extra: dict[Group, list[str]] = {}
     if isinstance(num_tokens, torch.Tensor):
         wide = "float64" if num_tokens.is_floating_point() else "int64"  # reduced in this dtype
-        what = f"num_tokens {wide}[{num_tokens.numel()}]"
+        # A floating count's own dtype is the dtype of the factor it gives: one everywhere.
+        own = f" ({str(num_tokens.dtype).removeprefix('torch.')})" if num_tokens.is_floating_point() else ""
+        what = f"num_tokens {wide}[{num_tokens.numel()}]{own}"
         extra.setdefault(Group.PP, []).append(f"token_scale broadcast {what} from the last stage")
         extra.setdefault(plan.token_scale.group, []).append(f"token_scale sum {what}")
     out: dict[Group, tuple[str, ...]] = {}
@@ -164,72 +170,47 @@ def _distinct(groups: TorchGroups, over: Sequence[Group]) -> list[tuple[Group, A
     return out
 
 
-def status_route(groups: TorchGroups, over: Sequence[Group] = SPANNING_GROUPS) -> list[tuple[Group | None, Any, Any]]:
-    """The process groups a status round MAX-reduces over, in turn, each with the device
-    of its tensors (computed once per groups and ``over``): the distinct groups of
-    ``over`` of size > 1 -- or the world at once, when they are the spanning groups,
-    together reach every rank of it, and the world's timeout is no longer than theirs
-    (or no backend tells any timeout) (None stands for the world)."""
+def status_route(groups: TorchGroups, over: Sequence[Group] = SPANNING_GROUPS) -> list[Hop]:
+    """The hops a status round MAX-reduces over, in turn (computed once per groups and
+    ``over``): the world at once for groups built from a DeviceMesh (their layout round
+    runs over the world: the same kind of round), or when the spanning groups together
+    reach every rank of it and the world's timeout is no longer than theirs (or no
+    backend tells any timeout); else the distinct groups of ``over`` of size > 1."""
     key = tuple(over)
     route = groups.routes.get(key)
     if route is None:
-        route = groups.routes[key] = [(group, pg, device_for(pg)) for group, pg in _route(groups, key)]
+        route = groups.routes[key] = _route(groups, key)
     return route
 
 
-def _route(groups: TorchGroups, over: tuple[Group, ...]) -> list[tuple[Group | None, Any]]:
-    pgs: list[tuple[Group | None, Any]] = list(_distinct(groups, over))
+def _route(groups: TorchGroups, over: tuple[Group, ...]) -> list[Hop]:
+    pgs = _distinct(groups, over)
+    own = [(group.value, pg, device_for(pg), groups.size(group)) for group, pg in pgs]
+    if groups.layout and over == SPANNING_GROUPS and world_size() > 1:
+        return world_route()
     if len(pgs) < 2 or over != SPANNING_GROUPS:
-        return pgs
+        return own
     span = 1
     for group, _ in pgs:
         span *= groups.size(group)
     if span != world_size():
-        return pgs
-    world = dist.group.WORLD
-    limit, own = timeout_of(world), [timeout_of(pg) for _, pg in pgs]
-    unknown = limit is None and all(t is None for t in own)  # no backend tells: as good as any
-    no_longer = limit is not None and None not in own and limit <= min(own)
-    return [(None, world)] if unknown or no_longer else pgs
+        return own
+    limit, timeouts = timeout_of(dist.group.WORLD), [timeout_of(pg) for _, pg in pgs]
+    unknown = limit is None and all(t is None for t in timeouts)  # no backend tells: as good as any
+    no_longer = limit is not None and None not in timeouts and limit <= min(timeouts)
+    return world_route() if unknown or no_longer else own
 
 
 def agree(status: Sequence[int], groups: TorchGroups, what: str, over: Sequence[Group] = SPANNING_GROUPS) -> list[int]:
-    """MAX-reduce small integers over the groups ``over`` in turn (default tp, dp_cp, gtp
-    and pp: the result is the maximum over every rank of the model): one all-reduce of a
-    few int64 per group of :func:`status_route`."""
-    route = status_route(groups, over)
-    if not route:
-        return list(status)
-    value = torch.tensor(status, dtype=torch.int64, device=route[0][2])
-    for group, pg, _ in route:
-        try:
-            all_reduce_max(value, pg)
-        except RuntimeError as err:
-            where = repr(group.value if group else "the world")
-            raise collective_error(f"{what} over {where}", groups, group, err) from err
-    return value.tolist()
-
-
-def all_reduce_max(value: torch.Tensor, pg: Any) -> None:
-    """MAX-all-reduce ``value`` in place over ``pg``, through the process group itself: the
-    checks' rounds stay apart from the ``torch.distributed`` calls that move data (which
-    tests and benchmarks count) and skip their Python layer (a few microseconds a step)."""
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MAX
-    pg.allreduce([value], options).wait()
+    """MAX-reduce small integers over :func:`status_route` (default: tp, dp_cp, gtp and
+    pp, or the world: the result is the maximum over every rank of the model)."""
+    return reduce_max(status, status_route(groups, over), groups.rank, what)
 
 
 def share_texts(text: str | None, groups: TorchGroups, over: Sequence[Group] = SPANNING_GROUPS) -> dict[int, str]:
-    """Error texts of every failing rank of the model (all-gathers over the groups
-    ``over`` in turn; run only once a status round found a failure)."""
-    known = {groups.rank: text} if text else {}
-    for group, pg in _distinct(groups, over):
-        out: list[Any] = [None] * groups.size(group)
-        with collective_guard(f"finalize error report over {group.value!r}", groups, group):
-            dist.all_gather_object(out, known, group=pg)
-        for item in out:
-            known.update(item or {})
-    return known
+    """Error texts of every failing rank of the model (all-gathered over the status
+    round's route; run only once a status round found a failure)."""
+    return gather_texts(text, status_route(groups, over), groups.rank, "finalize status check")
 
 
 def capturing() -> bool:
@@ -263,18 +244,14 @@ def share_local_error(
     mode, nan = (config.consistency_check, config.check_for_nan_in_grad) if config is not None else check_modes(*raw)
     if (mode == "off" and not nan) or capturing():
         return
-    if groups is None and (is_device_mesh(source) or isinstance(source, MeshGroups)):
-        try:
-            mesh = mesh_groups(source) if is_device_mesh(source) else source
-            if mesh.join_failure(first_line(err)):  # the peers' first round: the layout agreement
-                return
-        except (RuntimeError, ValueError):
-            return
+    if groups is None and source_kind(source) in MESH_KINDS:
+        if world_size() > 1:  # the peers' round (a layout round or a status round) runs over the world
+            share_error(err, world_route(), world_rank(), "finalize status check")
+        return
     groups = groups if groups is not None else status_groups(source)
     if groups is None:
         return
-    agree([_BIG - groups.rank, 0, 0], groups, "finalize status check", over)
-    share_texts(first_line(err), groups, over)
+    share_error(err, status_route(groups, over), groups.rank, "finalize status check")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,34 +319,31 @@ def _local_checks(
                 record = PlanRecord(device, uses_nccl(groups))
             record.device, record.found = device, found
         check_num_tokens(num_tokens, record.device, groups, spec.ddp, record.nccl)
-    except (TypeError, ValueError) as err:
+    except Exception as err:  # noqa: BLE001 -- any local failure is held for the status round
         return err, record
     return None, record
-
-
-def _raise_failed(error: BaseException | None, failed: int, groups: TorchGroups, over: Sequence[Group]) -> None:
-    """After a status round found a local error somewhere: every rank raises."""
-    texts = share_texts(first_line(error) if error is not None else None, groups, over)
-    if error is not None:
-        raise error
-    who = _BIG - failed
-    raise ConsistencyError(
-        f"rank {groups.rank}: rank {who} failed its own checks: {texts.get(who, '(no message)')}; "
-        "found before any collective: nothing was reduced or changed"
-    )
 
 
 def _compare(spec: CheckSpec, plan: FinalizePlan, groups: TorchGroups, config: FinalizeConfig, num_tokens: Any) -> None:
     """The comparison of signatures and the agreement on its outcome (every rank raises)."""
     messages = exchange_signatures(signatures(plan, groups, config, num_tokens), groups, spec.compared)
-    (mismatch,) = agree([_BIG - groups.rank if messages else 0], groups, "finalize consistency status", spec.over)
+    (mismatch,) = agree([status_vector(groups.rank, error=bool(messages))[ERROR]], groups,
+                        "finalize consistency status", spec.over)
     if messages:
         raise ConsistencyError("\n".join(messages))
     if mismatch:
         raise ConsistencyError(
-            f"rank {groups.rank}: rank {_BIG - mismatch} found ranks of one of its groups that would launch "
+            f"rank {groups.rank}: rank {flagged_rank(mismatch)} found ranks of one of its groups that would launch "
             "different collectives (its error names them); nothing was reduced"
         )
+
+
+def _nonfinite_tokens(num_tokens: Any) -> bool:
+    """Whether a floating ``num_tokens`` holds NaN or Inf (one host sync)."""
+    return (
+        isinstance(num_tokens, torch.Tensor) and num_tokens.is_floating_point()
+        and not bool(torch.isfinite(num_tokens).all())
+    )
 
 
 def before_communication(
@@ -409,19 +383,26 @@ def before_communication(
     tokens = (num_tokens.dtype, num_tokens.numel()) if error is None and isinstance(num_tokens, torch.Tensor) else None
     compare = error is None and mode != "off" and (mode == "every_step" or not record.consistent or record.tokens != tokens)
     bad = nonfinite(found, spec.nan_keys) if nan_check and error is None else []
-    me = _BIG - groups.rank
-    status = [me if error is not None else 0, me if compare else 0, me if bad else 0]
-    failed, compare_any, nan = agree(status, groups, "finalize status check", spec.over)
-    if failed:
-        _raise_failed(error, failed, groups, spec.over)
+    bad_tokens = nan_check and error is None and _nonfinite_tokens(num_tokens)
+    status = status_vector(groups.rank, error=error is not None, compare=compare, nonfinite=bool(bad) or bad_tokens,
+                           layout=groups.layout)
+    route = status_route(groups, spec.over)
+    reduced = reduce_max(status, route, groups.rank, "finalize status check")
+    settle(reduced, route, groups.rank, "finalize status check", error=error, layout_text=groups.layout_text)
+    compare_any, nan = reduced[COMPARE], reduced[NONFINITE]
     if compare_any:
         _compare(spec, plan, groups, config, num_tokens)
         record.consistent, record.tokens = True, tokens
     if bad:
         raise NonFiniteGradError(nonfinite_message(groups.rank, bad))
+    if bad_tokens:
+        raise NonFiniteGradError(
+            f"rank {groups.rank}: num_tokens is {num_tokens.item()!r}, not finite (check_for_nan_in_grad); found "
+            "before any collective: no gradient was changed"
+        )
     if nan:
         raise NonFiniteGradError(
-            f"rank {groups.rank}: rank {_BIG - nan} has NaN or Inf in a gradient (check_for_nan_in_grad; its "
+            f"rank {groups.rank}: rank {flagged_rank(nan)} has NaN or Inf in a gradient or num_tokens (check_for_nan_in_grad; its "
             "error names the parameter); found before any collective: no gradient was changed"
         )
     return record
@@ -432,7 +413,6 @@ __all__ = [
     "CheckSpec",
     "PlanRecord",
     "agree",
-    "all_reduce_max",
     "before_communication",
     "capturing",
     "exchange_signatures",

@@ -26,6 +26,7 @@ from torch import nn
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
 from meshgrad.steps import may_touch
+from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.grads import get_grad
 
 #: Parameter attributes copied into ParamSpec flags.
@@ -125,7 +126,7 @@ def param_spec(
         attr, grad = "grad", param.grad
     ref = grad if grad is not None else param
     if grad is not None and not isinstance(grad, torch.Tensor):
-        raise TypeError(f"parameter {name!r} (chunk {chunk}): {attr} is a {type(grad).__name__}, not a tensor")
+        raise FinalizeTypeError(f"parameter {name!r} (chunk {chunk}): {attr} is a {type(grad).__name__}, not a tensor")
     return ParamSpec(
         name,
         chunk,
@@ -185,9 +186,9 @@ def router_spec(name: str, chunk: int, module: nn.Module) -> RouterSpec | None:
         if isinstance(value, torch.Tensor):
             lengths[attr] = int(value.shape[-1]) if value.dim() else 1
     if len(set(lengths.values())) > 1:
-        raise ValueError(f"router {name!r} (chunk {chunk}): per-expert buffers differ in length: {lengths}")
+        raise FinalizeInputError(f"router {name!r} (chunk {chunk}): per-expert buffers differ in length: {lengths}")
     if bias is not None and not isinstance(getattr(module, "local_tokens_per_expert", None), torch.Tensor):
-        raise ValueError(f"router {name!r} (chunk {chunk}) has expert_bias but no local_tokens_per_expert tensor")
+        raise FinalizeInputError(f"router {name!r} (chunk {chunk}) has expert_bias but no local_tokens_per_expert tensor")
     return RouterSpec(
         name=name,
         chunk=chunk,

@@ -2,7 +2,8 @@
 
 :class:`MegatronAssertionError` is raised where Megatron-Core's own
 ``finalize_model_grads`` module asserts (or fails on a ``None`` group): it derives from
-both ``ValueError`` (meshgrad's convention for bad input) and ``AssertionError`` (what
+both :class:`~meshgrad.errors.FinalizeInputError` (a ``ValueError``: meshgrad's type
+for bad input) and ``AssertionError`` (what
 code and tests written against Megatron catch). It is always a real ``raise``, raised
 before any collective or mutation.
 
@@ -21,12 +22,20 @@ from typing import Any
 from meshgrad.axes import Group
 # The cross-rank and NaN error types are meshgrad's, shared with jax_impl (same class for
 # the same failure in both backends).
-from meshgrad.errors import CollectiveError, ConsistencyError, NonFiniteGradError
+from meshgrad.errors import (
+    CollectiveError,
+    ConsistencyError,
+    FinalizeInputError,
+    FinalizeTypeError,
+    MissingInputError,
+    NonFiniteGradError,
+)
 from meshgrad.actions import Action
 from torch_impl.groups import TorchGroups, group_ranks, world_rank
+from torch_impl.status import first_line
 
 
-class MegatronAssertionError(ValueError, AssertionError):
+class MegatronAssertionError(FinalizeInputError, AssertionError):
     """Bad input that Megatron-Core rejects with an assertion (or a crash on None)."""
 
 
@@ -54,11 +63,6 @@ class ranked(contextlib.ContextDecorator):  # noqa: N801 -- used like a function
         except Exception:  # an exception type with another constructor
             raise err from None
         raise renamed from err
-
-
-def first_line(err: BaseException) -> str:
-    """``TypeName: first line of the message`` (what is shared with other ranks)."""
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
 
 
 def _ranks_text(groups: TorchGroups, group: Group | None) -> str:
@@ -124,7 +128,10 @@ def collective_error(description: str, groups: TorchGroups, group: Group | None,
 __all__ = [
     "CollectiveError",
     "ConsistencyError",
+    "FinalizeInputError",
+    "FinalizeTypeError",
     "MegatronAssertionError",
+    "MissingInputError",
     "NonFiniteGradError",
     "action_failed",
     "collective_error",

@@ -11,7 +11,7 @@ Plan once, run many: :class:`Program` binds a plan's actions to the gradient ten
 one step (flat spans, staging buffers, copy lists are found once), and stays valid while
 :class:`~torch_impl.grads.GradWatch` sees the same tensors, so a repeated step does O(collectives) Python
 work. Bytes that coalescing has to copy (user-owned, non-contiguous storage) are counted
-in :class:`ExecStats`. :data:`BINDERS` is the one table from action type to executor.
+in :class:`ExecStats`. :data:`EXECUTORS` is the one table from action type to executor.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch import nn
 from meshgrad import rules
 from meshgrad.axes import Group
 from meshgrad.params import ParamKey
+from meshgrad.errors import FinalizeTypeError
 from meshgrad.plan import (
     Action,
     ExpertBiasUpdate,
@@ -221,7 +222,7 @@ class _Staging:
             torch._foreach_copy_(self.tensors, views)
 
 
-def bind_reduction(
+def apply_reduction(
     action: Reduction, grads: Mapping[ParamKey, torch.Tensor], groups: TorchGroups, stats: ExecStats
 ) -> Callable[[], None]:
     """One coalesced collective (semantics `dp_sync` to `gtp`) bound to its gradient tensors.
@@ -276,7 +277,7 @@ def bind_reduction(
     return run
 
 
-def bind_stage_reduction(
+def apply_stage_reduction(
     action: StageReduction, grads: Mapping[ParamKey, torch.Tensor], groups: TorchGroups, stats: ExecStats
 ) -> Callable[[], None] | None:
     """semantics `word_embedding` / `pos_embedding`: SUM over the embedding group, only on member stages with a key.
@@ -314,7 +315,7 @@ def _split(flat: torch.Tensor, lengths: Iterable[int]) -> list[torch.Tensor]:
     return list(torch.split(flat, list(lengths)))
 
 
-def run_expert_bias(action: ExpertBiasUpdate, routers: Mapping[ParamKey, nn.Module], groups: TorchGroups) -> None:
+def apply_expert_bias(action: ExpertBiasUpdate, routers: Mapping[ParamKey, nn.Module], groups: TorchGroups) -> None:
     """semantics `expert_bias`: one SUM of every router's token counts over tp_dp_cp, then the sign update."""
     modules = [routers[k] for k in action.routers]
     biases = [m.expert_bias for m in modules]
@@ -338,7 +339,7 @@ def run_expert_bias(action: ExpertBiasUpdate, routers: Mapping[ParamKey, nn.Modu
         bias.copy_(rules.expert_bias_update(bias, summed.view(bias.shape), action.rate, torch))
 
 
-def run_qb_beta(action: QbBetaUpdate, routers: Mapping[ParamKey, nn.Module], groups: TorchGroups) -> None:
+def apply_qb_beta(action: QbBetaUpdate, routers: Mapping[ParamKey, nn.Module], groups: TorchGroups) -> None:
     """semantics `qb_beta`: one AVG of accum/max(count,1) over the group, EMA blend, re-centre."""
     modules = [routers[k] for k in action.routers]
     local = torch.cat(
@@ -353,7 +354,7 @@ def run_qb_beta(action: QbBetaUpdate, routers: Mapping[ParamKey, nn.Module], gro
         qb.copy_(rules.qb_beta_update(qb.to(torch.float32), mean.view(qb.shape), action.ema))
 
 
-def run_reset(action: ResetTemporaries, routers: Mapping[ParamKey, nn.Module]) -> None:
+def apply_reset(action: ResetTemporaries, routers: Mapping[ParamKey, nn.Module]) -> None:
     """semantics `reset`: zero token counts and qb accumulators, reset the global aux-loss tracker."""
     zero = []
     for key in action.zero_tokens:
@@ -470,21 +471,21 @@ def _noop() -> None:
 Binder = Callable[[Any, Mapping[ParamKey, torch.Tensor], Mapping[ParamKey, nn.Module], TorchGroups, "ExecStats"], Callable[[], None]]
 
 
-def _token_scale(action: TokenScale, *_: Any) -> Callable[[], None]:
-    raise TypeError("TokenScale needs num_tokens: use global_token_scale and scale_grads")
+def apply_token_scale(action: TokenScale, *_: Any) -> Callable[[], None]:
+    raise FinalizeTypeError("TokenScale needs num_tokens: use global_token_scale and scale_grads")
 
 
 #: The one table from action type to executor: each entry binds an action to its
 #: tensors, routers and groups and returns what runs it.
-BINDERS: Mapping[type, Binder] = types.MappingProxyType(
+EXECUTORS: Mapping[type, Binder] = types.MappingProxyType(
     {
-        Reduction: lambda a, grads, routers, groups, stats: bind_reduction(a, grads, groups, stats),
-        StageReduction: lambda a, grads, routers, groups, stats: bind_stage_reduction(a, grads, groups, stats)
+        Reduction: lambda a, grads, routers, groups, stats: apply_reduction(a, grads, groups, stats),
+        StageReduction: lambda a, grads, routers, groups, stats: apply_stage_reduction(a, grads, groups, stats)
         or _noop,
-        ExpertBiasUpdate: lambda a, grads, routers, groups, stats: lambda: run_expert_bias(a, routers, groups),
-        QbBetaUpdate: lambda a, grads, routers, groups, stats: lambda: run_qb_beta(a, routers, groups),
-        ResetTemporaries: lambda a, grads, routers, groups, stats: lambda: run_reset(a, routers),
-        TokenScale: _token_scale,
+        ExpertBiasUpdate: lambda a, grads, routers, groups, stats: lambda: apply_expert_bias(a, routers, groups),
+        QbBetaUpdate: lambda a, grads, routers, groups, stats: lambda: apply_qb_beta(a, routers, groups),
+        ResetTemporaries: lambda a, grads, routers, groups, stats: lambda: apply_reset(a, routers),
+        TokenScale: apply_token_scale,
     }
 )
 
@@ -496,14 +497,14 @@ def bind_action(
     groups: TorchGroups,
     stats: "ExecStats",
 ) -> Callable[[], None]:
-    """One planned action bound to its tensors and groups, ready to run (:data:`BINDERS`).
+    """One planned action bound to its tensors and groups, ready to run (:data:`EXECUTORS`).
 
     Raises:
       TypeError: a TokenScale (it needs num_tokens) or an unknown action.
     """
-    binder = BINDERS.get(type(action))
+    binder = EXECUTORS.get(type(action))
     if binder is None:
-        raise TypeError(f"unknown plan action {type(action).__name__}")  # pragma: no cover
+        raise FinalizeTypeError(f"unknown plan action {type(action).__name__}")  # pragma: no cover
     return binder(action, grads, routers, groups, stats)
 
 
@@ -525,7 +526,7 @@ def execute_ops(
             raise action_failed(action, index, err) from err
 
 
-def run_actions(
+def execute_local(
     actions: Sequence[Action],
     grads: GradAccess,
     routers: Mapping[ParamKey, nn.Module],

@@ -30,7 +30,9 @@ from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import Role
 from meshgrad.plan import Step, embedding_chunk
-from torch_impl.cache import ModelState, Prepared, Request, as_chunks, prepare, run
+from meshgrad.errors import FinalizeInputError
+from torch_impl.cache import Prepared, Request, as_chunks, prepare, run
+from torch_impl.model_state import ModelState
 from torch_impl.consensus import share_local_error
 from torch_impl.discover import position_embedding, shared_word_embedding, unwrap
 from torch_impl.errors import MegatronAssertionError, collective_guard, ranked
@@ -341,7 +343,7 @@ def _embedding_grad(
     index = embedding_chunk(stage, pp, len(chunks), has_mtp)
     weight = weight_getter(unwrap(chunks[index]))
     if weight is None and not skip_if_none:
-        raise ValueError(f"rank {groups.rank}: pp stage {stage}: chunk {index} has no embedding weight to reduce")
+        raise FinalizeInputError(f"rank {groups.rank}: pp stage {stage}: chunk {index} has no embedding weight to reduce")
     role, step = (
         (Role.WORD_EMBEDDING, Step.WORD_EMBEDDING) if skip_if_none else (Role.POSITION_EMBEDDING, Step.POS_EMBEDDING)
     )

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from meshgrad.params import ParamKey
+from meshgrad.errors import FinalizeInputError
 
 
 def grad_attr(param: torch.Tensor) -> str:
@@ -84,7 +85,7 @@ class GradAccess:
         if work is None:
             grad = get_grad(self.params[key])
             if grad is None:
-                raise ValueError(f"parameter {key[1]!r} (chunk {key[0]}) lost its gradient after planning")
+                raise FinalizeInputError(f"parameter {key[1]!r} (chunk {key[0]}) lost its gradient after planning")
             if is_dtensor(grad):
                 if self.local_shards:
                     work = grad.to_local()
@@ -211,7 +212,7 @@ class GradWatch:
     ``main_grad``), every attribute set on the parameter (its ``__dict__``: ``main_grad``,
     ``allreduce``, ``sequence_parallel`` and the other flags), and, for each plain
     gradient tensor, its data pointer and size (so ``grad.data = ...`` or ``resize_`` is
-    seen too). The attribute dicts are compared with copies in one list comparison: a
+    seen too), and the parameter's own shape (``param.data = ...`` of another shape). The attribute dicts are compared with copies in one list comparison: a
     value compares by identity first, a plain flag by value (an equal replacement means
     the same), a gradient tensor raises against any other tensor (a change); a dict
     holding another kind of value (a one-element tensor, a subclass) is compared key by
@@ -238,6 +239,7 @@ class GradWatch:
         self.tensors = tensors
         self.ptrs = list(map(torch.Tensor.data_ptr, tensors))
         self.sizes = list(map(_SHAPE, tensors))
+        self.param_sizes = list(map(_SHAPE, self.params))  # ``param.data = ...`` of another shape
 
     def same(self) -> bool:
         """True when nothing a bound program or the plan depends on has changed."""
@@ -249,6 +251,7 @@ class GradWatch:
             # One torch.Size at a time, compared and let go of: a list of thousands of new
             # tuples would set the cyclic garbage collector off (10x the check itself).
             and all(map(operator.eq, map(_SHAPE, self.tensors), self.sizes))
+            and all(map(operator.eq, map(_SHAPE, self.params), self.param_sizes))
         )
 
     def has_dtensor(self) -> bool:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -28,7 +27,10 @@ import torch.distributed as dist
 
 from meshgrad.axes import DENSE_AXES, EXPERT_AXES, GROUP_AXES, Axis, Group, ParallelDims, stage_set
 from meshgrad.config import FinalizeConfig
+from meshgrad.errors import FinalizeInputError
 from meshgrad.plan import GroupSizes
+from torch_impl.warn import warn_user
+from torch_impl.status import AgreedInputError, layout_digest, reduce_max, settle, share_error, status_vector, world_route
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps duck-typed groups usable
 STAGE_GROUPS = (Group.EMBD, Group.POS_EMBD)
@@ -75,6 +77,10 @@ class TorchGroups:
         pipeline stage (Megatron does so for a collection without ``pp``).
       token_broadcast: (group, source rank) of the num_tokens broadcast when it is not
         the pp group's last stage (Megatron: the world's last rank without ``pp``).
+      layout: the digest of the DeviceMesh group layout these groups were built for (0:
+        not from a DeviceMesh); it travels in every status round, which then runs over the
+        world (:mod:`torch_impl.status`).
+      layout_text: that layout in words (for errors).
       routes: a cache of the status round's routes over these groups.
     """
 
@@ -87,6 +93,8 @@ class TorchGroups:
     source: str = "process groups"
     first_stage_for: frozenset[Group] = frozenset()
     token_broadcast: tuple[ProcessGroup, int] | None = None
+    layout: int = 0
+    layout_text: str = ""
     #: Status-round routes computed for these groups (torch_impl.consensus.status_route).
     routes: dict[tuple[Group, ...], Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
@@ -134,12 +142,12 @@ class TorchGroups:
             try:
                 wanted = stage_set(configured, self.pp_size, default)
             except ValueError as err:
-                raise ValueError(f"rank {self.rank}: config.{name}: {err}") from None
+                raise FinalizeInputError(f"rank {self.rank}: config.{name}: {err}") from None
             if stages is None:
                 out[group] = tuple(s for s in wanted if s != self.pp_stage)
                 continue
             if configured is not None and tuple(stages) != wanted:
-                raise ValueError(
+                raise FinalizeInputError(
                     f"rank {self.rank}: group {group.value!r} of the {self.source} spans pp "
                     f"stages {list(stages)} but config.{name} = {list(configured)}"
                 )
@@ -169,7 +177,7 @@ class TorchGroups:
         """
         for group, why in (required or {}).items():
             if group in self.missing:
-                raise ValueError(
+                raise FinalizeInputError(
                     f"rank {self.rank}: process group {group.value!r} is missing from the "
                     f"{self.source}; it is required ({why}). Set it (None if it has size 1)."
                 )
@@ -183,11 +191,10 @@ class TorchGroups:
                 f"{self.source}, expected size {size} ({why})"
             )
             if strict:
-                raise ValueError(message)
-            warnings.warn(
+                raise FinalizeInputError(message)
+            warn_user(
                 f"{message}; running with the groups as given, as Megatron-Core does "
-                "(config.strict_groups = True makes this an error)",
-                stacklevel=4,
+                "(config.strict_groups = True makes this an error)"
             )
 
     # ------------------------------------------------------------------ constructors
@@ -273,7 +280,7 @@ def _memberships(
     member_ranks: dict[Group, list[int] | None] = {}
     for group, value in named.items():
         if value is _NON_MEMBER and group not in STAGE_GROUPS:
-            raise ValueError(
+            raise FinalizeInputError(
                 f"rank {rank} is not a member of the {group.value!r} group given by the {source} "
                 "(dist.new_group returned NON_GROUP_MEMBER here)"
             )
@@ -287,7 +294,7 @@ def _memberships(
                 groups[group], sizes[group] = None, 1
                 member_ranks[group] = None
                 continue
-            raise ValueError(
+            raise FinalizeInputError(
                 f"rank {rank} is not a member of the {group.value!r} group {ranks} given by "
                 f"the {source}"
             )
@@ -318,12 +325,12 @@ def _stages(
             continue
         outside = [r for r in ranks if r not in pp_ranks]
         if outside and not pp_defined:
-            raise ValueError(
+            raise FinalizeInputError(
                 f"rank {rank}: process group 'pp' is missing from the {source}; it is required "
                 f"(the {group.value!r} group {ranks} spans several pipeline stages)"
             )
         if outside:
-            raise ValueError(
+            raise FinalizeInputError(
                 f"rank {rank}: the {group.value!r} group {ranks} of the {source} has ranks "
                 f"{outside} outside this rank's pp group {list(pp_ranks)}"
             )
@@ -372,7 +379,7 @@ class MeshGroups:
         dense = {a.value for a in DENSE_AXES}
         bad = [n for n in names if n not in dense]
         if bad or len(set(names)) != len(names) or len(names) != mesh.ndim:
-            raise ValueError(
+            raise FinalizeInputError(
                 f"rank {world_rank()}: DeviceMesh dim names {list(names)} must be distinct "
                 f"dense meshgrad axis names from {sorted(dense)}"
             )
@@ -384,7 +391,6 @@ class MeshGroups:
         self.grid = grid.reshape(shape)
         self.rank = world_rank()
         self.timeout = self.default_timeout()
-        self._failure_shared = False
         self._by_rows: dict[tuple[tuple[int, ...], ...], ProcessGroup | None] = {}
         self._resolved: dict[tuple[Any, ...], TorchGroups] = {}
         for name in names:
@@ -413,9 +419,9 @@ class MeshGroups:
     ) -> TorchGroups:
         """This rank's :class:`TorchGroups` for an expert factoring and embedding stages.
 
-        Collective on first use of a layout: the ranks agree on it (one all-gather over
-        the default group; a rank whose layout is invalid takes part with its error),
-        then create its groups; cached afterwards.
+        Collective on first use of a layout: the ranks agree on it in the status round
+        over the world (:meth:`layout_round`; a rank whose layout is invalid takes part
+        with its error), then create its groups; cached afterwards.
 
         Raises:
           ValueError: the expert sizes do not factor the mesh, a stage is out of range,
@@ -426,13 +432,13 @@ class MeshGroups:
             embd = stage_set(embedding_stages, dims.pp, "first_last")
             pos = stage_set(position_embedding_stages, dims.pp, "first")
         except ValueError as err:
-            error = ValueError(f"rank {self.rank}: DeviceMesh {tuple(self.grid.shape)}: {err}")
-            self.agree_layout(("error", str(error)))
+            error = AgreedInputError(f"rank {self.rank}: DeviceMesh {tuple(self.grid.shape)}: {err}")
+            self.join_failure(error)
             raise error from None
         key = (dims.ep, dims.etp, dims.egtp, embd, pos)
         if key not in self._resolved:
-            self.agree_layout(("layout", key))
-            self._resolved[key] = self._build(dims, embd, pos)
+            self.layout_round(key)
+            self._resolved[key] = self._build(dims, embd, pos, key)
         return self._resolved[key]
 
     @staticmethod
@@ -443,79 +449,42 @@ class MeshGroups:
         except Exception:  # not initialized, or a torch without these internals
             return None
 
-    def agree_layout(self, mine: tuple[str, Any]) -> None:
-        """All-gather ``("layout", key)`` / ``("error", text)`` over the default group.
+    @staticmethod
+    def describe(key: tuple[Any, ...]) -> str:
+        """A layout key in words."""
+        return (f"ep={key[0]}, etp={key[1]}, egtp={key[2]}, embedding stages {list(key[3])}, "
+                f"position embedding stages {list(key[4])}")
+
+    def layout_round(self, key: tuple[Any, ...]) -> None:
+        """The status round (over the world) for a layout met for the first time: the same
+        kind of round as every call's status round, so a rank meeting a new layout while
+        its peers check a cached one (or another layout) makes every rank raise.
 
         Raises:
-          ValueError: another rank failed or asks for another layout (the caller raises
-            its own error when ``mine`` is one).
+          FinalizeInputError: the ranks ask for different layouts (naming them).
+          ConsistencyError: another rank failed before this round.
+          CollectiveError: the round timed out (a peer may not have entered finalize).
         """
         if world_size() <= 1:
             return
-        gathered: list[Any] = [None] * world_size()
-        try:
-            dist.all_gather_object(gathered, mine)
-        except RuntimeError as err:
-            raise RuntimeError(f"rank {self.rank}: DeviceMesh group layout agreement failed: {err}") from err
-        failed = mine[0] == "error" or any(g[0] == "error" for g in gathered) or len({g for g in gathered}) > 1
-        self._failure_shared = failed  # every rank knows: the caller's error needs no other round
-        if mine[0] == "error":
-            return
-        errors = {r: g[1] for r, g in enumerate(gathered) if g[0] == "error"}
-        if errors:
-            first = min(errors)
-            raise ValueError(
-                f"rank {self.rank}: rank {first} could not resolve the DeviceMesh groups: {errors[first]}; "
-                "no group was created"
-            )
-        layouts: dict[Any, list[int]] = {}
-        for r, g in enumerate(gathered):
-            layouts.setdefault(g[1], []).append(r)
-        if len(layouts) > 1:
-            described = "; ".join(
-                f"ranks {ranks}: ep={k[0]}, etp={k[1]}, egtp={k[2]}, embedding stages {list(k[3])}, "
-                f"position embedding stages {list(k[4])}"
-                for k, ranks in layouts.items()
-            )
-            raise ValueError(
-                f"rank {self.rank}: the ranks ask for different DeviceMesh group layouts ({described}); "
-                "expert sizes and embedding stages must be the same on every rank. No group was created"
-            )
+        route = world_route()
+        mine = status_vector(self.rank, layout=layout_digest(key), layout_round=True)
+        reduced = reduce_max(mine, route, self.rank, "DeviceMesh group layout agreement")
+        settle(reduced, route, self.rank, "DeviceMesh group layout agreement", layout_text=self.describe(key))
 
-    def join_failure(self, text: str) -> bool:
-        """For a rank that failed before resolving: take part in the peers' first layout
-        agreement with ``text`` (True) when this mesh has not resolved a layout yet."""
-        if getattr(self, "_failure_shared", False):
-            self._failure_shared = False
-            return True
-        if self._resolved or world_size() <= 1:
-            return False
-        self.agree_layout(("error", text))
-        return True
+    def join_failure(self, error: BaseException) -> None:
+        """For a rank that failed before resolving its layout: take part in the peers'
+        round (a layout round, or the status round of a call) with ``error`` flagged;
+        returns so that the caller raises ``error``."""
+        if world_size() > 1:
+            share_error(error, world_route(), self.rank, "finalize status check")
 
-    def spanning(self) -> TorchGroups | None:
-        """tp, dp_cp, gtp and pp of this rank, without creating any group (None when
-        dp_cp spans several mesh dims and was not created yet)."""
-        groups: dict[Group, ProcessGroup | None] = {}
-        sizes: dict[Group, int] = {}
-        for group in (Group.TP, Group.DP_CP, Group.GTP, Group.PP):
-            rows = _rows(self.grid, DENSE_AXES, GROUP_AXES[group])
-            if len(rows[0]) > 1:
-                key = _canon(rows)
-                if key not in self._by_rows:
-                    return None
-                groups[group], sizes[group] = self._by_rows[key], len(rows[0])
+    def _build(
+        self, dims: ParallelDims, embd: tuple[int, ...], pos: tuple[int, ...], key: tuple[Any, ...]
+    ) -> TorchGroups:
         pp_rows = [r for r in _rows(self.grid, DENSE_AXES, (Axis.PP,)) if self.rank in r]
         if not pp_rows:
-            return None
-        return TorchGroups(
-            rank=self.rank, groups=groups, sizes=sizes, pp_ranks=pp_rows[0], stages={}, source="DeviceMesh"
-        )
-
-    def _build(self, dims: ParallelDims, embd: tuple[int, ...], pos: tuple[int, ...]) -> TorchGroups:
-        pp_rows = [r for r in _rows(self.grid, DENSE_AXES, (Axis.PP,)) if self.rank in r]
-        if not pp_rows:
-            raise ValueError(f"rank {self.rank} is not part of the DeviceMesh {self.grid.tolist()}")
+            raise FinalizeInputError(f"rank {self.rank} is not part of the DeviceMesh {self.grid.tolist()}")
         pp_row = pp_rows[0]
         expert_grid = self.grid.reshape(dims.expert_shape())
         groups: dict[Group, ProcessGroup | None] = {}
@@ -542,6 +511,8 @@ class MeshGroups:
             pp_ranks=pp_row,
             stages=stages,
             source=f"DeviceMesh {dict(zip([a.value for a in DENSE_AXES], self.grid.shape))}",
+            layout=layout_digest(key),
+            layout_text=self.describe(key),
         )
 
     def _group(self, rows: list[tuple[int, ...]], desc: str) -> ProcessGroup | None:
@@ -576,12 +547,9 @@ def _canon(rows: Iterable[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
 
 
 def mesh_groups(mesh: Any) -> MeshGroups:
-    """The :class:`MeshGroups` of a DeviceMesh, created once and kept on the mesh object."""
-    cached = getattr(mesh, "_meshgrad_groups", None)
-    if not isinstance(cached, MeshGroups) or cached.mesh is not mesh:
-        cached = MeshGroups(mesh)
-        mesh._meshgrad_groups = cached
-    return cached
+    """The :class:`MeshGroups` of a DeviceMesh (a new one: keep it, or pass the mesh to
+    ``finalize_model_grads``, whose state on the model keeps one per mesh)."""
+    return mesh if isinstance(mesh, MeshGroups) else MeshGroups(mesh)
 
 
 def is_device_mesh(obj: Any) -> bool:

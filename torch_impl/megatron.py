@@ -30,15 +30,16 @@ import inspect
 import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
+from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.discover import attr_or, find_attr, has_attr
 from torch_impl.errors import MegatronAssertionError
-from torch_impl.groups import MeshGroups, TorchGroups, group_ranks, is_device_mesh, mesh_groups, world_rank, world_size
+from torch_impl.groups import MeshGroups, TorchGroups, group_ranks, is_device_mesh, world_rank, world_size
 
 ProcessGroup = Any
 
@@ -92,7 +93,6 @@ PARALLEL_STATE_GETTERS: dict[Group, tuple[str, dict[str, Any], tuple[str, ...]]]
     Group.GTP: ("get_gtp_weight_remat_group", {"check_initialized": False}, ()),
     Group.EGTP: ("get_expert_gtp_weight_remat_group", {"check_initialized": False}, ()),
 }
-_PARALLEL_STATE_CACHE = "_meshgrad_groups"
 _UNDEFINED = object()
 
 
@@ -127,27 +127,37 @@ def parallel_state_values(ps: Any) -> dict[Group, ProcessGroup | None]:
 
 
 def parallel_state_groups(ps: Any | None = None) -> TorchGroups | None:
-    """This rank's :class:`TorchGroups` from Megatron's initialized ``parallel_state``, as
-    ``finalize_model_grads(pg_collection=None)`` reads it.
+    """This rank's :class:`TorchGroups` from Megatron's initialized ``parallel_state``
+    (a new one; :func:`parallel_state_keyed` keeps one while the groups stay the same),
+    or None when it is not initialized."""
+    found = parallel_state_keyed(ps)
+    return found[1] if found is not None else None
 
-    Resolved once and kept on the ``parallel_state`` module while its groups stay the same
-    objects (re-initializing resolves again), so a loop passing ``pg_collection=None``
-    reuses one TorchGroups -- and one cached plan -- every step.
+
+def parallel_state_keyed(
+    ps: Any | None = None, memo: tuple[tuple[Any, ...], TorchGroups] | None = None
+) -> tuple[tuple[Any, ...], TorchGroups] | None:
+    """This rank's :class:`TorchGroups` from Megatron's initialized ``parallel_state``, as
+    ``finalize_model_grads(pg_collection=None)`` reads it, with its key (the groups'
+    identities).
+
+    Args:
+      ps: the ``parallel_state`` module (default: Megatron's, when imported).
+      memo: a previous result: returned again while the groups are the same objects (the
+        caller keeps it -- the model state -- so a loop passing ``pg_collection=None``
+        reuses one TorchGroups, and one cached plan, every step).
 
     Returns:
-      The groups, or None when parallel_state is not initialized.
+      (key, groups), or None when parallel_state is not initialized.
     """
     ps = parallel_state() if ps is None else ps
     if ps is None:
         return None
     values = parallel_state_values(ps)
     key = tuple((g, id(v)) for g, v in values.items())
-    cached = getattr(ps, _PARALLEL_STATE_CACHE, None)
-    if isinstance(cached, tuple) and len(cached) == 2 and cached[0] == key:
-        return cached[1]
-    groups = TorchGroups.from_mapping(values, source="Megatron parallel_state")
-    setattr(ps, _PARALLEL_STATE_CACHE, (key, groups))  # the TorchGroups keeps the groups alive
-    return groups
+    if memo is not None and memo[0] == key:
+        return memo
+    return key, TorchGroups.from_mapping(values, source="Megatron parallel_state")  # it keeps the groups alive
 
 
 # =========================================================================== ProcessGroupCollection
@@ -356,7 +366,7 @@ def config_size(config: Any, name: str, default: int | None) -> int | None:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
-        raise ValueError(f"rank {world_rank()}: config.{name} must be a positive int, got {value!r}")
+        raise FinalizeInputError(f"rank {world_rank()}: config.{name} must be a positive int, got {value!r}")
     return int(value)
 
 
@@ -439,7 +449,7 @@ def resolve_config(config: Any, ddp_config: Any = None) -> FinalizeConfig:
     if isinstance(config, FinalizeConfig) and ddp_config is None:
         return config
     if config is None and ddp_config is None:
-        raise TypeError(
+        raise FinalizeTypeError(
             f"rank {world_rank()}: no config found: set `config` (a Megatron TransformerConfig or a "
             "meshgrad.FinalizeConfig) on the first model chunk (or on a module along its `.module` chain)"
         )
@@ -458,6 +468,39 @@ def _no_groups() -> TorchGroups:
     return TorchGroups.trivial()
 
 
+#: The kinds of group source ``finalize_model_grads`` takes (:func:`source_kind`).
+SourceKind = Literal[
+    "parallel_state", "megatron_collection", "device_mesh", "mesh_groups", "torch_groups", "mapping", "collection"
+]
+#: Kinds read the Megatron way (Megatron's rules resolve or refuse their groups).
+MEGATRON_KINDS = frozenset({"parallel_state", "megatron_collection"})
+#: Kinds whose groups a user listed (their members are checked against the mesh).
+LISTED_KINDS = frozenset({"megatron_collection", "mapping", "collection"})
+#: Kinds meshgrad builds from a DeviceMesh (their status round runs over the world).
+MESH_KINDS = frozenset({"device_mesh", "mesh_groups"})
+
+
+def source_kind(source: Any) -> SourceKind:
+    """The kind of a group source: the one place it is classified.
+
+    ``None`` is Megatron's ``parallel_state``; a Megatron ``ProcessGroupCollection``; a
+    torch DeviceMesh; meshgrad's MeshGroups / TorchGroups; a mapping; else any object
+    with the collection's attribute names (``resolve_groups`` refuses one without)."""
+    if source is None:
+        return "parallel_state"
+    if isinstance(source, TorchGroups):
+        return "torch_groups"
+    if isinstance(source, MeshGroups):
+        return "mesh_groups"
+    if is_device_mesh(source):
+        return "device_mesh"
+    if is_process_group_collection(source):
+        return "megatron_collection"
+    if isinstance(source, Mapping):
+        return "mapping"
+    return "collection"
+
+
 def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Requested) -> TorchGroups:
     """This rank's TorchGroups from whatever ``finalize_model_grads`` was given.
 
@@ -471,16 +514,17 @@ def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Reques
       ValueError: no groups in a multi-rank world, or a DeviceMesh that does not fit.
       TypeError: an object that is no group source.
     """
-    if pg_collection is None:
+    kind = source_kind(pg_collection)
+    if kind == "parallel_state":
         from_megatron = parallel_state_groups()
         return from_megatron if from_megatron is not None else _no_groups()
-    if isinstance(pg_collection, TorchGroups):
+    if kind == "torch_groups":
         return pg_collection
-    if is_device_mesh(pg_collection) or isinstance(pg_collection, MeshGroups):
-        groups = mesh_groups(pg_collection) if is_device_mesh(pg_collection) else pg_collection
+    if kind in MESH_KINDS:
+        groups = MeshGroups(pg_collection) if kind == "device_mesh" else pg_collection
         stages = {"embedding_stages": config.embedding_stages, "position_embedding_stages": config.position_embedding_stages}
         return groups.resolve(ep=requested.ep_size, etp=requested.etp, egtp=requested.egtp, **stages)
-    if is_process_group_collection(pg_collection):
+    if kind == "megatron_collection":
         if requested.gtp > 1 and vars(pg_collection).get("gtp_remat") is None:
             raise MegatronAssertionError(
                 f"rank {world_rank()}: config.gtp_weight_remat_size is {requested.gtp} but pg_collection has no "
@@ -489,10 +533,10 @@ def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Reques
         return collection_groups(
             pg_collection, expert_bias=config.moe_router_enable_expert_bias, flextron=config.flextron
         )
-    if isinstance(pg_collection, Mapping):
+    if kind == "mapping":
         return TorchGroups.from_mapping(pg_collection, source="group mapping")
     if not any(hasattr(pg_collection, g.value) for g in Group):
-        raise TypeError(
+        raise FinalizeTypeError(
             f"rank {world_rank()}: pg_collection must be None, a ProcessGroupCollection (or any object "
             f"with its attribute names tp, pp, embd, pos_embd, dp_cp, ...), a torch DeviceMesh, a "
             f"MeshGroups or a TorchGroups; got {type(pg_collection).__name__}"
@@ -502,16 +546,18 @@ def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Reques
 
 def status_groups(source: Any) -> TorchGroups | None:
     """The groups of the status round for a rank that failed before resolving its
-    groups: built from ``source`` without creating any process group, or None."""
+    groups: built from ``source`` without creating any process group, or None (a
+    DeviceMesh's round runs over the world: :mod:`torch_impl.status`)."""
+    kind = source_kind(source)
     try:
-        if source is None:
+        if kind == "parallel_state":
             groups = parallel_state_groups()
             return groups if groups is not None else (TorchGroups.trivial() if world_size() == 1 else None)
-        if isinstance(source, TorchGroups):
+        if kind == "torch_groups":
             return source
-        if is_device_mesh(source) or isinstance(source, MeshGroups):
-            return (mesh_groups(source) if is_device_mesh(source) else source).spanning()
-        if isinstance(source, Mapping):
+        if kind in MESH_KINDS:
+            return None
+        if kind == "mapping":
             return TorchGroups.from_mapping(source, source="group mapping")
         return TorchGroups.from_collection(source)
     except Exception:  # nothing to share over: the caller raises locally
@@ -531,10 +577,15 @@ __all__ = [
     "gtp_fence",
     "helper_group",
     "is_process_group_collection",
+    "source_kind",
+    "MEGATRON_KINDS",
+    "LISTED_KINDS",
+    "MESH_KINDS",
     "loaded_parallel_state",
     "parallel_state",
     "parallel_state_group",
     "parallel_state_groups",
+    "parallel_state_keyed",
     "parallel_state_values",
     "resolve_config",
     "resolve_groups",

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshgrad.config import FinalizeConfig
-from torch_impl.cache import ModelState
+from torch_impl.model_state import ModelState
 from torch_impl.discover import FLAG_ATTRS
 from torch_impl.finalize import finalize_model_grads
 from torch_impl.grads import is_dtensor
 from torch_impl.groups import group_ranks
-from torch_impl.megatron import CONFIG_SIZES, Requested, chunk_configs, parallel_state_groups
+from torch_impl.megatron import CONFIG_SIZES, Requested, chunk_configs
 
 __all__ = ["CONFIG_SIZES", "FLAG_ATTRS", "finalize_model_grads", "group_ranks", "is_dtensor", "model_state",
            "resolve_layout"]
@@ -43,7 +43,7 @@ def resolve_layout(
     """
     raw, ddp_config = chunk_configs(model)
     state = model_state(model)
-    source = parallel_state_groups() if pg_collection is None else pg_collection
+    source = state.parallel_state_groups() if pg_collection is None else pg_collection
     if validated_by is not None and validated_by[0] is state and state.stats.calls == validated_by[1] + 1:
         # What finalize resolved in this very call (it does not change the config or groups).
         if isinstance(raw, FinalizeConfig) and ddp_config is None:

@@ -1,0 +1,277 @@
+"""The call pipeline's rules, held on every rank of a gloo world of 4:
+
+- anything raised while a call reads the user's objects (a user method such as
+  ``shared_embedding_or_output_weight()`` raising ``RuntimeError`` or
+  ``KeyboardInterrupt``; a bad config value) on one rank is held for the status round:
+  that rank raises its own exception, its peers a ``ConsistencyError`` naming it, promptly,
+  and the next call works (the numbers of a fresh call);
+- one kind of cross-rank round: a DeviceMesh expert layout changed on one rank after
+  step 1 is found in the status round (no rank waits in another kind of round);
+- a parameter replaced by one of another shape (``param.data = ...``) between steps is
+  seen (the cached call behaves like a fresh one);
+- finalize entered on some ranks only: the others raise the documented
+  ``CollectiveError`` naming the round, within the process-group timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from parity_tests.scenarios import make_rank_inputs  # noqa: E402
+from parity_tests.torch_world import case_values, device_mesh, load_inputs, run_cases  # noqa: E402
+from test_reliability_inputs import DP_TP, LINEAR, PP_TP, TIMEOUT, kind_of, param, setup_model, snapshot, timed_collection  # noqa: E402
+from test_reliability_steps import live_vs_fresh  # noqa: E402
+from torch_impl import finalize_model_grads  # noqa: E402
+
+WORLD = 4
+SHORT = 4.0  # the process-group timeout of the groups of the last case
+_MESHES: dict[Any, Any] = {}  # per worker process
+
+
+def attempt_any(model: Sequence[Any], call: Callable[[Sequence[Any]], Any]) -> tuple[str, str, bool, float]:
+    """(error type or "ok", message, everything bit-identical afterwards, seconds); catches
+    every exception, KeyboardInterrupt included."""
+    before = snapshot(model)
+    start = time.monotonic()
+    try:
+        call(model)
+        kind, message = "ok", ""
+    except BaseException as err:  # noqa: BLE001 -- recorded; the parent checks type and text
+        kind, message = kind_of(err), str(err)
+    return kind, message, snapshot(model) == before, time.monotonic() - start
+
+
+def _finalize(groups: Any) -> Callable[[Sequence[Any]], None]:
+    return lambda m: finalize_model_grads(m, pg_collection=groups)
+
+
+def _recovers(rank: int, scenario: Any, groups: Any, model: list[Any], undo: Callable[[], None]) -> bool:
+    """After the failed call and ``undo()``: the next call gives a fresh call's numbers."""
+    undo()
+    _finalize(groups)(model)
+    fresh = setup_model(scenario, rank)
+    _finalize(groups)(fresh)
+    return snapshot(model) == snapshot(fresh)
+
+
+def _user_method_raises(rank: int, error: BaseException) -> tuple:
+    groups = timed_collection(PP_TP)
+    model = setup_model(PP_TP, rank)
+    inner = model[0]
+    if rank == 1:
+        def broken() -> Any:
+            raise error
+
+        inner.__dict__["shared_embedding_or_output_weight"] = broken
+    outcome = attempt_any(model, _finalize(groups))
+    recovered = _recovers(rank, PP_TP, groups, model, lambda: inner.__dict__.pop("shared_embedding_or_output_weight", None))
+    return (*outcome, recovered)
+
+
+def case_user_method_raises_runtime_error(rank: int, world: int) -> tuple:
+    return _user_method_raises(rank, RuntimeError("the user's method failed"))
+
+
+def case_user_method_raises_keyboard_interrupt(rank: int, world: int) -> tuple:
+    return _user_method_raises(rank, KeyboardInterrupt("interrupted in the user's method"))
+
+
+BAD_CONFIG = {
+    # case: (field, value on rank 2, its error type)
+    "case_bad_config_consistency_check": ("consistency_check", "sometimes", "ValueError"),
+    "case_bad_config_nan_flag": ("check_for_nan_in_grad", "yes", "TypeError"),
+    "case_bad_config_tp_size": ("tensor_model_parallel_size", 2.5, "ValueError"),
+    "case_bad_config_bias_rate": ("moe_router_bias_update_rate", "fast", "TypeError"),
+}
+
+
+def _bad_config_case(name: str) -> Callable[[int, int], tuple]:
+    field, value, _ = BAD_CONFIG[name]
+
+    def case(rank: int, world: int) -> tuple:
+        groups = timed_collection(DP_TP)
+        model = setup_model(DP_TP, rank, {field: value} if rank == 2 else None)
+        outcome = attempt_any(model, _finalize(groups))
+        good = setup_model(DP_TP, rank)
+        return (*outcome, _recovers(rank, DP_TP, groups, good, lambda: None))
+
+    return case
+
+
+for _name in BAD_CONFIG:
+    globals()[_name] = _bad_config_case(_name)
+
+
+def case_mesh_expert_layout_changed_on_one_rank(rank: int, world: int) -> tuple:
+    mesh = device_mesh(DP_TP, _MESHES)
+    model = setup_model(DP_TP, rank)
+    _finalize(mesh)(model)  # step 1: every rank ep=2
+    load_inputs(model, DP_TP, make_rank_inputs(DP_TP, rank))
+    config = model[0].config
+    if rank == 0:
+        config.expert_model_parallel_size = 1
+    outcome = attempt_any(model, _finalize(mesh))
+
+    def undo() -> None:
+        config.expert_model_parallel_size = 2
+
+    return (*outcome, _recovers(rank, DP_TP, mesh, model, undo))
+
+
+def _param_data_of_another_shape(model: list[Any], rank: int) -> None:
+    param(model, LINEAR).data = torch.zeros(5, 4)  # its gradient left as it was
+
+
+def case_param_data_of_another_shape_after_step1(rank: int, world: int) -> tuple:
+    return live_vs_fresh(rank, _param_data_of_another_shape)
+
+
+def case_num_tokens_dtype_differs_on_rank0(rank: int, world: int) -> tuple:
+    groups = timed_collection(DP_TP)
+    model = setup_model(DP_TP, rank)
+    tokens = torch.tensor(6.0, dtype=torch.float16 if rank == 0 else torch.float32)
+    outcome = attempt_any(model, lambda m: finalize_model_grads(m, num_tokens=tokens, pg_collection=groups))
+    unchanged = tokens.item() == 6.0
+    fresh = setup_model(DP_TP, rank)
+    finalize_model_grads(model, num_tokens=torch.tensor(6.0), pg_collection=groups)
+    finalize_model_grads(fresh, num_tokens=torch.tensor(6.0), pg_collection=groups)
+    return (*outcome, unchanged and snapshot(model) == snapshot(fresh))
+
+
+def case_num_tokens_nan_on_rank1_checked(rank: int, world: int) -> tuple:
+    groups = timed_collection(DP_TP)
+    model = setup_model(DP_TP, rank, {"check_for_nan_in_grad": True})
+    tokens = torch.tensor(float("nan") if rank == 1 else 6.0)
+    outcome = attempt_any(model, lambda m: finalize_model_grads(m, num_tokens=tokens, pg_collection=groups))
+    same = (tokens.isnan() if rank == 1 else tokens == 6.0).item()
+    return (*outcome, bool(same))
+
+
+def case_zz_finalize_entered_on_some_ranks_only(rank: int, world: int) -> tuple:
+    groups = timed_collection(DP_TP, timeout=SHORT)
+    model = setup_model(DP_TP, rank)
+    if rank == 3:
+        time.sleep(SHORT * 2.5)  # never enters finalize; its peers' round times out
+        return ("skipped", "", True, 0.0)
+    return attempt_any(model, _finalize(groups))
+
+
+CASES = [name for name in list(globals()) if name.startswith("case_")]
+
+
+# =========================================================================== parent
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[str, list[tuple[str, Any]]]:
+    return run_cases(__name__, CASES, WORLD, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "name,kind", [("case_user_method_raises_runtime_error", "RuntimeError"),
+                  ("case_user_method_raises_keyboard_interrupt", "KeyboardInterrupt")]
+)
+def test_an_exception_in_a_user_method_on_one_rank_raises_on_every_rank(world, reliability, name, kind):
+    slowest = 0.0
+    for rank, (got, message, untouched, seconds, recovered) in enumerate(case_values(world, name)):
+        assert untouched, (name, rank, "gradients changed")
+        assert recovered, (name, rank, "the next call did not give a fresh call's numbers")
+        assert seconds < TIMEOUT / 2, (name, rank, seconds)
+        slowest = max(slowest, seconds)
+        if rank == 1:
+            assert got == kind and "the user's method failed" in message or "interrupted" in message, (rank, got, message)
+        else:
+            assert got == "ConsistencyError" and "rank 1 failed its own checks" in message, (rank, got, message)
+            assert kind in message, (rank, message)
+    reliability("bad input", f"a user method finalize calls raises {kind} on rank 1 only [4 ranks]",
+                f"{kind} there, ConsistencyError naming it elsewhere, after <= {slowest:.2f} s; "
+                "nothing changed; the next call gives a fresh call's numbers")
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIG), ids=list(BAD_CONFIG))
+def test_a_bad_config_value_on_one_rank_raises_its_own_error_there(world, reliability, name):
+    field, value, kind = BAD_CONFIG[name]
+    for rank, (got, message, untouched, seconds, recovered) in enumerate(case_values(world, name)):
+        assert untouched and recovered, (name, rank)
+        assert seconds < TIMEOUT / 2, (name, rank, seconds)
+        assert message.startswith(f"rank {rank}: "), (name, rank, message)
+        if rank == 2:
+            assert got == kind and field in message, (name, rank, got, message)
+        else:
+            assert got == "ConsistencyError" and "rank 2 failed its own checks" in message and field in message, (
+                name, rank, got, message)
+    reliability("bad input", f"config.{field} = {value!r} on rank 2 only [4 ranks]",
+                f"{kind} naming the field there, ConsistencyError naming it elsewhere; nothing changed")
+
+
+def test_a_device_mesh_layout_changed_on_one_rank_is_found_in_the_status_round(world, reliability):
+    slowest = 0.0
+    for rank, (got, message, untouched, seconds, recovered) in enumerate(
+        case_values(world, "case_mesh_expert_layout_changed_on_one_rank")
+    ):
+        assert recovered, (rank, "the next call did not give a fresh call's numbers")
+        assert got == "AgreedInputError" and "ask for different DeviceMesh group layouts" in message, (rank, got, message)
+        assert message.startswith(f"rank {rank}: "), (rank, message)
+        assert seconds < 10.0, (rank, seconds)
+        slowest = max(slowest, seconds)
+    reliability("bad input", "DeviceMesh: the expert layout changed on rank 0 after step 1 [4 ranks]",
+                f"an error naming the layouts on every rank after <= {slowest:.2f} s (found in the status round); "
+                "the next call gives a fresh call's numbers")
+
+
+def test_a_parameter_of_another_shape_is_seen_like_a_fresh_call(world, reliability):
+    for rank, (live, fresh, same, message) in enumerate(
+        case_values(world, "case_param_data_of_another_shape_after_step1")
+    ):
+        assert live == fresh != "ok", (rank, live, fresh, message)
+        assert "shape" in message, (rank, message)
+        assert same, (rank, "the long-lived model differs from a fresh call")
+    reliability("bad input", "param.data replaced by another shape after step 1, gradient left [4 ranks]",
+                "the error of a fresh call on every rank; nothing changed")
+
+
+def test_finalize_entered_on_some_ranks_only_raises_a_collective_error(world, reliability):
+    slowest = 0.0
+    for rank, (got, message, untouched, seconds) in enumerate(
+        case_values(world, "case_zz_finalize_entered_on_some_ranks_only")
+    ):
+        if rank == 3:
+            continue
+        assert got == "CollectiveError", (rank, got, message)
+        assert "finalize status check" in message and "not entered finalize" in message, (rank, message)
+        assert untouched, rank
+        assert seconds < SHORT * 2.5, (rank, seconds)
+        slowest = max(slowest, seconds)
+    reliability("bad input", f"finalize entered on ranks 0-2 only [4 ranks, {SHORT:g} s timeout]",
+                f"CollectiveError naming the status round on ranks 0-2 after <= {slowest:.2f} s; nothing changed")
+
+
+def test_num_tokens_of_different_floating_dtypes_raise_on_every_rank(world, reliability):
+    for rank, (got, message, untouched, seconds, recovered) in enumerate(
+        case_values(world, "case_num_tokens_dtype_differs_on_rank0")
+    ):
+        assert got == "ConsistencyError", (rank, got, message)
+        assert untouched and recovered, rank
+        assert seconds < TIMEOUT / 2, (rank, seconds)
+        if rank in (0, 2):  # rank 0's dp_cp group names the dtypes
+            assert "float16" in message and "float32" in message, (rank, message)
+    reliability("bad input", "num_tokens float16 on rank 0, float32 elsewhere [4 ranks]",
+                "ConsistencyError on every rank (rank 0's group names both dtypes); nothing changed")
+
+
+def test_non_finite_num_tokens_under_the_nan_check_raise_on_every_rank(world, reliability):
+    for rank, (got, message, untouched, seconds, same) in enumerate(
+        case_values(world, "case_num_tokens_nan_on_rank1_checked")
+    ):
+        assert got == "NonFiniteGradError", (rank, got, message)
+        assert untouched and same, rank
+        assert seconds < TIMEOUT / 2, (rank, seconds)
+        assert ("num_tokens is nan" in message) if rank == 1 else ("rank 1 has NaN or Inf" in message), (rank, message)
+    reliability("bad input", "num_tokens NaN on rank 1, check_for_nan_in_grad [4 ranks]",
+                "NonFiniteGradError on every rank naming num_tokens there; nothing changed")
