@@ -8,7 +8,7 @@ import chex
 import numpy as np
 import pytest
 
-from meshgrad import FinalizeConfig, ParallelDims, ParamSpec, ReduceOp, Reduction, RouterSpec, Step, plan_finalize
+from meshgrad import FinalizeConfig, ParallelDims, ParamSpec, ReduceOp, Reduction, RouterSpec, StageReduction, Step, plan_finalize
 from parity_tests.public import check_plan, reference, run_plan_jax
 
 DIMS = ParallelDims(pp=2, dp=2, tp=2)
@@ -64,3 +64,22 @@ def test_an_edited_plan_is_told_apart_and_checked_against_its_own_expectation():
 def test_layouts_the_reference_cannot_describe_are_refused():
     with pytest.raises(ValueError, match="same parameters"):
         reference({}, specs=[ParamSpec("a", chunk=0), ParamSpec("b", chunk=1)], config=FinalizeConfig(), dims=DIMS)
+
+
+def test_an_embedding_step_edited_to_avg_runs_alike_in_both_backends():
+    config = FinalizeConfig(sequence_parallel=True)
+    grads, _, _ = inputs(2)
+    plan = plan_finalize(SPECS, config, DIMS)
+    stage_steps = [a for a in plan.actions if isinstance(a, StageReduction)]
+    assert stage_steps, plan.describe()
+    edited = dataclasses.replace(plan, actions=tuple(
+        dataclasses.replace(a, op=ReduceOp.AVG) if isinstance(a, StageReduction) else a for a in plan.actions))
+
+    def variant(g, routers, num_tokens):
+        out, _ = reference(g, specs=SPECS, config=config, dims=DIMS)
+        key = SPECS[0].key
+        return {**out, key: out[key] / DIMS.pp}, {}  # the tied embedding: mean over its 2 stages, not sum
+
+    assert not check_plan(edited, DIMS, grads, backends=("jax", "torch")).ok
+    check = check_plan(edited, DIMS, grads, expected=variant, backends=("jax", "torch"))
+    assert check.ok, check.diffs

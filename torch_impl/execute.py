@@ -280,13 +280,13 @@ def apply_reduction(
 def apply_stage_reduction(
     action: StageReduction, grads: Mapping[ParamKey, torch.Tensor], groups: TorchGroups, stats: ExecStats
 ) -> Callable[[], None] | None:
-    """semantics `word_embedding` / `pos_embedding`: SUM over the embedding group, only on member stages with a key.
+    """semantics `word_embedding` / `pos_embedding`: ``action.op`` (SUM) over the embedding group, only on member stages with a key.
 
     Returns:
       The bound reduction, or None when this rank has nothing to do.
     """
     key = action.key_for(groups.embedding_stage(action.group))
-    group = groups.group(action.group)
+    group, size = groups.group(action.group), groups.size(action.group)
     if key is None or group is None:
         return None
     tensor = grads[key]
@@ -294,17 +294,17 @@ def apply_stage_reduction(
     if param is not None and is_dtensor(get_grad(param)):
         # Megatron-FSDP: as Megatron, the reduced local shard becomes the gradient (a plain tensor).
         def run_fsdp() -> None:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+            all_reduce(tensor, group, action.op, size)
             setattr(param, grad_attr(param), tensor)
 
         return run_fsdp
     if tensor.is_contiguous():
-        return lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return lambda: all_reduce(tensor, group, action.op, size)
     copied = 2 * _nbytes([tensor])
 
     def run() -> None:
         flat = tensor.contiguous()
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        all_reduce(flat, group, action.op, size)
         tensor.copy_(flat)
         stats.bytes_copied += copied
 
