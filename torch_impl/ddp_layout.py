@@ -49,9 +49,20 @@ def buffer_layout(buffer: Any, names: Mapping[int, str]) -> BufferLayout:
 
 def ddp_layouts(ddp: Any) -> tuple[BufferLayout, ...]:
     """Every buffer's layout of a Megatron ``DistributedDataParallel`` (dense, then expert)."""
+    buffers = [b for attr in ("buffers", "expert_parallel_buffers") for b in _buffer_list(ddp, attr)]
+    if not buffers:
+        return ()
     names = _param_names(ddp)
-    buffers = list(getattr(ddp, "buffers", ())) + list(getattr(ddp, "expert_parallel_buffers", ()))
     return tuple(buffer_layout(b, names) for b in buffers)
+
+
+def _buffer_list(ddp: Any, attr: str) -> list[Any]:
+    """``ddp.<attr>`` when it is a list of Megatron gradient buffers, else nothing (a DDP-like
+    module without them: ``nn.Module.buffers`` is a method, not a list)."""
+    found = vars(ddp).get(attr) if hasattr(ddp, "__dict__") else None
+    if not isinstance(found, (list, tuple)):
+        return []
+    return [b for b in found if hasattr(b, "param_index_map") and hasattr(b, "bucket_indices")]
 
 
 def misaligned_in_ddp(ddp: Any, cross_stage: Collection[str], *, force_all_reduce: bool = False) -> tuple[str, ...]:
