@@ -505,36 +505,47 @@ def _sampled_reference(
     return outputs, touched
 
 
-def _shard_fn(files: list[RankFile], view: View, per_rank: list[dict[int, str]]) -> Any:
-    """owned(virtual rank, key, expert) for plain chunks under a distributed optimizer:
-    meshgrad's layout (one buffer per group and dtype, plan order, shards by global rank)."""
+def _shard_fn(files: list[RankFile], view: View, per_rank: list[dict[int, str]], scen: Scenario) -> Any:
+    """owned(virtual rank, key, expert) for plain chunks under a distributed optimizer, for
+    the parameters of ``scen`` (one dtype): meshgrad's layout (docs/semantics.md,
+    "Reduce-scatter layout"): per group one shared buffer in plan order without the
+    cross-stage-summed gradients (``reference.cross_stage_keys``), then one buffer of its
+    own for each of those; shards by global rank."""
+    ctx = ref.Context(scenario=scen, cfg=ref.Config.from_scenario(scen), mesh=ref.Mesh.from_scenario(scen), outputs=[])
+    alone = ref.cross_stage_keys(ctx)
+    names = {p.name for p in scen.params}
     masks: dict[tuple[int, Key], np.ndarray] = {}
     for f in files:
-        r, lay = f.rank, f.meta["layout"]["members"]
+        r, lay, params = f.rank, f.meta["layout"]["members"], f.meta["params"]
         plain = [not d for d in f.meta["ddp_chunks"]]
+        starts = np.cumsum([0] + [p["samples"] for p in params])
         for expert, group in ((False, "dp_cp"), (True, "expt_dp")):
             members = lay[group] if group not in f.meta["layout"]["missing"] else [r]
             if len(members) <= 1:
                 continue
-            n, index = len(members), _index(members, r)
-            for dtype in {p["dtype"] for p in f.meta["params"]}:
-                chosen = [i for i, p in enumerate(f.meta["params"])
-                          if p["expert"] == expert and p["dtype"] == dtype and p["has_grad"] and plain[p["chunk"]]]
-                total = sum(f.meta["params"][i]["numel"] for i in chosen)
-                s = -(-total // n)
-                lo, hi = index * s, min((index + 1) * s, total)
-                offset = 0
-                start = 0
-                starts = {}
-                for i, p in enumerate(f.meta["params"]):
-                    starts[i] = start
-                    start += p["samples"]
-                for i in chosen:
-                    p = f.meta["params"][i]
-                    pos = f.arrays["positions"][starts[i]:starts[i] + p["samples"]] + offset
-                    masks[(view.virtual[r], (p["chunk"], per_rank[r][i]))] = (pos >= lo) & (pos < hi)
-                    offset += p["numel"]
+            chosen = [i for i, p in enumerate(params) if per_rank[r][i] in names and p["expert"] == expert
+                      and p["has_grad"] and plain[p["chunk"]]]
+            own = [i for i in chosen if (params[i]["chunk"], per_rank[r][i]) in alone]
+            buffers = [[i for i in chosen if i not in own]] + [[i] for i in own]
+            for buffer in buffers:
+                _buffer_masks(f, buffer, view.virtual[r], per_rank[r], len(members), _index(members, r), starts, masks)
     return lambda rank, key, expert: masks.get((rank, key))
+
+
+def _buffer_masks(f: RankFile, buffer: list[int], vrank: int, names: dict[int, str], n: int, index: int,
+                  starts: np.ndarray, masks: dict[tuple[int, Key], np.ndarray]) -> None:
+    """The owned sampled elements of one buffer's parameters (indices into the plan's
+    params, in buffer order) for the member ``index`` of a group of ``n``."""
+    params = f.meta["params"]
+    total = sum(params[i]["numel"] for i in buffer)
+    s = -(-total // n)
+    lo, hi = index * s, min((index + 1) * s, total)
+    offset = 0
+    for i in buffer:
+        p = params[i]
+        pos = f.arrays["positions"][starts[i]:starts[i] + p["samples"]] + offset
+        masks[(vrank, (p["chunk"], names[i]))] = (pos >= lo) & (pos < hi)
+        offset += p["numel"]
 
 
 # =========================================================================== compare
@@ -612,7 +623,6 @@ def replay_step(files: list[RankFile], use_jax: bool = False) -> dict[str, Any]:
     num_chunks = max(f.meta["num_chunks"] for f in files)
     scatter = bool(view.config.get("use_distributed_optimizer")) and not force
     ddp_scatter = scatter and any(any(f.meta["ddp_chunks"]) for f in files)
-    shard = _shard_fn(files, view, per_rank) if scatter else None
     rows: dict[tuple[str, int, str], Row] = {}
     dtypes = sorted({p.dtype for p in vparams.values()}) or ["float32"]
     sz = view.sizes
@@ -625,6 +635,7 @@ def replay_step(files: list[RankFile], use_jax: bool = False) -> dict[str, Any]:
             routers=tuple(routers.values()) if k == 0 else (), config=dict(view.config), dtype=ref_dtype, mode="random",
         )
         inputs, absolute, recorded = _inputs(files, view, scen, per_rank, num_chunks)
+        shard = _shard_fn(files, view, per_rank, scen) if scatter else None
         outputs, touched = _sampled_reference(scen, inputs, force, shard or (lambda *a: None))
         bounds, _ = _sampled_reference(scen, absolute, force, shard or (lambda *a: None))
         jax_out = _run_jax(scen, inputs, view, force) if use_jax and not scatter else None
