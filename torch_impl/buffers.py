@@ -32,7 +32,7 @@ from meshgrad.params import ParamKey
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.cache import Request, as_chunks, prepare
 from torch_impl.discover import dtype_name
-from torch_impl.execute import TORCH_DTYPES
+from torch_impl.collectives import TORCH_DTYPES
 from torch_impl.groups import world_rank
 from torch_impl.megatron import ddp_object
 

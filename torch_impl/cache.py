@@ -24,7 +24,8 @@ from torch_impl.checks import plan_keys, requirements
 from torch_impl.consensus import CheckSpec, before_communication, share_local_error
 from torch_impl.discover import Discovered, discover, dtype_name
 from torch_impl.errors import ranked
-from torch_impl.execute import Program, execute_local
+from torch_impl.execute import execute_local
+from torch_impl.program import Program
 from torch_impl.grads import GradAccess
 from torch_impl.groups import TorchGroups, world_rank
 from torch_impl.megatron import LISTED_KINDS, MEGATRON_KINDS, Requested, accepts, chunk_configs, source_kind

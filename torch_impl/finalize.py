@@ -36,7 +36,8 @@ from torch_impl.model_state import ModelState
 from torch_impl.consensus import share_local_error
 from torch_impl.discover import position_embedding, shared_word_embedding, unwrap
 from torch_impl.errors import MegatronAssertionError, collective_guard, ranked
-from torch_impl.execute import ExecStats, global_token_scale, scale_grads
+from torch_impl.exec_stats import ExecStats
+from torch_impl.scaling import global_token_scale, scale_grads
 from torch_impl.grads import GradAccess, grad_attr, is_dtensor, reshard, unshard
 from torch_impl.groups import TorchGroups, group_ranks, world_rank
 from torch_impl.megatron import chunk_configs, helper_group, resolve_config

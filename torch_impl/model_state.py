@@ -25,7 +25,8 @@ from meshgrad.plan import FinalizePlan
 from torch_impl.checks import plan_keys
 from torch_impl.consensus import CheckSpec, PlanRecord
 from torch_impl.discover import Discovered, candidate_keys, chunk_facts, discover, one_weight, watched_keys
-from torch_impl.execute import ExecStats, Program
+from torch_impl.exec_stats import ExecStats
+from torch_impl.program import Program
 from torch_impl.grads import GradAccess, ModelWatch, differs, get_grad, is_dtensor
 from torch_impl.groups import MeshGroups, TorchGroups, world_size
 from torch_impl.megatron import (
@@ -156,7 +157,7 @@ class ModelState:
     Discovery is keyed on the chunk objects, resolved groups on the group source, and
     plans on everything that can change them: parameters' requires_grad / gradient
     presence and dtype, router modes, the config, the groups and the call's options.
-    Each plan is bound once to the gradient tensors (:class:`~torch_impl.execute.Program`);
+    Each plan is bound once to the gradient tensors (:class:`~torch_impl.program.Program`);
     a :class:`~torch_impl.grads.ModelWatch` tells, at C speed, whether a step still sees
     the same model (structure, flags, requires_grad, gradient tensors, routers), so a
     repeated step neither re-discovers nor re-binds. ``stats`` counts calls, plans built,
