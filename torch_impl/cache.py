@@ -20,7 +20,8 @@ from meshgrad.config import FinalizeConfig
 from meshgrad.plan import GroupSizes, Step, plan_finalize
 from meshgrad.errors import FinalizeTypeError
 from meshgrad.steps import ROUTER_ONLY_STEPS
-from torch_impl.checks import plan_keys, requirements
+from torch_impl.checks import plan_keys
+from torch_impl.group_checks import requirements
 from torch_impl.consensus import CheckSpec, before_communication, share_local_error
 from torch_impl.discover import Discovered, discover, dtype_name
 from torch_impl.errors import ranked
@@ -28,7 +29,8 @@ from torch_impl.execute import execute_local
 from torch_impl.program import Program
 from torch_impl.grads import GradAccess
 from torch_impl.groups import TorchGroups, world_rank
-from torch_impl.megatron import LISTED_KINDS, MEGATRON_KINDS, Requested, accepts, chunk_configs, source_kind
+from torch_impl.group_sources import LISTED_KINDS, MEGATRON_KINDS, source_kind
+from torch_impl.megatron_config import Requested, accepts, chunk_configs
 from torch_impl.model_state import BoundPlan, ModelState, Reads
 from torch_impl.notices import warn_plan
 from torch_impl.status import already_shared

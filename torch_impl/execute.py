@@ -9,7 +9,7 @@ updates use :mod:`meshgrad.rules`, so the math is written once.
 
 Plan once, run many: :class:`torch_impl.program.Program` binds a plan's actions to the gradient tensors of
 one step (flat spans, staging buffers, copy lists are found once), and stays valid while
-:class:`~torch_impl.grads.GradWatch` sees the same tensors, so a repeated step does O(collectives) Python
+:class:`~torch_impl.watches.GradWatch` sees the same tensors, so a repeated step does O(collectives) Python
 work. Bytes that coalescing has to copy (user-owned, non-contiguous storage) are counted
 in :class:`~torch_impl.exec_stats.ExecStats`. The collectives are in
 :mod:`torch_impl.collectives`, staging in :mod:`torch_impl.staging`, the num_tokens scale in

@@ -27,18 +27,14 @@ from torch_impl.consensus import CheckSpec, PlanRecord
 from torch_impl.discover import Discovered, candidate_keys, chunk_facts, discover, one_weight, watched_keys
 from torch_impl.exec_stats import ExecStats
 from torch_impl.program import Program
-from torch_impl.grads import GradAccess, ModelWatch, differs, get_grad, is_dtensor
-from torch_impl.groups import MeshGroups, TorchGroups, world_size
-from torch_impl.megatron import (
-    CONFIG_SIZES,
-    MESH_KINDS,
-    Requested,
-    ddp_object,
-    parallel_state_keyed,
-    resolve_config,
-    resolve_groups,
-    source_kind,
-)
+from torch_impl.grads import GradAccess, get_grad, is_dtensor
+from torch_impl.model_watch import ModelWatch
+from torch_impl.watches import differs
+from torch_impl.groups import TorchGroups, world_size
+from torch_impl.mesh_groups import MeshGroups
+from torch_impl.group_sources import MESH_KINDS, resolve_groups, source_kind
+from torch_impl.megatron import parallel_state_keyed
+from torch_impl.megatron_config import CONFIG_SIZES, Requested, ddp_object, resolve_config
 
 _STATE_ATTR = "_meshgrad_finalize_state"
 #: Most plans (and helper group sets, embedding discoveries) one model state keeps.
@@ -60,7 +56,7 @@ class BoundPlan:
       plain_scale_keys: gradients this backend scales by num_tokens (plain chunks).
       checks: what a call of this plan checks before communicating (None: nothing).
       helper: a seed helper's plan (its kept discovery is checked for what it touches:
-        :meth:`~torch_impl.grads.ModelWatch.touched_same`).
+        :meth:`~torch_impl.model_watch.ModelWatch.touched_same`).
     """
 
     plan: FinalizePlan
@@ -158,7 +154,7 @@ class ModelState:
     plans on everything that can change them: parameters' requires_grad / gradient
     presence and dtype, router modes, the config, the groups and the call's options.
     Each plan is bound once to the gradient tensors (:class:`~torch_impl.program.Program`);
-    a :class:`~torch_impl.grads.ModelWatch` tells, at C speed, whether a step still sees
+    a :class:`~torch_impl.model_watch.ModelWatch` tells, at C speed, whether a step still sees
     the same model (structure, flags, requires_grad, gradient tensors, routers), so a
     repeated step neither re-discovers nor re-binds. ``stats`` counts calls, plans built,
     bindings and the bytes coalescing had to copy.
@@ -213,7 +209,7 @@ class ModelState:
     ) -> tuple[Any, Discovered, tuple[Any, ...]]:
         """(fingerprint token, Discovered, the chunks' DDP objects) for this step.
 
-        While the :class:`~torch_impl.grads.ModelWatch` sees the same model (structure,
+        While the :class:`~torch_impl.model_watch.ModelWatch` sees the same model (structure,
         watched parameters' flags, requires_grad and gradient tensors, routers, chunk
         facts), nothing is re-read. Otherwise every bound program is dropped and the
         model is discovered again (structure changed) or its specs re-read.
@@ -226,11 +222,11 @@ class ModelState:
             discovery: their DDP does the DP sync; the GTP step needs them all).
           reads: what the call's plan may read, which a kept discovery is checked for
             (the next call that reads more checks more): ``"all"`` (finalize: every
-            watched parameter, :meth:`~torch_impl.grads.ModelWatch.same`), ``"touched"``
+            watched parameter, :meth:`~torch_impl.model_watch.ModelWatch.same`), ``"touched"``
             (a seed helper: the parameters a step besides the DP sync may touch, the
-            others' flags, :meth:`~torch_impl.grads.ModelWatch.touched_same`) or
+            others' flags, :meth:`~torch_impl.model_watch.ModelWatch.touched_same`) or
             ``"routers"`` (expert bias, qb_beta, reset: routers only,
-            :meth:`~torch_impl.grads.ModelWatch.routers_same`).
+            :meth:`~torch_impl.model_watch.ModelWatch.routers_same`).
         """
         full = (config.has_mtp, True)
         # A complete discovery serves a call that needs less (an audit keeps one).

@@ -22,7 +22,7 @@ class Program:
     buffers and their views, copy lists, the groups of each collective, the spans the
     num_tokens scale multiplies -- is computed here once; :meth:`run` then does
     O(collectives) work. Valid while the parameters hold the same gradient tensors
-    (:class:`~torch_impl.grads.GradWatch`); not for DTensor gradients (they are unsharded per step).
+    (:class:`~torch_impl.watches.GradWatch`); not for DTensor gradients (they are unsharded per step).
 
     Args:
       actions: the actions to run (TokenScale excluded).
