@@ -347,7 +347,7 @@ def test_snapshot_sees_every_change_of_a_config_or_group_source():
     import dataclasses
     import types
 
-    from torch_impl.model_state import Snapshot
+    from torch_impl.memo import Snapshot
 
     plain = types.SimpleNamespace(sequence_parallel=True, tp=object())
     snap = Snapshot(plain, ("sequence_parallel", "tp"))

@@ -40,7 +40,7 @@ def run_helper(model: Any, groups: Mapping[Group, Any] | TorchGroups, request: R
     if not isinstance(groups, TorchGroups):
         if not request.over:
             request = dataclasses.replace(request, over=tuple(groups))
-        groups = ModelState.of(chunks).explicit(groups)
+        groups = ModelState.of(chunks).group_memo.explicit(groups)
     prepared = prepare(chunks, groups, request)
     if prepared.bound.plan.actions:
         run(prepared)
@@ -64,7 +64,7 @@ def embedding_grad(
     state = ModelState.of(chunks)
     # Without a pp group Megatron treats the rank as the first stage; the embedding
     # group's members then stand in for the stages.
-    groups = state.explicit({Group.EMBD: embd_group, Group.POS_EMBD: embd_group, Group.PP: pp_group or embd_group})
+    groups = state.group_memo.explicit({Group.EMBD: embd_group, Group.POS_EMBD: embd_group, Group.PP: pp_group or embd_group})
     if groups.stages.get(Group.EMBD) is None:
         return
     stage, pp = (groups.pp_stage, groups.pp_size) if pp_group is not None else (0, 1)
