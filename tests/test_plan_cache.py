@@ -19,7 +19,8 @@ from torch_impl import finalize_model_grads, reset_model_temporary_tensors  # no
 discover_module = importlib.import_module("torch_impl.discover")
 cache_module = importlib.import_module("torch_impl.cache")
 state_module = importlib.import_module("torch_impl.model_state")
-from torch_impl.grads import GradWatch, ModelWatch  # noqa: E402
+from torch_impl.model_watch import ModelWatch  # noqa: E402
+from torch_impl.watches import GradWatch  # noqa: E402
 from torch_impl.finalize import ModelState, execution_stats  # noqa: E402
 
 CONFIG = FinalizeConfig(calculate_per_token_loss=True, sequence_parallel=True)
@@ -346,7 +347,7 @@ def test_snapshot_sees_every_change_of_a_config_or_group_source():
     import dataclasses
     import types
 
-    from torch_impl.model_state import Snapshot
+    from torch_impl.memo import Snapshot
 
     plain = types.SimpleNamespace(sequence_parallel=True, tp=object())
     snap = Snapshot(plain, ("sequence_parallel", "tp"))

@@ -151,7 +151,7 @@ def test_staging_copies_in_and_back_exactly(kind, keep):
     """The staging copies of a reduction of separate tensors lay the tensors out in
     order (cast to the buffer's dtype) and write the buffer back exactly, whichever copy
     path the tensors take."""
-    from torch_impl.execute import _Staging
+    from torch_impl.staging import _Staging
 
     tensors = [torch.arange(6.0).view(2, 3) + 1, torch.arange(4.0) * -1.5, torch.full((1,), 7.25)]
     if kind == "mixed dtypes":

@@ -137,7 +137,7 @@ def case_reduce_scatter_layouts(rank: int, world: int) -> dict[str, list[float]]
     import torch.distributed as dist
 
     from meshgrad.plan import ReduceOp
-    from torch_impl.execute import reduce_scatter_into
+    from torch_impl.collectives import reduce_scatter_into
 
     out = {}
     for name, ranks, sort in (("sorted", list(range(8)), True), ("unsorted", list(range(7, -1, -1)), False)):

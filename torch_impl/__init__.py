@@ -27,7 +27,8 @@ from torch_impl.finalize import (
     finalize_model_grads,
     reset_model_temporary_tensors,
 )
-from torch_impl.groups import MeshGroups, TorchGroups, mesh_groups
+from torch_impl.groups import TorchGroups
+from torch_impl.mesh_groups import MeshGroups, mesh_groups
 
 __all__ = [
     "Discovered",

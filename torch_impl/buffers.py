@@ -32,9 +32,9 @@ from meshgrad.params import ParamKey
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.cache import Request, as_chunks, prepare
 from torch_impl.discover import dtype_name
-from torch_impl.execute import TORCH_DTYPES
+from torch_impl.collectives import TORCH_DTYPES
 from torch_impl.groups import world_rank
-from torch_impl.megatron import ddp_object
+from torch_impl.megatron_config import ddp_object
 
 
 @dataclasses.dataclass(eq=False)

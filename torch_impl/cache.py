@@ -20,15 +20,19 @@ from meshgrad.config import FinalizeConfig
 from meshgrad.plan import GroupSizes, Step, plan_finalize
 from meshgrad.errors import FinalizeTypeError
 from meshgrad.steps import ROUTER_ONLY_STEPS
-from torch_impl.checks import plan_keys, requirements
+from torch_impl.checks import plan_keys
+from torch_impl.group_checks import requirements
 from torch_impl.consensus import CheckSpec, before_communication, share_local_error
 from torch_impl.discover import Discovered, discover, dtype_name
 from torch_impl.errors import ranked
-from torch_impl.execute import Program, execute_local
+from torch_impl.execute import execute_local
+from torch_impl.program import Program
 from torch_impl.grads import GradAccess
 from torch_impl.groups import TorchGroups, world_rank
-from torch_impl.megatron import LISTED_KINDS, MEGATRON_KINDS, Requested, accepts, chunk_configs, source_kind
-from torch_impl.model_state import BoundPlan, ModelState, Reads
+from torch_impl.group_sources import LISTED_KINDS, MEGATRON_KINDS, source_kind
+from torch_impl.megatron_config import Requested, accepts, chunk_configs
+from torch_impl.model_state import ModelState, Reads
+from torch_impl.plan_memo import BoundPlan
 from torch_impl.notices import warn_plan
 from torch_impl.status import already_shared
 
@@ -146,9 +150,9 @@ def _config(state: ModelState, chunks: Sequence[Any], request: Request) -> tuple
         raw = request.config
     if not request.merge_ddp_config:
         ddp_config = None
-    config = state.config(raw, ddp_config)
+    config = state.config_memo.config(raw, ddp_config)
     if request.overrides or not request.finalize:
-        config = state.helper_config(config, request.overrides)
+        config = state.config_memo.helper_config(config, request.overrides)
     return config, (raw, ddp_config)
 
 
@@ -215,8 +219,8 @@ def _prepare(model: Any, source: Any, request: Request, known: dict[str, Any]) -
     state = ModelState.of(chunks)
     config, known["raw"] = _config(state, chunks, request)
     known["config"] = config
-    requested = state.requested(known["raw"][0]) if request.finalize else Requested()
-    groups = state.resolve_groups(state.parallel_state_groups() if source is None else source, config, requested)
+    requested = state.config_memo.requested(known["raw"][0]) if request.finalize else Requested()
+    groups = state.group_memo.resolve_groups(state.group_memo.parallel_state_groups() if source is None else source, config, requested)
     known["groups"] = groups
     if request.layout:
         found = _layout_found(chunks, config)
@@ -232,13 +236,13 @@ def _prepare(model: Any, source: Any, request: Request, known: dict[str, Any]) -
     key = (request.steps, token, config, groups, requested, request.force_all_reduce,
            request.num_tokens is not None, tuple(map(id, ddp)))
     if request.finalize:
-        bound = state.plan(key, lambda: _finalize_plan(found, config, groups, requested, ddp, request, source))
+        bound = state.plan_memo.plan(key, lambda: _finalize_plan(found, config, groups, requested, ddp, request, source))
     else:
-        bound = state.plan(key, lambda: _helper_plan(found, config, groups, request))
+        bound = state.plan_memo.plan(key, lambda: _helper_plan(found, config, groups, request))
     known["shared"] = True  # from here on, the checks' own status round shares errors
     checks = bound.checks if bound.checks is not None else CheckSpec(keys=())
-    record = before_communication(checks, bound.plan, found, groups, config, request.num_tokens, state.record(bound))
-    state.keep_record(bound, record)
+    record = before_communication(checks, bound.plan, found, groups, config, request.num_tokens, state.plan_memo.record(bound))
+    state.plan_memo.keep_record(bound, record)
     return Prepared(bound, found, groups, config, requested, state)
 
 

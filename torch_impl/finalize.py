@@ -9,37 +9,35 @@ consistency check run once per plan, the status round (over the helper's groups)
 call, and a bad input raises on every rank before anything changes.
 
 Groups: helpers take Megatron's explicit groups; a ``None`` group means what it means in
-Megatron's helper (:func:`torch_impl.megatron.helper_group`). :func:`finalize_model_grads`
+Megatron's helper (:func:`torch_impl.helper_groups.helper_group`). :func:`finalize_model_grads`
 takes a ``ProcessGroupCollection`` (or any object with its attribute names, or a
 mapping), a torch ``DeviceMesh`` with meshgrad dim names, a
-:class:`~torch_impl.groups.MeshGroups`, a :class:`~torch_impl.groups.TorchGroups`, or
+:class:`~torch_impl.mesh_groups.MeshGroups`, a :class:`~torch_impl.groups.TorchGroups`, or
 ``None`` (``parallel_state``, or no communication in a world of one rank).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
-from meshgrad.params import Role
-from meshgrad.plan import Step, embedding_chunk
-from meshgrad.errors import FinalizeInputError
+from meshgrad.plan import Step
 from torch_impl.cache import Prepared, Request, as_chunks, prepare, run
+from torch_impl.run_helper import embedding_grad, run_helper
 from torch_impl.model_state import ModelState
-from torch_impl.consensus import share_local_error
-from torch_impl.discover import position_embedding, shared_word_embedding, unwrap
+from torch_impl.discover import position_embedding, shared_word_embedding
 from torch_impl.errors import MegatronAssertionError, collective_guard, ranked
-from torch_impl.execute import ExecStats, global_token_scale, scale_grads
+from torch_impl.exec_stats import ExecStats
+from torch_impl.scaling import global_token_scale, scale_grads
 from torch_impl.grads import GradAccess, grad_attr, is_dtensor, reshard, unshard
-from torch_impl.groups import TorchGroups, group_ranks, world_rank
-from torch_impl.megatron import chunk_configs, helper_group, resolve_config
+from torch_impl.groups import group_ranks, world_rank
+from torch_impl.helper_groups import helper_group
+from torch_impl.megatron_config import chunk_configs, resolve_config
 from torch_impl.megatron import gtp_fence as megatron_gtp_fence
 
 ProcessGroup = Any
@@ -144,27 +142,6 @@ def _scale_by_tokens(prepared: Prepared, program: Any, num_tokens: torch.Tensor)
 # =========================================================================== seed helpers
 
 
-def _run_helper(model: Any, groups: Mapping[Group, Any] | TorchGroups, request: Request) -> None:
-    """Prepare and run a seed helper's steps over its own groups (checked over them).
-
-    A bad model list on one rank joins the status round its peers run over the same
-    groups, so they raise at once instead of waiting for it."""
-    try:
-        chunks = as_chunks(model)
-    except (TypeError, ValueError) as err:
-        if not isinstance(groups, TorchGroups):
-            explicit = TorchGroups.from_mapping(groups, source="the helper's groups")
-            share_local_error(err, explicit, None, raw=(request.config,), over=request.over or tuple(groups))
-        raise
-    if not isinstance(groups, TorchGroups):
-        if not request.over:
-            request = dataclasses.replace(request, over=tuple(groups))
-        groups = ModelState.of(chunks).explicit(groups)
-    prepared = prepare(chunks, groups, request)
-    if prepared.bound.plan.actions:
-        run(prepared)
-
-
 def _get_main_grad_attr(param: nn.Parameter) -> str:
     """Name of the gradient attribute to use: ``"main_grad"`` if the parameter has one,
     else ``"grad"``."""
@@ -207,7 +184,7 @@ def _allreduce_conditional_embedding_grads(
     the pipeline stages, summing this rank's virtual-chunk copies first; only with
     ``config.has_cond_embedder``. A None ``pp_group`` is parallel_state's, as in Megatron."""
     pp = helper_group(Group.PP, pp_group, "lookup", "_allreduce_conditional_embedding_grads(pp_group)")
-    _run_helper(model, {Group.PP: pp}, Request(steps=(Step.COND_EMBEDDER,), config=config, over=(Group.PP,)))
+    run_helper(model, {Group.PP: pp}, Request(steps=(Step.COND_EMBEDDER,), config=config, over=(Group.PP,)))
 
 
 @ranked()
@@ -226,7 +203,7 @@ def _allreduce_router_grads(
     """
     pp = helper_group(Group.PP, pp_group, "lookup", "_allreduce_router_grads: the pipeline group")
     request = Request(steps=(Step.ROUTER,), config=config, overrides=(("flextron", True),), over=(Group.PP,))
-    _run_helper(model, {Group.PP: pp}, request)
+    run_helper(model, {Group.PP: pp}, request)
 
 
 @ranked()
@@ -237,7 +214,7 @@ def _allreduce_non_tensor_model_parallel_grads(
     ``average_gradients_across_tp_domain`` grads over the tensor-parallel group. A None
     ``tp_group`` is parallel_state's, as in Megatron."""
     tp = helper_group(Group.TP, tp_group, "lookup", "_allreduce_non_tensor_model_parallel_grads(tp_group)")
-    _run_helper(model, {Group.TP: tp}, Request(steps=(Step.NON_TP,), config=config, over=(Group.TP,)))
+    run_helper(model, {Group.TP: tp}, Request(steps=(Step.NON_TP,), config=config, over=(Group.TP,)))
 
 
 _allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
@@ -258,7 +235,7 @@ def _allreduce_replicated_grads_over_gtp_remat_group(
     config = None if raw is not None or ddp_config is not None else FinalizeConfig()  # None: the chunks'
     overrides = (("calculate_per_token_loss", bool(calculate_per_token_loss)),)
     request = Request(steps=(Step.GTP,), config=config, overrides=overrides)
-    _run_helper(chunks, {Group.GTP: gtp_remat_group, Group.EGTP: egtp_remat_group}, request)
+    run_helper(chunks, {Group.GTP: gtp_remat_group, Group.EGTP: egtp_remat_group}, request)
 
 
 def _get_shared_word_embedding_weight(model_module: nn.Module, config: Any) -> nn.Parameter | None:
@@ -315,46 +292,7 @@ def _allreduce_embedding_grad(
       ValueError: ``skip_if_none`` is False and the parameter or its gradient is None.
     """
     has_mtp = bool(getattr(config, "mtp_num_layers", None) or 0)
-    _embedding_grad(model, embd_group, pp_group, weight_getter, skip_if_none, config, has_mtp)
-
-
-def _embedding_grad(
-    model: list[nn.Module],
-    embd_group: ProcessGroup | None,
-    pp_group: ProcessGroup | None,
-    weight_getter: Callable[[nn.Module], nn.Parameter | None],
-    skip_if_none: bool,
-    config: Any,
-    has_mtp: bool,
-) -> None:
-    """:func:`_allreduce_embedding_grad` with the MTP chunk rule decided by the caller
-    (Megatron's position-embedding helper never applies it)."""
-    chunks = as_chunks(model)
-    members = dist.get_process_group_ranks(embd_group) if embd_group is not None else ()
-    if len(members) <= 1 or world_rank() not in members:
-        return
-    state = ModelState.of(chunks)
-    # Without a pp group Megatron treats the rank as the first stage; the embedding
-    # group's members then stand in for the stages.
-    groups = state.explicit({Group.EMBD: embd_group, Group.POS_EMBD: embd_group, Group.PP: pp_group or embd_group})
-    if groups.stages.get(Group.EMBD) is None:
-        return
-    stage, pp = (groups.pp_stage, groups.pp_size) if pp_group is not None else (0, 1)
-    index = embedding_chunk(stage, pp, len(chunks), has_mtp)
-    weight = weight_getter(unwrap(chunks[index]))
-    if weight is None and not skip_if_none:
-        raise FinalizeInputError(f"rank {groups.rank}: pp stage {stage}: chunk {index} has no embedding weight to reduce")
-    role, step = (
-        (Role.WORD_EMBEDDING, Step.WORD_EMBEDDING) if skip_if_none else (Role.POSITION_EMBEDDING, Step.POS_EMBEDDING)
-    )
-    request = Request(
-        steps=(step,),
-        config=config,
-        overrides=(("share_embeddings_and_output_weights", True),),
-        found=state.embedding(chunks, index, weight, role),
-        over=(Group.EMBD, Group.POS_EMBD),
-    )
-    _run_helper(chunks, groups, request)
+    embedding_grad(model, embd_group, pp_group, weight_getter, skip_if_none, config, has_mtp)
 
 
 def _allreduce_word_embedding_grads(
@@ -389,7 +327,7 @@ def _allreduce_word_embedding_grads(
         def getter(module: nn.Module) -> nn.Parameter | None:
             return _get_shared_word_embedding_weight(module, config)
 
-        _embedding_grad(model, embd_group, pp_group, getter, True, config, has_mtp)
+        embedding_grad(model, embd_group, pp_group, getter, True, config, has_mtp)
 
 
 def _allreduce_position_embedding_grads(
@@ -398,7 +336,7 @@ def _allreduce_position_embedding_grads(
     """All-reduce the position-embedding gradient over ``pos_emb_group`` (None: nothing to
     do); a missing gradient on a member stage is an error. Middle stages use ``model[0]``."""
     with ranked():
-        _embedding_grad(model, pos_emb_group, pp_group, _get_position_embedding_weight, False, config, False)
+        embedding_grad(model, pos_emb_group, pp_group, _get_position_embedding_weight, False, config, False)
 
 
 @ranked()
@@ -419,7 +357,7 @@ def _update_router_expert_bias(
     """
     group = helper_group(Group.TP_DP_CP, tp_dp_cp_group, "lookup", "_update_router_expert_bias(tp_dp_cp_group)")
     request = Request(steps=(Step.EXPERT_BIAS,), config=config, overrides=(("moe_router_enable_expert_bias", True),))
-    _run_helper(model, {Group.TP_DP_CP: group}, request)
+    run_helper(model, {Group.TP_DP_CP: group}, request)
 
 
 @ranked()
@@ -434,7 +372,7 @@ def _update_router_qb_beta(model: list[nn.Module], config: Any, dp_cp_group: Pro
     group = helper_group(Group.DP_CP_GTP, dp_cp_group, "world", "_update_router_qb_beta(dp_cp_group)")
     overrides = (("moe_router_load_balancing_type", "quantile_balancing"),)
     request = Request(steps=(Step.QB_BETA,), config=config, overrides=overrides)
-    _run_helper(model, {Group.DP_CP: group, Group.DP_CP_GTP: group}, request)
+    run_helper(model, {Group.DP_CP: group, Group.DP_CP_GTP: group}, request)
 
 
 @ranked()
@@ -442,4 +380,4 @@ def reset_model_temporary_tensors(config: Any, model: list[nn.Module]) -> None:
     """Reset the temporary tensors of the model: token counts, qb accumulators, the global
     aux-loss tracker (semantics `reset`)."""
     request = Request(steps=(Step.RESET,), config=resolve_config(config), merge_ddp_config=False)
-    _run_helper(model, {}, request)  # no groups: nothing is communicated
+    run_helper(model, {}, request)  # no groups: nothing is communicated

@@ -5,123 +5,34 @@ It is made on the first call with a chunk list, replaced when the call's chunk l
 differs (another list, order or length), starts afresh when the model is copied or
 pickled, dies with the chunk, and is emptied by
 :func:`torch_impl.finalize.invalidate_plans`. Every cache in it is bounded: at most
-:data:`MAX_PLANS` plans (each with its bound program and its check record, evicted
+:data:`~torch_impl.memo.MAX_PLANS` plans (each with its bound program and its check record, evicted
 together, oldest first), one discovery per ``has_mtp`` (dropped with its bindings when
 the model watch fires), one resolved group source, the groups of each DeviceMesh and of
-Megatron's ``parallel_state`` (kept here, not on those objects), and :data:`MAX_PLANS`
+Megatron's ``parallel_state`` (kept here, not on those objects), and :data:`~torch_impl.memo.MAX_PLANS`
 helper group sets and embedding discoveries.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
-from meshgrad.params import ParamKey, Role
-from meshgrad.plan import FinalizePlan
+from meshgrad.params import Role
 from torch_impl.checks import plan_keys
-from torch_impl.consensus import CheckSpec, PlanRecord
+from torch_impl.config_memo import ConfigMemo
 from torch_impl.discover import Discovered, candidate_keys, chunk_facts, discover, one_weight, watched_keys
-from torch_impl.execute import ExecStats, Program
-from torch_impl.grads import GradAccess, ModelWatch, differs, get_grad, is_dtensor
-from torch_impl.groups import MeshGroups, TorchGroups, world_size
-from torch_impl.megatron import (
-    CONFIG_SIZES,
-    MESH_KINDS,
-    Requested,
-    ddp_object,
-    parallel_state_keyed,
-    resolve_config,
-    resolve_groups,
-    source_kind,
-)
+from torch_impl.exec_stats import ExecStats
+from torch_impl.grads import get_grad, is_dtensor
+from torch_impl.group_memo import GroupMemo
+from torch_impl.groups import TorchGroups
+from torch_impl.megatron_config import ddp_object
+from torch_impl.memo import MAX_PLANS, put
+from torch_impl.model_watch import ModelWatch
+from torch_impl.plan_memo import BoundPlan, PlanMemo
+from torch_impl.program import Program
 
 _STATE_ATTR = "_meshgrad_finalize_state"
-#: Most plans (and helper group sets, embedding discoveries) one model state keeps.
-MAX_PLANS = 16
-_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(FinalizeConfig))
-_GROUP_NAMES = tuple(g.value for g in Group)
-_ABSENT = object()
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class BoundPlan:
-    """A plan with everything a step needs to run it (immutable; what the checks found
-    per plan is kept by :class:`ModelState`).
-
-    Args:
-      plan: the FinalizePlan (all steps; DP sync only for plain chunks).
-      ddp: the DDP objects whose ``finish_grad_sync`` does step 1 for their chunks.
-      ddp_force_kwarg: per DDP object, whether it accepts ``force_all_reduce``.
-      plain_scale_keys: gradients this backend scales by num_tokens (plain chunks).
-      checks: what a call of this plan checks before communicating (None: nothing).
-      helper: a seed helper's plan (its kept discovery is checked for what it touches:
-        :meth:`~torch_impl.grads.ModelWatch.touched_same`).
-    """
-
-    plan: FinalizePlan
-    ddp: tuple[Any, ...]
-    ddp_force_kwarg: tuple[bool, ...]
-    plain_scale_keys: tuple[ParamKey, ...]
-    checks: CheckSpec | None = None
-    helper: bool = False
-
-
-def _read(source: Any, names: tuple[str, ...]) -> tuple[Any, ...]:
-    """The values of ``names`` in ``source`` (absent ones marked)."""
-    if source is None:
-        return ()
-    if isinstance(source, Mapping):
-        return tuple([source.get(name, _ABSENT) for name in names])
-    return tuple([getattr(source, name, _ABSENT) for name in names])
-
-
-class Snapshot:
-    """Whether an object (a config, a group source) still holds what it held when a
-    result was derived from it: its attribute dict against a copy -- one C-level
-    comparison -- when reading its attributes is plain (an instance dict, no
-    ``__getattr__``); a mapping's items against a copy; else the values of ``names`` read
-    again.
-
-    Args:
-      source: the object (a mapping, any object, or None).
-      names: the attributes the result was derived from.
-      by_vars: the result was derived from the instance dict alone (a Megatron
-        ProcessGroupCollection, read as Megatron reads it), whatever ``__getattr__`` does.
-    """
-
-    __slots__ = ("source", "names", "live", "copy", "values")
-
-    def __init__(self, source: Any, names: tuple[str, ...], by_vars: bool = False) -> None:
-        self.source, self.names = source, names
-        self.live = self.copy = None
-        if isinstance(source, Mapping):
-            self.values: Any = dict(source)
-            return
-        state = getattr(source, "__dict__", None)
-        if isinstance(state, dict) and (by_vars or not hasattr(type(source), "__getattr__")):
-            self.live, self.copy = state, dict(state)
-        else:
-            self.values = _read(source, names)
-
-    def same(self) -> bool:
-        """Whether ``source`` still holds the same values."""
-        if self.live is not None:
-            return not differs(self.live, self.copy)
-        if isinstance(self.source, Mapping):
-            return not differs(dict(self.source), self.values)
-        return _read(self.source, self.names) == self.values
-
-
-def _put(cache: dict[Any, Any], key: Any, value: Any, limit: int = MAX_PLANS) -> Any:
-    """``cache[key] = value``, first evicting the oldest entry when ``cache`` is full."""
-    if key not in cache and len(cache) >= limit:
-        cache.pop(next(iter(cache)))
-    cache[key] = value
-    return value
 
 
 class _Fingerprint:
@@ -153,11 +64,14 @@ _CHECKS: dict[Reads, Callable[[ModelWatch], bool]] = {
 class ModelState:
     """What meshgrad caches on a model (on its first chunk; lifetime in the module doc).
 
-    Discovery is keyed on the chunk objects, resolved groups on the group source, and
+    It owns its memos: :class:`~torch_impl.config_memo.ConfigMemo` (configs),
+    :class:`~torch_impl.group_memo.GroupMemo` (groups) and
+    :class:`~torch_impl.plan_memo.PlanMemo` (plans, programs, check records); discovery
+    is its own. Discovery is keyed on the chunk objects, resolved groups on the group source, and
     plans on everything that can change them: parameters' requires_grad / gradient
     presence and dtype, router modes, the config, the groups and the call's options.
-    Each plan is bound once to the gradient tensors (:class:`~torch_impl.execute.Program`);
-    a :class:`~torch_impl.grads.ModelWatch` tells, at C speed, whether a step still sees
+    Each plan is bound once to the gradient tensors (:class:`~torch_impl.program.Program`);
+    a :class:`~torch_impl.model_watch.ModelWatch` tells, at C speed, whether a step still sees
     the same model (structure, flags, requires_grad, gradient tensors, routers), so a
     repeated step neither re-discovers nor re-binds. ``stats`` counts calls, plans built,
     bindings and the bytes coalescing had to copy.
@@ -168,18 +82,12 @@ class ModelState:
         self.found: dict[tuple[bool, bool], tuple[int, Discovered, ModelWatch, tuple[Any, ...]]] = {}
         self.tokens: dict[_Fingerprint, int] = {}  # specs -> token
         self.next_token = 0
-        self.groups: tuple[Snapshot, tuple[Any, ...], TorchGroups] | None = None  # the last resolved source
-        self.plans: dict[tuple[Any, ...], BoundPlan] = {}
-        self.programs: dict[int, tuple[BoundPlan, Program, Discovered]] = {}
-        self.records: dict[int, tuple[BoundPlan, PlanRecord]] = {}
-        self.last_config: tuple[Snapshot, Snapshot, FinalizeConfig] | None = None
-        self.last_requested: tuple[Snapshot, Requested] | None = None
-        self.helper_configs: dict[tuple[FinalizeConfig, tuple[tuple[str, Any], ...]], FinalizeConfig] = {}
         self.embeddings: dict[tuple[Any, ...], tuple[Any, Any, bool, Discovered]] = {}
-        self.explicit_groups: dict[tuple[Any, ...], tuple[dict[Group, Any], TorchGroups]] = {}
-        self.meshes: dict[int, MeshGroups] = {}  # id(DeviceMesh) -> its groups (which hold the mesh)
-        self.parallel_state: tuple[tuple[Any, ...], TorchGroups] | None = None
         self.stats = ExecStats()
+        self.config_memo = ConfigMemo()  # resolved configs
+        self.group_memo = GroupMemo()  # resolved groups per source, meshes, parallel_state
+        self.plan_memo = PlanMemo(self.stats)  # plans, programs, check records
+        self.plans, self.programs = self.plan_memo.plans, self.plan_memo.programs
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A cache: copying or pickling the model (deepcopy, torch.save) starts it afresh
@@ -212,7 +120,7 @@ class ModelState:
     ) -> tuple[Any, Discovered, tuple[Any, ...]]:
         """(fingerprint token, Discovered, the chunks' DDP objects) for this step.
 
-        While the :class:`~torch_impl.grads.ModelWatch` sees the same model (structure,
+        While the :class:`~torch_impl.model_watch.ModelWatch` sees the same model (structure,
         watched parameters' flags, requires_grad and gradient tensors, routers, chunk
         facts), nothing is re-read. Otherwise every bound program is dropped and the
         model is discovered again (structure changed) or its specs re-read.
@@ -225,11 +133,11 @@ class ModelState:
             discovery: their DDP does the DP sync; the GTP step needs them all).
           reads: what the call's plan may read, which a kept discovery is checked for
             (the next call that reads more checks more): ``"all"`` (finalize: every
-            watched parameter, :meth:`~torch_impl.grads.ModelWatch.same`), ``"touched"``
+            watched parameter, :meth:`~torch_impl.model_watch.ModelWatch.same`), ``"touched"``
             (a seed helper: the parameters a step besides the DP sync may touch, the
-            others' flags, :meth:`~torch_impl.grads.ModelWatch.touched_same`) or
+            others' flags, :meth:`~torch_impl.model_watch.ModelWatch.touched_same`) or
             ``"routers"`` (expert bias, qb_beta, reset: routers only,
-            :meth:`~torch_impl.grads.ModelWatch.routers_same`).
+            :meth:`~torch_impl.model_watch.ModelWatch.routers_same`).
         """
         full = (config.has_mtp, True)
         # A complete discovery serves a call that needs less (an audit keeps one).
@@ -261,67 +169,15 @@ class ModelState:
         self.found.clear()
         self.plans.clear()
         self.programs.clear()
-        self.records.clear()
+        self.plan_memo.records.clear()
         self.embeddings.clear()
-
-    def config(self, raw: Any, ddp_config: Any) -> FinalizeConfig:
-        """``resolve_config(raw, ddp_config)``, memoized: the same two objects with the same
-        values of every attribute FinalizeConfig reads give the last result (a config
-        mutated between steps is resolved again)."""
-        if isinstance(raw, FinalizeConfig) and ddp_config is None:
-            return raw
-        hit = self.last_config
-        if (
-            hit is not None and hit[0].source is raw and hit[1].source is ddp_config
-            and hit[0].same() and hit[1].same()
-        ):
-            return hit[2]
-        snapshots = Snapshot(raw, _CONFIG_FIELDS), Snapshot(ddp_config, _CONFIG_FIELDS)
-        resolved = resolve_config(raw, ddp_config)
-        self.last_config = (*snapshots, resolved)
-        return resolved
-
-    def helper_config(self, config: FinalizeConfig, overrides: tuple[tuple[str, Any], ...]) -> FinalizeConfig:
-        """A seed helper's config: ``config`` with the helper's ``overrides`` and without
-        configured embedding stage sets (no embedding step of finalize runs in a helper),
-        memoized (a FinalizeConfig is immutable)."""
-        key = (config, overrides)
-        hit = self.helper_configs.get(key)
-        if hit is not None:
-            return hit
-        derived = config.replace(**dict(overrides)) if overrides else config
-        if derived.embedding_stages is not None or derived.position_embedding_stages is not None:
-            derived = derived.replace(embedding_stages=None, position_embedding_stages=None)
-        return _put(self.helper_configs, key, derived)
-
-    def last_resolved_config(self, raw: Any, ddp_config: Any) -> FinalizeConfig | None:
-        """The config last resolved from these two objects (not checked again), or None."""
-        hit = self.last_config
-        return hit[2] if hit is not None and hit[0].source is raw and hit[1].source is ddp_config else None
-
-    def last_resolved_groups(self, source: Any) -> TorchGroups | None:
-        """The groups last resolved from ``source`` (not checked again), or None."""
-        hit = self.groups
-        return hit[2] if hit is not None and hit[0].source is source else None
-
-    def requested(self, raw: Any) -> Requested:
-        """``Requested.from_config(raw)``, memoized like :meth:`config`."""
-        if raw is None or isinstance(raw, FinalizeConfig):
-            return Requested()
-        hit = self.last_requested
-        if hit is not None and hit[0].source is raw and hit[0].same():
-            return hit[1]
-        snapshot = Snapshot(raw, CONFIG_SIZES)
-        requested = Requested.from_config(raw)
-        self.last_requested = (snapshot, requested)
-        return requested
 
     def program(self, bound: BoundPlan, found: Discovered, groups: TorchGroups, config: FinalizeConfig) -> Program | None:
         """The plan bound to this step's gradient tensors (cached until the watch fires),
         or None when gradients are DTensors (they are unsharded per step)."""
-        hit = self.programs.get(id(bound))
-        if hit is not None and hit[0] is bound and hit[2] is found:
-            return hit[1]
+        hit = self.plan_memo.program(bound, found)
+        if hit is not None:
+            return hit
         cached = next((hit for hit in self.found.values() if hit[1] is found), None)
         if cached is not None:
             cached[2].cover(plan_keys(bound.plan, bound.plain_scale_keys), bound.helper)  # what the plan reads is watched
@@ -329,78 +185,7 @@ class ModelState:
                 return None
         elif any(is_dtensor(get_grad(t)) for t in found.tensors.values()):  # a helper's own discovery
             return None
-        grads = GradAccess(found.tensors, config.use_megatron_fsdp)
-        program = Program(bound.plan.actions, grads, found.router_modules, groups, self.stats, bound.plain_scale_keys)
-        _put(self.programs, id(bound), (bound, program, found))
-        return program
-
-    def mesh_groups(self, mesh: Any) -> MeshGroups:
-        """The MeshGroups of a DeviceMesh, made once per mesh and kept here (nothing is
-        written on the mesh)."""
-        hit = self.meshes.get(id(mesh))
-        if hit is None or hit.mesh is not mesh:
-            hit = _put(self.meshes, id(mesh), MeshGroups(mesh))
-        return hit
-
-    def parallel_state_groups(self) -> TorchGroups | None:
-        """Megatron's ``parallel_state`` groups, one TorchGroups while its groups stay the
-        same objects (so one cached plan serves every step; nothing is written on the
-        module)."""
-        found = parallel_state_keyed(memo=self.parallel_state)
-        if found is not None:
-            self.parallel_state = found
-        return found[1] if found is not None else None
-
-    def resolve_groups(self, source: Any, config: FinalizeConfig, requested: Requested) -> TorchGroups:
-        """Resolved groups, cached per group source (a DeviceMesh's groups by its
-        MeshGroups, kept here)."""
-        kind = source_kind(source)
-        if kind == "device_mesh":
-            source = self.mesh_groups(source)
-        if kind in MESH_KINDS or kind == "torch_groups":
-            return resolve_groups(source, config, requested)
-        key = (world_size(), config.moe_router_enable_expert_bias, config.flextron)
-        hit = self.groups
-        if hit is not None and hit[0].source is source and hit[1] == key and hit[0].same():
-            return hit[2]
-        snapshot = Snapshot(source, _GROUP_NAMES, by_vars=kind == "megatron_collection")
-        resolved = resolve_groups(source, config, requested)
-        self.groups = (snapshot, key, resolved)
-        return resolved
-
-    def explicit(self, values: Mapping[Group, Any]) -> TorchGroups:
-        """TorchGroups from a seed helper's groups, memoized on the group objects'
-        identity (the memo holds the groups, so their ids stay theirs)."""
-        key = tuple(sorted((g.value, id(v)) for g, v in values.items()))
-        hit = self.explicit_groups.get(key)
-        if hit is not None and all(hit[0][g] is v for g, v in values.items()):
-            return hit[1]
-        resolved = TorchGroups.from_mapping(dict(values), source="the helper's groups")
-        return _put(self.explicit_groups, key, (dict(values), resolved))[1]
-
-    def plan(self, key: tuple[Any, ...], make: Callable[[], BoundPlan]) -> BoundPlan:
-        """The cached plan for ``key``, or ``make()``'s (evicting the oldest plan, with its
-        program and record, when :data:`MAX_PLANS` are kept)."""
-        bound = self.plans.get(key)
-        if bound is None:
-            bound = make()
-            self.stats.plans_built += 1
-            if len(self.plans) >= MAX_PLANS:
-                old = self.plans.pop(next(iter(self.plans)))
-                self.programs.pop(id(old), None)
-                self.records.pop(id(old), None)
-            self.plans[key] = bound
-        return bound
-
-    def record(self, bound: BoundPlan) -> PlanRecord | None:
-        """What the once-per-plan checks found for ``bound`` (None before they passed)."""
-        hit = self.records.get(id(bound))
-        return hit[1] if hit is not None and hit[0] is bound else None
-
-    def keep_record(self, bound: BoundPlan, record: PlanRecord | None) -> None:
-        """Keep what the checks found for ``bound`` (bounded like the plans)."""
-        if record is not None:
-            _put(self.records, id(bound), (bound, record))
+        return self.plan_memo.bind(bound, found, groups, config)
 
     def embedding(self, chunks: Sequence[Any], index: int, weight: Any, role: Role) -> Discovered:
         """An embedding helper's own discovery of its one weight (of chunk ``index``),
@@ -412,7 +197,7 @@ class ModelState:
         if hit is not None and hit[0] is weight and hit[1] is grad and hit[2] == trained:
             return hit[3]
         found = one_weight(chunks, index, weight, role)
-        return _put(self.embeddings, key, (weight, grad, trained, found))[3]
+        return put(self.embeddings, key, (weight, grad, trained, found))[3]
 
 
-__all__ = ["MAX_PLANS", "BoundPlan", "ModelState", "Reads", "Snapshot"]
+__all__ = ["ModelState", "Reads"]

@@ -4,7 +4,7 @@ Every rank of a call MAX-all-reduces one vector of :data:`STATUS_SIZE` int64 ove
 same route (the world, or the call's spanning groups in turn): whether any rank failed
 while reading or checking its inputs, needs a comparison of signatures, found NaN / Inf,
 and the digest of its DeviceMesh group layout with the kind of round it is in. The
-layout agreement of a DeviceMesh (:class:`~torch_impl.groups.MeshGroups`) is this same
+layout agreement of a DeviceMesh (:class:`~torch_impl.mesh_groups.MeshGroups`) is this same
 round, so no rank can wait in one kind of round while its peers are in another: a
 layout changed on one rank, or a rank resolving a new layout while its peers check a
 cached one, shows as differing digests or kinds in the reduced vector, and every rank

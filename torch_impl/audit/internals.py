@@ -16,7 +16,7 @@ from torch_impl.discover import FLAG_ATTRS
 from torch_impl.finalize import finalize_model_grads
 from torch_impl.grads import is_dtensor
 from torch_impl.groups import group_ranks
-from torch_impl.megatron import CONFIG_SIZES, Requested, chunk_configs
+from torch_impl.megatron_config import CONFIG_SIZES, Requested, chunk_configs
 
 __all__ = ["CONFIG_SIZES", "FLAG_ATTRS", "finalize_model_grads", "group_ranks", "is_dtensor", "model_state",
            "resolve_layout"]
@@ -43,19 +43,19 @@ def resolve_layout(
     """
     raw, ddp_config = chunk_configs(model)
     state = model_state(model)
-    source = state.parallel_state_groups() if pg_collection is None else pg_collection
+    source = state.group_memo.parallel_state_groups() if pg_collection is None else pg_collection
     if validated_by is not None and validated_by[0] is state and state.stats.calls == validated_by[1] + 1:
         # What finalize resolved in this very call (it does not change the config or groups).
         if isinstance(raw, FinalizeConfig) and ddp_config is None:
             config = raw
         else:
-            config = state.last_resolved_config(raw, ddp_config) or state.config(raw, ddp_config)
-        groups = state.last_resolved_groups(source) or state.resolve_groups(source, config, Requested.from_config(raw))
+            config = state.config_memo.last_resolved_config(raw, ddp_config) or state.config_memo.config(raw, ddp_config)
+        groups = state.group_memo.last_resolved_groups(source) or state.group_memo.resolve_groups(source, config, Requested.from_config(raw))
         cached = state.found.get((config.has_mtp, True))
         if cached is not None:
             return config, groups, raw, cached[1]
-    config = state.config(raw, ddp_config)
-    groups = state.resolve_groups(source, config, Requested.from_config(raw))
+    config = state.config_memo.config(raw, ddp_config)
+    groups = state.group_memo.resolve_groups(source, config, Requested.from_config(raw))
     _, found, _ = state.discovered(model, config)  # every parameter; cached while the model stays the same
     return config, groups, raw, found
 
