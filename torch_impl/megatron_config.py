@@ -10,7 +10,7 @@ import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from meshgrad.config import FinalizeConfig
+from meshgrad.config import MEGATRON_SIZE_FIELDS, FinalizeConfig
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.discover import attr_or, find_attr, has_attr
 from torch_impl.groups import world_rank
@@ -61,16 +61,8 @@ def config_size(config: Any, name: str, default: int | None) -> int | None:
     return int(value)
 
 
-#: The parallel sizes a Megatron config states (what :class:`Requested` reads).
-CONFIG_SIZES = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-    "gtp_weight_remat_size",
-    "expert_gtp_weight_remat_size",
-)
+#: The parallel sizes a Megatron config states (what :class:`Requested` reads): the core's list.
+CONFIG_SIZES = MEGATRON_SIZE_FIELDS
 
 
 @dataclasses.dataclass(frozen=True)
