@@ -388,17 +388,6 @@ class TokenScale(_LocalAction):
 Action = Reduction | StageReduction | ExpertBiasUpdate | QbBetaUpdate | ResetTemporaries | TokenScale
 
 __all__ = [
-    "Action",
-    "ExpertBiasUpdate",
-    "Operand",
-    "QbBetaUpdate",
-    "ReduceOp",
-    "Reduction",
-    "ResetTemporaries",
-    "Shapes",
-    "Signature",
-    "SizeOf",
-    "StageReduction",
-    "Step",
-    "TokenScale",
+    "Action", "ExpertBiasUpdate", "Operand", "QbBetaUpdate", "ReduceOp", "Reduction", "ResetTemporaries",
+    "Shapes", "Signature", "SizeOf", "StageReduction", "Step", "TokenScale",
 ]
