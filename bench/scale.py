@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from bench.counting import megatron_finalize_module
 from bench.ddp import MiniDDP
+from bench.goals import goal
 from bench.fake import _GROUPS, _per_call, copy_floor, fake_groups, init_fake
 from bench.models import Layout, build_moe_stack, count_non_tp, non_tp_params
 from bench.timing import interleaved, paired_ratio
@@ -318,10 +319,7 @@ def scale_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     mc = big["step"].get("megatron")
     floor_vs_mc = big["step"]["floor"]["median"] / mc["median"] if mc else None
     return [
-        dict(goal=f"{name}: step / megatron-core <= {STEP_VS_MEGATRON:g}", value=vs_mc, limit=STEP_VS_MEGATRON,
-             floor=floor_vs_mc, ok=None if vs_mc is None else vs_mc <= STEP_VS_MEGATRON),
-        dict(goal=f"{name}: step / step at {result['reference_row']} <= {GROWTH:g}", value=growth, limit=GROWTH,
-             floor=floor_growth, ok=None if growth is None else growth <= GROWTH),
-        dict(goal=f"{name}: first call <= {1e3 * FIRST_CALL_S:g} ms", value=1e3 * first, limit=1e3 * FIRST_CALL_S,
-             floor=None, ok=first <= FIRST_CALL_S),
+        goal(f"{name}: step / megatron-core <= {STEP_VS_MEGATRON:g}", vs_mc, STEP_VS_MEGATRON, floor=floor_vs_mc),
+        goal(f"{name}: step / step at {result['reference_row']} <= {GROWTH:g}", growth, GROWTH, floor=floor_growth),
+        goal(f"{name}: first call <= {1e3 * FIRST_CALL_S:g} ms", 1e3 * first, 1e3 * FIRST_CALL_S),
     ]

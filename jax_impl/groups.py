@@ -1,4 +1,4 @@
-"""Named groups as jax collectives over mesh axes (the counterpart of torch_impl.groups).
+"""Named groups as jax collectives over mesh axes (the counterpart of torch_impl.run.groups).
 
 :class:`Collectives` sums per-rank values over a meshgrad :class:`~meshgrad.axes.Group`
 inside a ``jax.shard_map`` over one mesh view; :func:`view_for` picks the view that binds

@@ -12,7 +12,7 @@ from typing import Any
 
 from meshgrad.errors import FinalizeInputError
 
-#: Values of FinalizeConfig.consistency_check (see torch_impl.consensus).
+#: Values of FinalizeConfig.consistency_check (see torch_impl.call.agree).
 CONSISTENCY_CHECKS = ("off", "once", "every_step")
 
 #: Load-balancing types Megatron knows; anything else is rejected as a typo.
@@ -89,60 +89,7 @@ class FinalizeConfig:
     strict_groups: bool = False
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.type == "bool" and not isinstance(value, bool):
-                raise TypeError(f"FinalizeConfig.{field.name} must be a bool, got {value!r}")
-        if self.mtp_num_layers is not None and (
-            isinstance(self.mtp_num_layers, bool)
-            or not isinstance(self.mtp_num_layers, int)
-            or self.mtp_num_layers < 0
-        ):
-            raise ValueError(
-                f"FinalizeConfig.mtp_num_layers must be None or an int >= 0, "
-                f"got {self.mtp_num_layers!r}"
-            )
-        for name in ("embedding_stages", "position_embedding_stages"):
-            value = getattr(self, name)
-            if value is not None:
-                if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not all(
-                    isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in value
-                ):
-                    raise ValueError(f"FinalizeConfig.{name} must be None or a sequence of ints >= 0, got {value!r}")
-                object.__setattr__(self, name, tuple(int(v) for v in value))
-        for name in ("moe_router_bias_update_rate", "moe_router_quantile_balancing_ema"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(f"FinalizeConfig.{name} must be a real number, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"FinalizeConfig.{name} must be finite, got {value!r}")
-        if self.consistency_check not in CONSISTENCY_CHECKS:
-            raise ValueError(
-                f"FinalizeConfig.consistency_check must be one of {list(CONSISTENCY_CHECKS)}, "
-                f"got {self.consistency_check!r}"
-            )
-        lbt = self.moe_router_load_balancing_type
-        if isinstance(lbt, (list, tuple)) and all(isinstance(t, str) for t in lbt):
-            lbt = tuple(lbt)
-            object.__setattr__(self, "moe_router_load_balancing_type", lbt)
-        elif not isinstance(lbt, str):
-            raise TypeError(
-                "FinalizeConfig.moe_router_load_balancing_type must be a string or a list of strings, "
-                f"got {lbt!r}"
-            )
-        if not 0.0 <= float(self.moe_router_quantile_balancing_ema) <= 1.0:
-            warnings.warn(
-                "FinalizeConfig.moe_router_quantile_balancing_ema should lie in [0, 1], "
-                f"got {self.moe_router_quantile_balancing_ema!r} (used as given, as Megatron-Core does)",
-                stacklevel=3,
-            )
-        unknown = sorted({lbt} - LOAD_BALANCING_TYPES if isinstance(lbt, str) else set(lbt) - LOAD_BALANCING_TYPES)
-        if unknown:
-            warnings.warn(
-                f"FinalizeConfig.moe_router_load_balancing_type: {unknown} not among the types Megatron-Core "
-                f"knows ({sorted(LOAD_BALANCING_TYPES)}); finalize treats it as a type without a step",
-                stacklevel=3,
-            )
+        _validate(self)
 
     @property
     def has_mtp(self) -> bool:
@@ -186,24 +133,7 @@ class FinalizeConfig:
           FinalizeInputError: a mapping holds a key meshgrad does not read (a typo); the
             message names it and the closest known key.
         """
-        values: dict[str, Any] = {}
-        names = [f.name for f in dataclasses.fields(cls)]
-        for label, source in (("config", config), ("ddp_config", ddp_config)):
-            if source is None:
-                continue
-            if isinstance(source, (str, bytes, numbers.Number, list, tuple, set)):
-                raise TypeError(
-                    f"FinalizeConfig.from_megatron: {label} must be a config object or a mapping, "
-                    f"got {type(source).__name__}"
-                )
-            if isinstance(source, Mapping):
-                reject_unknown_keys(source, (*names, *MEGATRON_SIZE_FIELDS), label)
-            for name in names:
-                value = config_get(source, name, _MISSING)
-                if value is not _MISSING:
-                    values[name] = value
-        if ddp_config is not None and config_get(ddp_config, "average_in_collective", _MISSING) is not _MISSING:
-            values["average_in_collective"] = config_get(ddp_config, "average_in_collective")
+        values = _megatron_values([f.name for f in dataclasses.fields(cls)], config, ddp_config)
         values.update(overrides)
         return cls(**_normalize(values))
 
@@ -216,6 +146,75 @@ class FinalizeConfig:
         """
         reject_unknown_keys(values, [f.name for f in dataclasses.fields(cls)], "config")
         return cls(**dict(values))
+
+
+def _validate(config: FinalizeConfig) -> None:
+    """Check and normalize a new FinalizeConfig's fields in place (its ``__post_init__``).
+
+    Args:
+      config: the config being constructed (stage tuples and a load-balancing list are
+        stored back as tuples).
+
+    Raises:
+      TypeError: a flag that is not a bool, a rate that is not a real number, or a
+        load-balancing type that is not a string or a list of strings.
+      ValueError: a bad ``mtp_num_layers``, stage list or ``consistency_check``, or a
+        rate that is not finite.
+    """
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.type == "bool" and not isinstance(value, bool):
+            raise TypeError(f"FinalizeConfig.{field.name} must be a bool, got {value!r}")
+    if config.mtp_num_layers is not None and (
+        isinstance(config.mtp_num_layers, bool)
+        or not isinstance(config.mtp_num_layers, int)
+        or config.mtp_num_layers < 0
+    ):
+        raise ValueError(
+            f"FinalizeConfig.mtp_num_layers must be None or an int >= 0, "
+            f"got {config.mtp_num_layers!r}"
+        )
+    for name in ("embedding_stages", "position_embedding_stages"):
+        value = getattr(config, name)
+        if value is not None:
+            if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not all(
+                isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in value
+            ):
+                raise ValueError(f"FinalizeConfig.{name} must be None or a sequence of ints >= 0, got {value!r}")
+            object.__setattr__(config, name, tuple(int(v) for v in value))
+    for name in ("moe_router_bias_update_rate", "moe_router_quantile_balancing_ema"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"FinalizeConfig.{name} must be a real number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"FinalizeConfig.{name} must be finite, got {value!r}")
+    if config.consistency_check not in CONSISTENCY_CHECKS:
+        raise ValueError(
+            f"FinalizeConfig.consistency_check must be one of {list(CONSISTENCY_CHECKS)}, "
+            f"got {config.consistency_check!r}"
+        )
+    lbt = config.moe_router_load_balancing_type
+    if isinstance(lbt, (list, tuple)) and all(isinstance(t, str) for t in lbt):
+        lbt = tuple(lbt)
+        object.__setattr__(config, "moe_router_load_balancing_type", lbt)
+    elif not isinstance(lbt, str):
+        raise TypeError(
+            "FinalizeConfig.moe_router_load_balancing_type must be a string or a list of strings, "
+            f"got {lbt!r}"
+        )
+    if not 0.0 <= float(config.moe_router_quantile_balancing_ema) <= 1.0:
+        warnings.warn(
+            "FinalizeConfig.moe_router_quantile_balancing_ema should lie in [0, 1], "
+            f"got {config.moe_router_quantile_balancing_ema!r} (used as given, as Megatron-Core does)",
+            stacklevel=4,
+        )
+    unknown = sorted({lbt} - LOAD_BALANCING_TYPES if isinstance(lbt, str) else set(lbt) - LOAD_BALANCING_TYPES)
+    if unknown:
+        warnings.warn(
+            f"FinalizeConfig.moe_router_load_balancing_type: {unknown} not among the types Megatron-Core "
+            f"knows ({sorted(LOAD_BALANCING_TYPES)}); finalize treats it as a type without a step",
+            stacklevel=4,
+        )
 
 
 def reject_unknown_keys(values: Mapping[Any, Any], known: Iterable[str], label: str) -> None:
@@ -255,6 +254,42 @@ def config_get(source: Any, name: str, default: Any = None) -> Any:
     else:
         value = getattr(source, name, default)
     return _python_scalar(value)
+
+
+def _megatron_values(names: list[str], config: Any, ddp_config: Any) -> dict[str, Any]:
+    """The fields ``names`` found in a Megatron config and DDP config (for
+    :meth:`FinalizeConfig.from_megatron`; the DDP config's ``average_in_collective`` wins).
+
+    Args:
+      names: FinalizeConfig's field names.
+      config: a TransformerConfig-like object or a mapping, or None.
+      ddp_config: the same for DistributedDataParallelConfig, or None.
+
+    Returns:
+      The values present, by field name (numpy scalars as Python ones).
+
+    Raises:
+      TypeError: a source is neither an object nor a mapping.
+      FinalizeInputError: a mapping holds a key meshgrad does not read.
+    """
+    values: dict[str, Any] = {}
+    for label, source in (("config", config), ("ddp_config", ddp_config)):
+        if source is None:
+            continue
+        if isinstance(source, (str, bytes, numbers.Number, list, tuple, set)):
+            raise TypeError(
+                f"FinalizeConfig.from_megatron: {label} must be a config object or a mapping, "
+                f"got {type(source).__name__}"
+            )
+        if isinstance(source, Mapping):
+            reject_unknown_keys(source, (*names, *MEGATRON_SIZE_FIELDS), label)
+        for name in names:
+            value = config_get(source, name, _MISSING)
+            if value is not _MISSING:
+                values[name] = value
+    if ddp_config is not None and config_get(ddp_config, "average_in_collective", _MISSING) is not _MISSING:
+        values["average_in_collective"] = config_get(ddp_config, "average_in_collective")
+    return values
 
 
 def _python_scalar(value: Any) -> Any:

@@ -32,7 +32,7 @@ from meshgrad.axes import Group, ParallelDims, stage_set
 from meshgrad.config import FinalizeConfig
 from meshgrad.fusion import FLATTENED_STEPS, merge_reductions, promote_dtypes
 from meshgrad.layout import STAGE_LOCAL_GROUPS, Layout, buffer_layout, scatter_shard
-from meshgrad.params import ParamSpec, Role, RouterSpec
+from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
 from meshgrad.steps import QK_LAYERNORM_NAMES, embedding_chunk
 
 #: Groups whose members are a subset of pp stages.
@@ -98,6 +98,8 @@ class FinalizePlan:
         buffer should hold them (:func:`~meshgrad.layout.buffer_layout`): the keys of
         every reduction that can be made contiguous lie back to back in that reduction's
         key order, so a backend that allocates gradients this way reduces them in place.
+      delegated: chunks whose own DDP runs the DP sync and the token scaling (Megatron DDP
+        chunks): the plan's DP sync leaves them out, and :attr:`own_scale_keys` too.
     """
 
     actions: tuple[Action, ...]
@@ -107,6 +109,12 @@ class FinalizePlan:
     routers: tuple[RouterSpec, ...]
     token_scale: TokenScale
     layout: Layout = ()
+    delegated: frozenset[int] = frozenset()
+
+    @property
+    def own_scale_keys(self) -> tuple[ParamKey, ...]:
+        """The gradients the backend scales by num_tokens itself (not a delegated chunk's)."""
+        return tuple(k for k in self.token_scale.keys if k[0] not in self.delegated)
 
     def for_step(self, *steps: Step) -> tuple[Action, ...]:
         """The actions of the given steps, in order.
@@ -218,6 +226,7 @@ def plan_finalize(
     dp_sync: bool = True,
     merge: bool = True,
     stage: int | None = None,
+    delegated: frozenset[int] = frozenset(),
 ) -> FinalizePlan:
     """Plan one finalize call (docs/semantics.md, every step, in order).
 
@@ -232,6 +241,9 @@ def plan_finalize(
       stage: this rank's pp stage, when the params are one rank's (torch): stage-specific
         checks (a position embedding without gradient) apply to it alone. None (SPMD
         backends, uniform layouts): they apply to every member stage.
+      delegated: chunks whose own DDP (a Megatron DDP wrapper) runs the DP sync and the
+        token scaling. The DP sync of the other chunks is planned over their parameters
+        alone and runs first.
 
     Returns:
       A FinalizePlan; its ``token_scale`` is used only when num_tokens is given.
@@ -241,6 +253,12 @@ def plan_finalize(
     """
     if isinstance(sizes, ParallelDims):
         sizes = GroupSizes.from_dims(sizes, config)
+    if delegated:
+        rest = plan_finalize(params, config, sizes, routers, dp_sync=False, merge=merge, stage=stage)
+        own = [p for p in params if p.chunk not in delegated]
+        sync = plan_finalize(own, config, sizes, force_all_reduce=force_all_reduce, merge=merge) if own and dp_sync else None
+        first = sync.for_step(Step.DP_SYNC) if sync is not None else ()
+        return dataclasses.replace(rest, actions=first + rest.actions, delegated=frozenset(delegated))
     params = tuple(params)
     routers = tuple(routers)
     planners.check_unique(params, routers)

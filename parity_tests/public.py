@@ -153,9 +153,9 @@ def _torch_rank(rank: int, plan: FinalizePlan, dims: ParallelDims, grads: Grads,
 
     # The one place this module reaches below torch_impl's public names (no public
     # "run a plan" entry yet): rewire here when torch_impl gets one.
-    from torch_impl.execute import execute_local
-    from torch_impl.grads import GradAccess
-    from torch_impl.mesh_groups import MeshGroups
+    from torch_impl.run.execute import execute_local
+    from torch_impl.run.grads import GradAccess
+    from torch_impl.sources.mesh_groups import MeshGroups
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
                             world_size=dims.world_size)

@@ -132,7 +132,7 @@ def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
     for goal in ("drop-in non_tp / copy floor (", "DDP chunks: step / megatron-core <= 0.1",
                  "DDP chunks: step / step at 32x8 <= 1.5", "DDP chunks: first call <= 100 ms"):
         assert re.search(rf"\[\s*(met|MISSED|n/a|floor)\] .*{re.escape(goal)}", text), (goal, text)
-    from bench.run import split_goals
+    from bench.goals import split_goals
 
     report = json.loads(out.read_text())
     kept, bound = split_goals(report["goals"])
@@ -152,7 +152,7 @@ def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
 
 
 def test_a_goal_its_floor_misses_is_not_printed_as_a_goal():
-    from bench.run import format_goals, goal, markdown_goals, split_goals
+    from bench.goals import format_goals, goal, markdown_goals, split_goals
 
     growth = goal("moe-64x128: step / step at 32x8 <= 1.5", 2.09, 1.5, floor=2.269)  # the floor alone: 2.269
     ratio = goal("moe-64x128: step / megatron-core <= 0.1", 0.043, 0.1, floor=0.02)

@@ -1,4 +1,4 @@
-"""torch_impl.ddp_layout against a real megatron-core DistributedDataParallel (CPU gloo,
+"""torch_impl.sources.ddp_layout against a real megatron-core DistributedDataParallel (CPU gloo,
 2 ranks): the bucket facts it reads and the misaligned cross-stage-summed parameters.
 
 A Megatron DDP gives a parameter flagged ``shared_embedding`` a bucket of its own under a
@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
 
-    from torch_impl.ddp_layout import ddp_layouts, misaligned_in_ddp
+    from torch_impl.sources.ddp_layout import ddp_layouts, misaligned_in_ddp
 
     whole = torch.distributed.new_group(list(range(world)))
     single = [torch.distributed.new_group([r]) for r in range(world)][rank]

@@ -17,11 +17,16 @@ def test_goals_from_rows():
              "meshgrad_compile_s": 1.0, "hand_compile_s": 1.0},
             {"leaves": 100, "step_ratio": 1.2, "compile_ratio": 1.0, "meshgrad_step_ms": 10.0, "hand_step_ms": 10.0,
              "meshgrad_compile_s": 40.0, "hand_compile_s": 30.0}]
-    goals = {g["goal"]: g["ok"] for g in jax_rows.goals(rows)}
+    from bench.goals import split_goals
+
+    kept, bound = split_goals(jax_rows.goals(rows))
+    goals = {g["goal"]: g["ok"] for g in kept}
     assert goals["jax 10 leaves: step <= 1.1x hand-written psum"] is True
     assert goals["jax 10 leaves: compile <= 1.5x hand-written psum"] is False
     assert goals["jax 100 leaves: step <= 1.1x hand-written psum"] is False
-    step_growth = next(k for k in goals if k.startswith("jax step grows"))
-    compile_growth = next(k for k in goals if k.startswith("jax compile grows"))
-    assert goals[step_growth] is True and "hand-written one's" in compile_growth  # its floor grows 3x per leaf
-    assert goals[compile_growth] is False  # 4x / 3x > 1.1
+    assert goals["jax step grows no faster than the leaves (10 -> 100 leaves; per-leaf growth)"] is True
+    # XLA's own compile grows 3x per leaf here: growing no faster than the leaves is no goal
+    # (printed apart with its floor); growing no faster than the hand-written one's is.
+    assert [g["goal"] for g in bound] == ["jax compile grows no faster than the leaves (10 -> 100 leaves; per-leaf growth)"]
+    assert bound[0]["floor"] == 3.0 and bound[0]["value"] == 4.0
+    assert goals["jax compile grows no faster than the hand-written one's (10 -> 100 leaves; ours / theirs)"] is False

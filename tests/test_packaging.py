@@ -136,6 +136,8 @@ def test_the_wheel_installs_only_the_designs_packages(wheel: Path) -> None:
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == set(PACKAGES)
     (top_level,) = [n for n in names if n.endswith(".dist-info/top_level.txt")]
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == sorted(PACKAGES)
+    modules = {str(p.relative_to(ROOT)) for name in PACKAGES for p in (ROOT / name).rglob("*.py")}
+    assert {n for n in names if n.endswith(".py")} == modules  # every subpackage too (torch_impl.audit, ...)
     (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
     requires = re.findall(r"^Requires-Dist: (.*)$", zipfile.ZipFile(wheel).read(metadata).decode(), re.M)
     core = [r for r in requires if "extra ==" not in r]

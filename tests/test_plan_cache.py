@@ -16,11 +16,12 @@ from torch import nn  # noqa: E402
 
 from meshgrad import FinalizeConfig  # noqa: E402
 from torch_impl import finalize_model_grads, reset_model_temporary_tensors  # noqa: E402
-discover_module = importlib.import_module("torch_impl.discover")
-cache_module = importlib.import_module("torch_impl.cache")
-state_module = importlib.import_module("torch_impl.model_state")
-from torch_impl.model_watch import ModelWatch  # noqa: E402
-from torch_impl.watches import GradWatch  # noqa: E402
+discover_module = importlib.import_module("torch_impl.sources.discover")
+read_module = importlib.import_module("torch_impl.call.read")
+plan_module = importlib.import_module("torch_impl.call.plan")
+state_module = importlib.import_module("torch_impl.call.model_state")
+from torch_impl.call.model_watch import ModelWatch  # noqa: E402
+from torch_impl.call.watches import GradWatch  # noqa: E402
 from torch_impl.finalize import ModelState, execution_stats  # noqa: E402
 
 CONFIG = FinalizeConfig(calculate_per_token_loss=True, sequence_parallel=True)
@@ -81,9 +82,9 @@ def test_a_repeated_step_does_no_per_parameter_python(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("O(parameters) work in a repeated step")
 
-    monkeypatch.setattr(cache_module, "discover", boom)
+    monkeypatch.setattr(read_module, "discover", boom)
     monkeypatch.setattr(state_module, "discover", boom)
-    monkeypatch.setattr(cache_module, "plan_finalize", boom)
+    monkeypatch.setattr(plan_module, "plan_finalize", boom)
     monkeypatch.setattr(discover_module, "param_spec", boom)
     monkeypatch.setattr(discover_module.Discovered, "fingerprint", boom)
     monkeypatch.setattr(state_module, "Program", boom)
@@ -347,7 +348,7 @@ def test_snapshot_sees_every_change_of_a_config_or_group_source():
     import dataclasses
     import types
 
-    from torch_impl.memo import Snapshot
+    from torch_impl.call.memo import Snapshot
 
     plain = types.SimpleNamespace(sequence_parallel=True, tp=object())
     snap = Snapshot(plain, ("sequence_parallel", "tp"))
@@ -403,7 +404,7 @@ def test_snapshot_sees_every_change_of_a_config_or_group_source():
 def test_a_config_changed_between_steps_is_read_again():
     import types
 
-    from torch_impl.errors import NonFiniteGradError
+    from torch_impl.run.errors import NonFiniteGradError
 
     model = [Chunk()]
     model[0].config = types.SimpleNamespace(calculate_per_token_loss=True, check_for_nan_in_grad=False)

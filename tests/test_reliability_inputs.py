@@ -38,7 +38,7 @@ from parity_tests.scenarios import (  # noqa: E402
 )
 from parity_tests.torch_world import build_model, load_inputs, run_cases, scenario_config  # noqa: E402
 from torch_impl import finalize_model_grads  # noqa: E402
-from torch_impl.errors import CollectiveError, ConsistencyError, NonFiniteGradError  # noqa: E402
+from torch_impl.run.errors import CollectiveError, ConsistencyError, NonFiniteGradError  # noqa: E402
 
 WORLD = 4
 TIMEOUT = 10.0  # process-group timeout of the groups below: an unexpected hang fails fast
@@ -288,7 +288,7 @@ def case_check_collectives_per_mode(rank: int, world: int) -> dict[str, list[int
     """The checks' collectives (status rounds, the comparison's all-gathers) over two
     steps, per consistency_check mode, and the data collectives of the second step."""
     from bench.counting import CollectiveCounter
-    from torch_impl import status as consensus  # the status round's one reduction
+    from torch_impl.run import status as consensus  # the status round's one reduction
 
     groups = timed_collection(DP_TP)
     rounds: list[int] = []

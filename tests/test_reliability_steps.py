@@ -327,7 +327,7 @@ def case_mesh_groups_inherit_timeout_and_agree(rank: int, world: int) -> dict[st
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torch_impl.mesh_groups import MeshGroups
+    from torch_impl.sources.mesh_groups import MeshGroups
 
     default = MeshGroups.default_timeout()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

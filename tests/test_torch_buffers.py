@@ -151,7 +151,7 @@ def test_staging_copies_in_and_back_exactly(kind, keep):
     """The staging copies of a reduction of separate tensors lay the tensors out in
     order (cast to the buffer's dtype) and write the buffer back exactly, whichever copy
     path the tensors take."""
-    from torch_impl.staging import _Staging
+    from torch_impl.run.staging import _Staging
 
     tensors = [torch.arange(6.0).view(2, 3) + 1, torch.arange(4.0) * -1.5, torch.full((1,), 7.25)]
     if kind == "mixed dtypes":
@@ -286,7 +286,7 @@ def case_mixed_dtypes(rank: int, world: int) -> dict[str, Any]:
 def _per_call_staging(run: Any) -> Any:
     """``run()`` with every staging buffer made per call (none kept between calls, as
     for a model's large gradients), restored afterwards."""
-    import torch_impl.execute as execute
+    import torch_impl.run.execute as execute
 
     saved = execute.PERSISTENT_STAGING_BYTES
     execute.PERSISTENT_STAGING_BYTES = 0

@@ -1,4 +1,4 @@
-"""torch_impl.discover and the seed's accessor helpers, in-process (no process group)."""
+"""torch_impl.sources.discover and the seed's accessor helpers, in-process (no process group)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from torch_impl import (  # noqa: E402
     _unshard_if_dtensor,
     discover,
 )
-from torch_impl.discover import find_attr, get_grad, router_spec, unwrap  # noqa: E402
+from torch_impl.sources.discover import get_grad, router_spec  # noqa: E402
+from torch_impl.sources.discover import find_attr, unwrap  # noqa: E402
 
 
 class Embedding(nn.Module):

@@ -87,7 +87,7 @@ def test_signatures_accept_megatron_calls() -> None:
 def test_no_megatron_import_in_library_code() -> None:
     code = (
         "import sys, torch, torch.nn as nn\n"
-        "import meshgrad, torch_impl, torch_impl.finalize, torch_impl.groups, torch_impl.discover\n"
+        "import meshgrad, torch_impl, torch_impl.finalize, torch_impl.run.groups, torch_impl.sources.discover\n"
         "from meshgrad import FinalizeConfig\n"
         "m = nn.Linear(2, 2); m.config = FinalizeConfig()\n"
         "torch_impl.finalize_model_grads([m])\n"

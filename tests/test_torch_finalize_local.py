@@ -280,7 +280,7 @@ def test_cached_state_survives_deepcopy_and_pickle():
 def test_megatron_process_group_collection_fields():
     pgc_module = pytest.importorskip("megatron.core.process_groups_config")
     scenario, model, data = _setup()
-    from torch_impl.errors import MegatronAssertionError
+    from torch_impl.run.errors import MegatronAssertionError
 
     before = _snapshot(model, scenario, data)
     # tp None without parallel_state: Megatron-Core fails (None.size()); so does meshgrad,
@@ -297,8 +297,8 @@ def test_megatron_process_group_collection_fields():
 
 def test_mixed_ddp_and_plain_chunks_plan_dp_sync_for_plain_only():
     from meshgrad import Group, GroupSizes, Step
-    from torch_impl.cache import build_plan
-    from torch_impl.discover import discover
+    from torch_impl.call.plan import build_plan
+    from torch_impl.sources.discover import discover
 
     scenario, model, data = _setup(num_chunks=2)
     cfg = FinalizeConfig()

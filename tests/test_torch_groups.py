@@ -1,4 +1,4 @@
-"""torch_impl.groups and finalize_model_grads' group validation in a gloo world of 8.
+"""torch_impl.run.groups and finalize_model_grads' group validation in a gloo world of 8.
 
 One world runs every ``case_*`` below on every rank; the tests compare with the groups
 meshgrad.axes computes, and check that every validation error names the rank and the
@@ -137,7 +137,7 @@ def case_reduce_scatter_layouts(rank: int, world: int) -> dict[str, list[float]]
     import torch.distributed as dist
 
     from meshgrad.plan import ReduceOp
-    from torch_impl.collectives import reduce_scatter_into
+    from torch_impl.run.collectives import reduce_scatter_into
 
     out = {}
     for name, ranks, sort in (("sorted", list(range(8)), True), ("unsorted", list(range(7, -1, -1)), False)):
@@ -352,7 +352,7 @@ def test_a_group_size_warning_points_at_the_users_line():
     import warnings
 
     from meshgrad.axes import Group
-    from torch_impl.groups import TorchGroups
+    from torch_impl.run.groups import TorchGroups
 
     groups = TorchGroups.trivial(rank=0)
     with warnings.catch_warnings(record=True) as caught:

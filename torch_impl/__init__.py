@@ -5,7 +5,7 @@ module (same function names and signatures), so Megatron users can swap it in.
 """
 
 from torch_impl.buffers import GradBuffers, attach_grad_buffers
-from torch_impl.discover import Discovered, discover
+from torch_impl.sources.discover import Discovered, discover
 from torch_impl.finalize import (
     _allreduce_conditional_embedding_grads,
     _allreduce_embedding_grad,
@@ -27,8 +27,8 @@ from torch_impl.finalize import (
     finalize_model_grads,
     reset_model_temporary_tensors,
 )
-from torch_impl.groups import TorchGroups
-from torch_impl.mesh_groups import MeshGroups, mesh_groups
+from torch_impl.run.groups import TorchGroups
+from torch_impl.sources.mesh_groups import MeshGroups, mesh_groups
 
 __all__ = [
     "Discovered",

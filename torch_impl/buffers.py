@@ -16,7 +16,7 @@ Every reduction the layout could make contiguous (all the usual ones: DP sync, n
 grads nested inside it, the pp syncs) then runs in place on a slice of a buffer, and the
 num_tokens scale is one multiply per buffer. ``ModelState.stats.bytes_copied`` (see
 :func:`torch_impl.finalize.execution_stats`) stays 0. The model is planned by
-:func:`torch_impl.cache.prepare`, the set-up path of ``finalize_model_grads``.
+:func:`torch_impl.call.pipeline.prepare_layout`: the read and plan stages of ``finalize_model_grads``.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ from torch import nn
 
 from meshgrad.params import ParamKey
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
-from torch_impl.cache import Request, as_chunks, prepare
-from torch_impl.discover import dtype_name
-from torch_impl.collectives import TORCH_DTYPES
-from torch_impl.groups import world_rank
-from torch_impl.megatron_config import ddp_object
+from torch_impl.call.pipeline import prepare_layout
+from torch_impl.call.read import as_chunks
+from torch_impl.sources.discover import dtype_name
+from torch_impl.run.collectives import TORCH_DTYPES
+from torch_impl.run.groups import world_rank
+from torch_impl.sources.config import ddp_object
 
 
 @dataclasses.dataclass(eq=False)
@@ -220,7 +221,7 @@ def attach_grad_buffers(
                 f"rank {world_rank()}: attach_grad_buffers: model[{i}] is wrapped in {type(ddp_object(chunk)).__name__}, "
                 "which owns its gradient buffers (finish_grad_sync); attach to unwrapped chunks only"
             )
-    prepared = prepare(chunks, pg_collection, Request(force_all_reduce=force_all_reduce, layout=True))
+    prepared = prepare_layout(chunks, pg_collection, force_all_reduce)
     params = {k: p for k, p in prepared.found.tensors.items() if p.requires_grad}
     layout = tuple((d, tuple(k for k in keys if k in params)) for d, keys in prepared.bound.plan.layout)
     buffers = allocate(layout, params, attr=attr, device=device, lazy=lazy)

@@ -1,18 +1,18 @@
 """Megatron-Core's ``finalize_model_grads`` API, executed from a meshgrad plan.
 
 Every function of Megatron-Core's `finalize_model_grads` module is here with its name and signature; each is a thin
-entry point over the one set-up path, :func:`torch_impl.cache.prepare` (config, groups,
+entry point over the one set-up path, :func:`torch_impl.call.pipeline.prepare` (config, groups,
 model state, discovery, plan, checks before communication, all cached on the model) and
-:func:`torch_impl.cache.run`. A seed helper plans only its steps over its own groups and
+:func:`torch_impl.call.pipeline.run`. A seed helper plans only its steps over its own groups and
 gets the same protection as :func:`finalize_model_grads`: its checks and the cross-rank
 consistency check run once per plan, the status round (over the helper's groups) every
 call, and a bad input raises on every rank before anything changes.
 
 Groups: helpers take Megatron's explicit groups; a ``None`` group means what it means in
-Megatron's helper (:func:`torch_impl.helper_groups.helper_group`). :func:`finalize_model_grads`
+Megatron's helper (:func:`torch_impl.sources.helper_groups.helper_group`). :func:`finalize_model_grads`
 takes a ``ProcessGroupCollection`` (or any object with its attribute names, or a
 mapping), a torch ``DeviceMesh`` with meshgrad dim names, a
-:class:`~torch_impl.mesh_groups.MeshGroups`, a :class:`~torch_impl.groups.TorchGroups`, or
+:class:`~torch_impl.sources.mesh_groups.MeshGroups`, a :class:`~torch_impl.run.groups.TorchGroups`, or
 ``None`` (``parallel_state``, or no communication in a world of one rank).
 """
 
@@ -27,18 +27,19 @@ from torch import nn
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from meshgrad.plan import Step
-from torch_impl.cache import Prepared, Request, as_chunks, prepare, run
-from torch_impl.run_helper import embedding_grad, run_helper
-from torch_impl.model_state import ModelState
-from torch_impl.discover import position_embedding, shared_word_embedding
-from torch_impl.errors import MegatronAssertionError, collective_guard, ranked
-from torch_impl.exec_stats import ExecStats
-from torch_impl.scaling import global_token_scale, scale_grads
-from torch_impl.grads import GradAccess, grad_attr, is_dtensor, reshard, unshard
-from torch_impl.groups import group_ranks, world_rank
-from torch_impl.helper_groups import helper_group
-from torch_impl.megatron_config import chunk_configs, resolve_config
-from torch_impl.megatron import gtp_fence as megatron_gtp_fence
+from torch_impl.call.pipeline import Prepared, prepare, run
+from torch_impl.call.read import Request, as_chunks
+from torch_impl.helpers import embedding_grad, run_helper
+from torch_impl.call.model_state import ModelState
+from torch_impl.sources.discover import position_embedding, shared_word_embedding
+from torch_impl.run.errors import MegatronAssertionError, collective_guard, ranked
+from torch_impl.run.stats import ExecStats
+from torch_impl.run.scaling import global_token_scale, scale_grads
+from torch_impl.run.grads import GradAccess, grad_attr, is_dtensor, reshard, unshard
+from torch_impl.run.groups import group_ranks, world_rank
+from torch_impl.sources.helper_groups import helper_group
+from torch_impl.sources.config import chunk_configs, resolve_config
+from torch_impl.sources.megatron import gtp_fence as megatron_gtp_fence
 
 ProcessGroup = Any
 
@@ -91,12 +92,12 @@ def finalize_model_grads(
 
     Raises:
       TypeError / ValueError: before any communication or mutation, naming the rank and
-        the group or parameter at fault (:mod:`torch_impl.checks`).
-      torch_impl.errors.ConsistencyError: ranks of a group would launch different
+        the group or parameter at fault (:mod:`torch_impl.call.checks`).
+      torch_impl.run.errors.ConsistencyError: ranks of a group would launch different
         collectives (``config.consistency_check``); nothing was reduced.
-      torch_impl.errors.NonFiniteGradError: NaN / Inf on some rank
+      torch_impl.run.errors.NonFiniteGradError: NaN / Inf on some rank
         (``config.check_for_nan_in_grad``); nothing was reduced.
-      torch_impl.errors.CollectiveError: a collective failed (a peer died or stalled
+      torch_impl.run.errors.CollectiveError: a collective failed (a peer died or stalled
         past the process-group timeout), naming the action.
     """
     force = bool(force_all_reduce)

@@ -39,7 +39,9 @@ before the wrapped function runs, so a Megatron DDP whose ``finish_grad_sync`` d
 DP sync is audited too (its reduction must not have started yet: no
 ``overlap_grad_reduce`` on the audited step).
 
-Modules (one job each): :mod:`.recorder` (the :class:`Recorder`), :mod:`.api`
+Modules (one job each): :mod:`.recorder` (the :class:`Recorder`), :mod:`.options` (its
+argument checks), :mod:`.planner` (how samples are chosen), :mod:`.step` (what is read and
+written per step), :mod:`.writer` (writing the files, in a thread), :mod:`.api`
 (:func:`record`, :func:`audited`), :mod:`.sampling` (sampled positions, reading them),
 :mod:`.plan` (what a rank's step files share), :mod:`.layout` (groups and config as
 recorded), :mod:`.fileformat` (names, ``.npz`` writing) and :mod:`.internals` (the only

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshgrad.config import FinalizeConfig
-from torch_impl.model_state import ModelState
-from torch_impl.discover import FLAG_ATTRS
+from torch_impl.call.model_state import ModelState
+from torch_impl.sources.discover import FLAG_ATTRS
 from torch_impl.finalize import finalize_model_grads
-from torch_impl.grads import is_dtensor
-from torch_impl.groups import group_ranks
-from torch_impl.megatron_config import CONFIG_SIZES, Requested, chunk_configs
+from torch_impl.run.grads import is_dtensor
+from torch_impl.run.groups import group_ranks
+from torch_impl.sources.config import CONFIG_SIZES, Requested, chunk_configs
 
 __all__ = ["CONFIG_SIZES", "FLAG_ATTRS", "finalize_model_grads", "group_ranks", "is_dtensor", "model_state",
            "resolve_layout"]

@@ -1,0 +1,181 @@
+"""Cross-rank rounds before any gradient moves: every rank raises together, or none.
+
+``config.consistency_check`` (``"off"`` | ``"once"`` per plan, the default |
+``"every_step"``). Each call starts with one **status round** (:func:`agree`: a few
+integers MAX-reduced by one all-reduce over the world, or over the call's spanning
+groups in turn -- tp, dp_cp, gtp and pp for ``finalize_model_grads``, the helper's own
+groups for a seed helper) saying
+whether any rank failed a local check (:mod:`torch_impl.call.checks`), needs a comparison (a
+new plan, another kind of num_tokens, ``"every_step"``) or found NaN / Inf. Every rank
+then takes the same path: raise, compare, or go on. In a **comparison**
+(:func:`exchange_signatures`) the members of every group of size > 1 all-gather a hash
+of what they will launch on it (:func:`signatures`); only on a mismatch are the full
+lines gathered, and :class:`~torch_impl.run.errors.ConsistencyError` names the group, the
+ranks and the first differing line. A rank that failed before its groups resolved still
+joins the round (:func:`share_local_error`), so that its peers raise at once.
+
+Every rank of a model must use the same ``consistency_check`` and
+``check_for_nan_in_grad``: they decide which of these collectives run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from meshgrad.axes import Group
+from meshgrad.config import FinalizeConfig
+from meshgrad.plan import FinalizePlan
+from torch_impl.call.signatures import compare_signatures
+from torch_impl.call.check import CheckSpec, Findings
+from torch_impl.call.checks import check_modes
+from torch_impl.run.errors import NonFiniteGradError
+from torch_impl.run.groups import TorchGroups, world_rank, world_size
+from torch_impl.sources.mesh_groups import timeout_of
+from torch_impl.sources.group_sources import MESH_KINDS, source_kind, status_groups
+from torch_impl.run.status import (
+    SPANNING_GROUPS,
+    capturing,
+    COMPARE,
+    NONFINITE,
+    Hop,
+    device_for,
+    flagged_rank,
+    reduce_max,
+    settle,
+    share_error,
+    status_vector,
+    world_route,
+)
+
+def _distinct(groups: TorchGroups, over: Sequence[Group]) -> list[tuple[Group, Any]]:
+    """The process groups of ``over`` of size > 1, each process group once."""
+    out: list[tuple[Group, Any]] = []
+    for group in over:
+        pg = groups.group(group)
+        if pg is not None and all(pg is not seen for _, seen in out):
+            out.append((group, pg))
+    return out
+
+
+def status_route(groups: TorchGroups, over: Sequence[Group] = SPANNING_GROUPS) -> list[Hop]:
+    """The hops a status round MAX-reduces over, in turn (computed once per groups and
+    ``over``): the world at once for groups built from a DeviceMesh (their layout round
+    runs over the world: the same kind of round), or when the spanning groups together
+    reach every rank of it and the world's timeout is no longer than theirs (or no
+    backend tells any timeout); else the distinct groups of ``over`` of size > 1."""
+    key = tuple(over)
+    route = groups.routes.get(key)
+    if route is None:
+        route = groups.routes[key] = _route(groups, key)
+    return route
+
+
+def _route(groups: TorchGroups, over: tuple[Group, ...]) -> list[Hop]:
+    pgs = _distinct(groups, over)
+    own = [(group.value, pg, device_for(pg), groups.size(group)) for group, pg in pgs]
+    if groups.layout and over == SPANNING_GROUPS and world_size() > 1:
+        return world_route()
+    if len(pgs) < 2 or over != SPANNING_GROUPS:
+        return own
+    span = 1
+    for group, _ in pgs:
+        span *= groups.size(group)
+    if span != world_size():
+        return own
+    limit, timeouts = timeout_of(dist.group.WORLD), [timeout_of(pg) for _, pg in pgs]
+    unknown = limit is None and all(t is None for t in timeouts)  # no backend tells: as good as any
+    no_longer = limit is not None and None not in timeouts and limit <= min(timeouts)
+    return world_route() if unknown or no_longer else own
+
+
+def share_local_error(
+    err: BaseException,
+    groups: TorchGroups | None,
+    config: FinalizeConfig | None = None,
+    *,
+    source: Any = None,
+    raw: Sequence[Any] = (),
+    over: Sequence[Group] = SPANNING_GROUPS,
+) -> None:
+    """Join the status round the other ranks run before their first collective, so that
+    a check that failed on this rank alone makes every rank raise at once instead of
+    waiting for it. The caller re-raises ``err`` afterwards.
+
+    Args:
+      err: the local error.
+      groups: this rank's groups, or None when they did not resolve (then groups are
+        taken from ``source`` without creating any).
+      config: the finalize config, or None when it did not resolve (then the check
+        modes are read leniently from ``raw``).
+      source: the call's ``pg_collection``.
+      raw: the raw config objects (Megatron config, DDP config).
+      over: the groups of the status round.
+    """
+    mode, nan = (config.consistency_check, config.check_for_nan_in_grad) if config is not None else check_modes(*raw)
+    if (mode == "off" and not nan) or capturing():
+        return
+    if groups is None and source_kind(source) in MESH_KINDS:
+        if world_size() > 1:  # the peers' round (a layout round or a status round) runs over the world
+            share_error(err, world_route(), world_rank(), "finalize status check")
+        return
+    groups = groups if groups is not None else status_groups(source)
+    if groups is None:
+        return
+    share_error(err, status_route(groups, over), groups.rank, "finalize status check")
+
+
+def agree_call(findings: Findings, spec: CheckSpec, plan: FinalizePlan, groups: TorchGroups,
+               config: FinalizeConfig, num_tokens: Any) -> None:
+    """The agree stage: one status round per call, after the local checks.
+
+    Unless no round is due (:attr:`Findings.round_due`: ``consistency_check="off"`` without
+    the NaN check, or a CUDA graph capture), one status round (MAX of [local error,
+    comparison due, NaN found, layout digest] over ``spec.over``) tells every rank whether
+    any rank failed, needs a consistency comparison (a new plan, another kind of
+    num_tokens, or ``"every_step"``) or found NaN / Inf; every rank then takes the same
+    path: raise, compare signatures (and agree on the outcome), or go on. A change on one
+    rank only is thus compared on every rank.
+
+    Raises:
+      TypeError / ValueError: this rank's local check failed (its own error, after the round).
+      ConsistencyError: ranks of a group would launch different collectives, or another
+        rank failed its own checks.
+      NonFiniteGradError: NaN / Inf in a gradient or num_tokens of this or another rank.
+      CollectiveError: a round's collective failed.
+    """
+    error, record = findings.error, findings.record
+    if not findings.round_due:
+        if error is not None:
+            raise error
+        return
+    route = status_route(groups, spec.over)
+    status = status_vector(groups.rank, error=error is not None, compare=findings.compare,
+                           nonfinite=findings.nonfinite is not None or findings.nonfinite_tokens, layout=groups.layout)
+    reduced = reduce_max(status, route, groups.rank, "finalize status check")
+    settle(reduced, route, groups.rank, "finalize status check", error=error, layout_text=groups.layout_text)
+    elsewhere = flagged_rank(reduced[NONFINITE]) if reduced[NONFINITE] else None
+    if reduced[COMPARE]:
+        compare_signatures(plan, groups, config, num_tokens, spec.compared, route)
+        record.consistent, record.tokens = True, findings.tokens
+    if findings.nonfinite is not None:
+        raise NonFiniteGradError(findings.nonfinite)
+    if findings.nonfinite_tokens:
+        raise NonFiniteGradError(
+            f"rank {groups.rank}: num_tokens is {num_tokens.item()!r}, not finite (check_for_nan_in_grad); found "
+            "before any collective: no gradient was changed"
+        )
+    if elsewhere is not None:
+        raise NonFiniteGradError(
+            f"rank {groups.rank}: rank {elsewhere} has NaN or Inf in a gradient or num_tokens "
+            "(check_for_nan_in_grad; its error names the parameter); found before any collective: no gradient was "
+            "changed"
+        )
+
+
+__all__ = [
+    "agree_call",
+    "share_local_error",
+]

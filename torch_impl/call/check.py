@@ -1,0 +1,170 @@
+"""The check stage of a call: every local check of the plan's inputs, before any
+collective (:func:`check_call`). Nothing is raised here: a failure of any type is held in
+the :class:`Findings` for the agree stage (:mod:`torch_impl.call.agree`), so that every
+rank learns of it in the one status round. The checks themselves live with what they
+protect: the inputs' in :mod:`torch_impl.call.checks`, the groups' in
+:mod:`torch_impl.call.group_checks`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from meshgrad.axes import Group
+from meshgrad.config import FinalizeConfig
+from meshgrad.params import ParamKey
+from torch_impl.call.checks import check_gradients, check_num_tokens, nonfinite, nonfinite_message, uses_nccl
+from torch_impl.call.group_checks import check_layout
+from torch_impl.run.groups import TorchGroups
+from torch_impl.run.status import SPANNING_GROUPS, capturing
+from torch_impl.sources.config import Requested
+from torch_impl.sources.discover import Discovered
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckSpec:
+    """What the calls of one plan check before communicating (fixed per plan).
+
+    Args:
+      keys: gradients checked once per binding (what the plan reads or writes).
+      nan_keys: gradients looked at for NaN / Inf every step (``check_for_nan_in_grad``).
+      nan: whether the NaN check applies at all (not for Megatron's seed helpers).
+      ddp: DDP objects of the chunks (with num_tokens they need ``scale_gradients``).
+      requested: the config's sizes to check the groups against (None: not checked).
+      experts: whether expert parameters have gradients (for the layout check).
+      collection: groups from a collection or mapping (members checked against the mesh).
+      over: the groups of the status round (together they reach every rank of the call).
+      compared: the groups whose signatures are compared (None: every group of size > 1).
+    """
+
+    keys: tuple[ParamKey, ...]
+    nan_keys: tuple[ParamKey, ...] = ()
+    nan: bool = True
+    ddp: tuple[Any, ...] = ()
+    requested: Requested | None = None
+    experts: bool = False
+    collection: bool = False
+    over: tuple[Group, ...] = SPANNING_GROUPS
+    compared: tuple[Group, ...] | None = None
+
+
+@dataclasses.dataclass
+class PlanRecord:
+    """What the once-per-plan checks found (kept by the model state, one per plan): the
+    gradients' device, whether the groups use NCCL, the discovery they checked, whether
+    the consistency check passed and for which num_tokens (dtype, numel)."""
+
+    device: torch.device | None
+    nccl: bool
+    found: Any = None
+    consistent: bool = False
+    tokens: Any = None
+
+
+def _local_checks(
+    spec: CheckSpec,
+    found: Discovered,
+    groups: TorchGroups,
+    config: FinalizeConfig,
+    num_tokens: Any,
+    record: PlanRecord | None,
+) -> tuple[BaseException | None, PlanRecord | None]:
+    """The local checks of one call: gradients and layout once per binding (every step
+    with ``"every_step"``), ``num_tokens`` every step; the inputs' checks first, then the
+    groups'. The record is updated only when every check passed.
+
+    Returns:
+      (the local error or None, the plan's record).
+    """
+    fresh = record is None or config.consistency_check == "every_step" or record.found is not found
+    try:
+        if fresh:
+            device = check_gradients(found, groups, config, spec.keys)
+            nccl = record.nccl if record is not None else uses_nccl(groups)
+        else:
+            device, nccl = record.device, record.nccl
+        check_num_tokens(num_tokens, device, groups, spec.ddp, nccl)
+        if fresh and spec.requested is not None:
+            check_layout(groups, spec.requested, experts=spec.experts, collection=spec.collection, strict=config.strict_groups)
+    except Exception as err:  # noqa: BLE001 -- any local failure is held for the status round
+        return err, record
+    if record is None:
+        record = PlanRecord(device, nccl)
+    record.device, record.found = device, found
+    return None, record
+
+
+def _nonfinite_message(rank: int, bad: list[ParamKey]) -> str | None:
+    """The error naming the non-finite gradients ``bad``, or None when there are none."""
+    return nonfinite_message(rank, bad) if bad else None
+
+
+def _nonfinite_tokens(num_tokens: Any) -> bool:
+    """Whether a floating ``num_tokens`` holds NaN or Inf (one host sync)."""
+    return (
+        isinstance(num_tokens, torch.Tensor) and num_tokens.is_floating_point()
+        and not bool(torch.isfinite(num_tokens).all())
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Findings:
+    """What the check stage found on this rank, for the agree stage.
+
+    Args:
+      error: the local error (any type), held for the status round; None if none.
+      record: the plan's record (None while no check passed).
+      round_due: whether a status round runs (not with ``consistency_check="off"`` and no
+        NaN check, nor under a CUDA graph capture).
+      compare: a consistency comparison is due on this rank.
+      tokens: the kind of ``num_tokens`` compared (dtype, numel).
+      nonfinite: the message naming the gradients that hold NaN / Inf
+        (``check_for_nan_in_grad``), or None.
+      nonfinite_tokens: ``num_tokens`` holds NaN / Inf.
+    """
+
+    error: BaseException | None
+    record: PlanRecord | None
+    round_due: bool = False
+    compare: bool = False
+    tokens: Any = None
+    nonfinite: str | None = None
+    nonfinite_tokens: bool = False
+
+
+def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: FinalizeConfig,
+               num_tokens: Any, record: PlanRecord | None) -> Findings:
+    """The check stage: the local checks of one call (:func:`_local_checks`), whether a
+    comparison is due and, with ``check_for_nan_in_grad``, NaN / Inf in the gradients and
+    ``num_tokens``. Raises nothing: a failure is held in the findings for the round.
+
+    Args:
+      spec: what the plan's calls check.
+      found: the call's discovery.
+      groups: this rank's groups.
+      config: the call's config.
+      num_tokens: the call's num_tokens (or None).
+      record: the plan's record from an earlier call (None on its first).
+
+    Returns:
+      The :class:`Findings`.
+    """
+    mode, nan_check = config.consistency_check, config.check_for_nan_in_grad and spec.nan
+    error, record = _local_checks(spec, found, groups, config, num_tokens, record)
+    if (mode == "off" and not nan_check) or capturing():
+        return Findings(error, record)
+    if error is not None:
+        return Findings(error, record, round_due=True)
+    tokens = (num_tokens.dtype, num_tokens.numel()) if isinstance(num_tokens, torch.Tensor) else None
+    compare = mode != "off" and (mode == "every_step" or not record.consistent or record.tokens != tokens)
+    return Findings(
+        None, record, round_due=True, compare=compare, tokens=tokens,
+        nonfinite=_nonfinite_message(groups.rank, nonfinite(found, spec.nan_keys)) if nan_check else None,
+        nonfinite_tokens=nan_check and _nonfinite_tokens(num_tokens),
+    )
+
+
+__all__ = ["CheckSpec", "Findings", "PlanRecord", "check_call"]

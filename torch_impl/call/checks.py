@@ -1,0 +1,273 @@
+"""Local checks before any communication: nothing communicated, nothing mutated.
+
+Gradients (:func:`check_gradients`): a dense floating tensor of the parameter's shape,
+every one on one device that the groups' backends can use (not ``meta``; CUDA under
+NCCL), no element shared by two gradients or two elements of one. ``num_tokens``
+(:func:`check_num_tokens`): a one-element integer or floating tensor on the gradients'
+device. The groups' checks are in :mod:`torch_impl.call.group_checks`. NaN / Inf (:func:`nonfinite`,
+``config.check_for_nan_in_grad``). The cross-rank rounds that make every rank raise
+together live in :mod:`torch_impl.call.agree`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshgrad.axes import Group
+from meshgrad.config import CONSISTENCY_CHECKS, FinalizeConfig, config_get
+from meshgrad.params import ParamKey, ParamSpec
+from meshgrad.plan import FinalizePlan, Reduction, StageReduction
+from meshgrad.errors import FinalizeInputError, FinalizeTypeError
+from torch_impl.sources.discover import Discovered
+from torch_impl.run.grads import GradAccess, get_grad, grad_attr, is_dtensor
+from torch_impl.run.groups import TorchGroups
+from torch_impl.run.status import backend
+
+#: Gradient dtypes a plan can reduce.
+GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def plan_keys(plan: FinalizePlan, scale_keys: Sequence[ParamKey] | None = None) -> list[ParamKey]:
+    """Every gradient key the plan reads or writes (reductions with their chunk copies,
+    the stage reductions' operands, the num_tokens scale), in first-use order."""
+    keys: dict[ParamKey, None] = {}
+    for action in plan.actions:
+        if isinstance(action, Reduction):
+            keys.update(dict.fromkeys(action.all_keys))
+        elif isinstance(action, StageReduction):
+            keys.update(dict.fromkeys(k for k in action.keys_by_stage if k is not None))
+    keys.update(dict.fromkeys(plan.token_scale.keys if scale_keys is None else scale_keys))
+    return list(keys)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range [start, stop) of ``t`` within its storage."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
+    return start, start + span * size
+
+
+def _element_offsets(t: torch.Tensor) -> torch.Tensor:
+    offsets = torch.full((), t.storage_offset(), dtype=torch.int64)
+    for n, st in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+    return offsets.reshape(-1) * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one storage share an element (exact for strided views)."""
+    (a0, a1), (b0, b1) = _extent(a), _extent(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    ea, eb = _element_offsets(a), _element_offsets(b)
+    ia = torch.stack([ea + i for i in range(a.element_size())]).reshape(-1)
+    ib = torch.stack([eb + i for i in range(b.element_size())]).reshape(-1)
+    return bool(torch.isin(ia, ib).any())
+
+
+def _check_grad(grad: Any, param: torch.Tensor, what: str, rank: int, sharded: bool) -> None:
+    """One gradient: a dense tensor of a reducible dtype and of its parameter's shape.
+
+    Raises:
+      TypeError: not a tensor, not strided, or of another dtype.
+      ValueError: another shape (unless ``sharded``), or on the meta device.
+    """
+    if not isinstance(grad, torch.Tensor):
+        raise FinalizeTypeError(f"rank {rank}: {what} is a {type(grad).__name__}, not a tensor")
+    if grad.layout is not torch.strided:
+        raise FinalizeTypeError(
+            f"rank {rank}: {what} has layout {grad.layout}; finalize reduces dense (strided) gradients "
+            "(densify it, e.g. grad.to_dense(), or use nn.Embedding(sparse=False))"
+        )
+    if grad.dtype not in GRAD_DTYPES:
+        raise FinalizeTypeError(
+            f"rank {rank}: {what} has dtype {grad.dtype}; finalize reduces "
+            f"{', '.join(str(d).removeprefix('torch.') for d in GRAD_DTYPES)} gradients"
+        )
+    if not sharded and tuple(grad.shape) != tuple(param.shape):
+        raise FinalizeInputError(f"rank {rank}: {what} has shape {tuple(grad.shape)}, the parameter {tuple(param.shape)}")
+    if grad.device.type == "meta":
+        raise FinalizeInputError(f"rank {rank}: {what} is on the meta device (it holds no data)")
+
+
+def _check_disjoint(by_storage: Mapping[Any, list[tuple[torch.Tensor, str]]], rank: int) -> None:
+    """No two gradients of one storage share an element.
+
+    Raises:
+      ValueError: naming both gradients.
+    """
+    for items in by_storage.values():
+        if len(items) < 2:
+            continue
+        spans = sorted((start, i, stop) for i, (start, stop) in enumerate(_extent(t) for t, _ in items))
+        for n, (_, i, stop) in enumerate(spans):
+            for m in range(n + 1, len(spans)):  # the later starts before this one's stop
+                start_b, j, _ = spans[m]
+                if start_b >= stop:
+                    break
+                (a, what_a), (b, what_b) = items[i], items[j]
+                if _overlap(a, b):
+                    same = " (the same tensor)" if a is b else ""
+                    raise FinalizeInputError(
+                        f"rank {rank}: {what_a} and {what_b} share memory{same}; each element must be reduced "
+                        "and scaled exactly once: give each parameter its own gradient storage (a parameter "
+                        "listed in two chunks must be in one only)"
+                    )
+
+
+def check_gradients(
+    found: Discovered, groups: TorchGroups, config: FinalizeConfig, keys: Sequence[ParamKey] | None = None
+) -> torch.device | None:
+    """Every gradient finalize will touch: a dense (strided) floating tensor of its
+    parameter's shape without internal overlap, all on one usable device, no two
+    sharing an element.
+
+    Args:
+      found: the discovered model.
+      groups: this rank's groups (NCCL needs CUDA tensors).
+      config: the finalize config (``use_megatron_fsdp``: local shards).
+      keys: the gradients to check (default: every parameter with a gradient).
+
+    Returns:
+      The gradients' device (None when this rank has no gradient).
+
+    Raises:
+      TypeError: a gradient is not a tensor, not strided (sparse) or not of a reducible dtype.
+      ValueError: wrong shape, internal overlap (stride 0), two gradients sharing memory
+        (the same parameter twice, or overlapping views), a ``meta`` tensor, gradients
+        on several devices, or a device the groups' backend cannot use (NCCL needs CUDA).
+    """
+    rank, nccl = groups.rank, uses_nccl(groups)
+    device: torch.device | None = None
+    first = ""
+    specs = {s.key: s for s in found.params}
+    chosen: list[ParamSpec] = [s for s in found.params if s.has_grad] if keys is None else [specs[k] for k in keys if k in specs]
+    by_storage: dict[tuple[Any, int], list[tuple[torch.Tensor, str]]] = {}
+    for spec in chosen:
+        param = found.tensors[spec.key]
+        grad = get_grad(param)
+        if grad is None:
+            continue
+        what = f"the gradient ({grad_attr(param)}) of {spec.name!r} (chunk {spec.chunk})"
+        dtensor = isinstance(grad, torch.Tensor) and (is_dtensor(grad) or is_dtensor(param))
+        _check_grad(grad, param, what, rank, config.use_megatron_fsdp or dtensor)
+        here = grad.device
+        if nccl and here.type != "cuda":
+            raise FinalizeInputError(f"rank {rank}: {what} is on {here}, but the NCCL process groups need CUDA tensors")
+        if device is None:
+            device, first = here, what
+        elif here != device:
+            raise FinalizeInputError(
+                f"rank {rank}: {what} is on {here}, but {first} is on {device}; finalize needs every "
+                "gradient of a rank on one device"
+            )
+        if dtensor:
+            continue
+        if torch._debug_has_internal_overlap(grad) == 1:
+            raise FinalizeInputError(
+                f"rank {rank}: {what} has elements that share memory (strides {tuple(grad.stride())}, e.g. an "
+                "expanded tensor); each element must be reduced once: give it its own storage (.contiguous())"
+            )
+        if grad.numel():
+            by_storage.setdefault((grad.device, grad.untyped_storage().data_ptr()), []).append((grad, what))
+    _check_disjoint(by_storage, rank)
+    return device
+
+
+def check_num_tokens(
+    num_tokens: Any,
+    device: torch.device | None,
+    groups: TorchGroups,
+    ddp: Sequence[Any] = (),
+    nccl: bool | None = None,
+) -> None:
+    """``num_tokens``: a one-element integer or floating tensor on the gradients' device.
+
+    Raises:
+      TypeError: not a one-element tensor, a complex or bool dtype, or a DDP chunk without
+        ``scale_gradients``.
+      ValueError: on the meta device, on another device than the gradients, or not on
+        CUDA under NCCL.
+    """
+    if num_tokens is None:
+        return
+    rank = groups.rank
+    if not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
+        shape = tuple(num_tokens.shape) if isinstance(num_tokens, torch.Tensor) else ""
+        raise FinalizeTypeError(f"rank {rank}: num_tokens must be a one-element tensor, got {type(num_tokens).__name__}{shape}")
+    if num_tokens.is_complex() or num_tokens.dtype == torch.bool:
+        raise FinalizeTypeError(f"rank {rank}: num_tokens must be an integer or floating tensor, got {num_tokens.dtype}")
+    here = num_tokens.device
+    if here.type == "meta":
+        raise FinalizeInputError(f"rank {rank}: num_tokens is on the meta device (it holds no data)")
+    if device is not None and here != device:
+        raise FinalizeInputError(f"rank {rank}: num_tokens is on {here}, the gradients on {device}")
+    if (uses_nccl(groups) if nccl is None else nccl) and here.type != "cuda":
+        raise FinalizeInputError(f"rank {rank}: num_tokens is on {here}, but the NCCL process groups need CUDA tensors")
+    for obj in ddp:
+        if not callable(getattr(obj, "scale_gradients", None)):
+            raise FinalizeTypeError(
+                f"rank {rank}: {type(obj).__name__} has finish_grad_sync but no scale_gradients(); "
+                "cannot scale its gradients by num_tokens"
+            )
+
+
+def nonfinite(found: Discovered, keys: Sequence[ParamKey], local_shards: bool = True) -> list[ParamKey]:
+    """The keys whose gradient holds NaN or Inf (one host sync for all of them)."""
+    grads = GradAccess(found.tensors, local_shards=local_shards)
+    tensors = [grads[k] for k in keys]
+    if not tensors:
+        return []
+    ok = torch.stack([torch.isfinite(t).all() for t in tensors])  # one device: checked
+    if bool(ok.all()):
+        return []
+    return [k for k, good in zip(keys, ok.tolist()) if not good]
+
+
+def nonfinite_message(rank: int, bad: Sequence[ParamKey]) -> str:
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    return (
+        f"rank {rank}: NaN or Inf in the gradient of {bad[0][1]!r} (chunk {bad[0][0]}){more} "
+        "(check_for_nan_in_grad); found before any collective: no gradient was changed"
+    )
+
+
+def check_modes(*sources: Any) -> tuple[str, bool]:
+    """(consistency_check, check_for_nan_in_grad) read leniently from raw configs
+    (objects or mappings; the later source wins), for a rank whose config did not
+    resolve: it must still join the rounds its peers run."""
+    mode, nan = "once", False
+    for source in sources:
+        if source is None:
+            continue
+        value = config_get(source, "consistency_check")
+        if isinstance(value, str) and value in CONSISTENCY_CHECKS:
+            mode = value
+        flag = config_get(source, "check_for_nan_in_grad")
+        if isinstance(flag, (bool, np.bool_)):
+            nan = bool(flag)
+    return mode, nan
+
+
+def uses_nccl(groups: TorchGroups) -> bool:
+    """Whether any of the groups runs on NCCL (gradients must then be CUDA tensors)."""
+    return any(pg is not None and backend(pg) == "nccl" for pg in map(groups.group, Group))
+
+
+__all__ = [
+    "GRAD_DTYPES",
+    "check_gradients",
+    "check_modes",
+    "check_num_tokens",
+    "nonfinite",
+    "nonfinite_message",
+    "plan_keys",
+    "uses_nccl",
+]

@@ -1,0 +1,69 @@
+"""The config memo of a model: resolved configs, a helper's derived configs and the
+sizes a Megatron config states, kept while their source objects hold the same values."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from meshgrad.config import FinalizeConfig
+from torch_impl.sources.config import CONFIG_SIZES, Requested, resolve_config
+from torch_impl.call.memo import Snapshot, put
+
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(FinalizeConfig))
+
+
+class ConfigMemo:
+    """The configs resolved for one model (owned by its ModelState)."""
+
+    def __init__(self) -> None:
+        self.last_config: tuple[Snapshot, Snapshot, FinalizeConfig] | None = None
+        self.last_requested: tuple[Snapshot, Requested] | None = None
+        self.helper_configs: dict[tuple[FinalizeConfig, tuple[tuple[str, Any], ...]], FinalizeConfig] = {}
+
+    def config(self, raw: Any, ddp_config: Any) -> FinalizeConfig:
+        """``resolve_config(raw, ddp_config)``, memoized: the same two objects with the same
+        values of every attribute FinalizeConfig reads give the last result (a config
+        mutated between steps is resolved again)."""
+        if isinstance(raw, FinalizeConfig) and ddp_config is None:
+            return raw
+        hit = self.last_config
+        if (
+            hit is not None and hit[0].source is raw and hit[1].source is ddp_config
+            and hit[0].same() and hit[1].same()
+        ):
+            return hit[2]
+        snapshots = Snapshot(raw, _CONFIG_FIELDS), Snapshot(ddp_config, _CONFIG_FIELDS)
+        resolved = resolve_config(raw, ddp_config)
+        self.last_config = (*snapshots, resolved)
+        return resolved
+
+    def helper_config(self, config: FinalizeConfig, overrides: tuple[tuple[str, Any], ...]) -> FinalizeConfig:
+        """A seed helper's config: ``config`` with the helper's ``overrides`` and without
+        configured embedding stage sets (no embedding step of finalize runs in a helper),
+        memoized (a FinalizeConfig is immutable)."""
+        key = (config, overrides)
+        hit = self.helper_configs.get(key)
+        if hit is not None:
+            return hit
+        derived = config.replace(**dict(overrides)) if overrides else config
+        if derived.embedding_stages is not None or derived.position_embedding_stages is not None:
+            derived = derived.replace(embedding_stages=None, position_embedding_stages=None)
+        return put(self.helper_configs, key, derived)
+
+    def last_resolved_config(self, raw: Any, ddp_config: Any) -> FinalizeConfig | None:
+        """The config last resolved from these two objects (not checked again), or None."""
+        hit = self.last_config
+        return hit[2] if hit is not None and hit[0].source is raw and hit[1].source is ddp_config else None
+
+    def requested(self, raw: Any) -> Requested:
+        """``Requested.from_config(raw)``, memoized like :meth:`config`."""
+        if raw is None or isinstance(raw, FinalizeConfig):
+            return Requested()
+        hit = self.last_requested
+        if hit is not None and hit[0].source is raw and hit[0].same():
+            return hit[1]
+        snapshot = Snapshot(raw, CONFIG_SIZES)
+        requested = Requested.from_config(raw)
+        self.last_requested = (snapshot, requested)
+        return requested

@@ -1,0 +1,78 @@
+"""The group memo of a model: resolved groups per group source, the MeshGroups of each
+DeviceMesh, Megatron's ``parallel_state`` groups and a seed helper's groups (kept here,
+never on those objects)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from meshgrad.axes import Group
+from meshgrad.config import FinalizeConfig
+from torch_impl.sources.group_sources import MESH_KINDS, resolve_groups, source_kind
+from torch_impl.run.groups import TorchGroups, world_size
+from torch_impl.sources.megatron import parallel_state_keyed
+from torch_impl.sources.config import Requested
+from torch_impl.call.memo import Snapshot, put
+from torch_impl.sources.mesh_groups import MeshGroups
+
+_GROUP_NAMES = tuple(g.value for g in Group)
+
+
+class GroupMemo:
+    """The groups resolved for one model (owned by its ModelState)."""
+
+    def __init__(self) -> None:
+        self.groups: tuple[Snapshot, tuple[Any, ...], TorchGroups] | None = None  # the last resolved source
+        self.explicit_groups: dict[tuple[Any, ...], tuple[dict[Group, Any], TorchGroups]] = {}
+        self.meshes: dict[int, MeshGroups] = {}  # id(DeviceMesh) -> its groups (which hold the mesh)
+        self.parallel_state: tuple[tuple[Any, ...], TorchGroups] | None = None
+
+    def last_resolved_groups(self, source: Any) -> TorchGroups | None:
+        """The groups last resolved from ``source`` (not checked again), or None."""
+        hit = self.groups
+        return hit[2] if hit is not None and hit[0].source is source else None
+
+    def mesh_groups(self, mesh: Any) -> MeshGroups:
+        """The MeshGroups of a DeviceMesh, made once per mesh and kept here (nothing is
+        written on the mesh)."""
+        hit = self.meshes.get(id(mesh))
+        if hit is None or hit.mesh is not mesh:
+            hit = put(self.meshes, id(mesh), MeshGroups(mesh))
+        return hit
+
+    def parallel_state_groups(self) -> TorchGroups | None:
+        """Megatron's ``parallel_state`` groups, one TorchGroups while its groups stay the
+        same objects (so one cached plan serves every step; nothing is written on the
+        module)."""
+        found = parallel_state_keyed(memo=self.parallel_state)
+        if found is not None:
+            self.parallel_state = found
+        return found[1] if found is not None else None
+
+    def resolve_groups(self, source: Any, config: FinalizeConfig, requested: Requested) -> TorchGroups:
+        """Resolved groups, cached per group source (a DeviceMesh's groups by its
+        MeshGroups, kept here)."""
+        kind = source_kind(source)
+        if kind == "device_mesh":
+            source = self.mesh_groups(source)
+        if kind in MESH_KINDS or kind == "torch_groups":
+            return resolve_groups(source, config, requested)
+        key = (world_size(), config.moe_router_enable_expert_bias, config.flextron)
+        hit = self.groups
+        if hit is not None and hit[0].source is source and hit[1] == key and hit[0].same():
+            return hit[2]
+        snapshot = Snapshot(source, _GROUP_NAMES, by_vars=kind == "megatron_collection")
+        resolved = resolve_groups(source, config, requested)
+        self.groups = (snapshot, key, resolved)
+        return resolved
+
+    def explicit(self, values: Mapping[Group, Any]) -> TorchGroups:
+        """TorchGroups from a seed helper's groups, memoized on the group objects'
+        identity (the memo holds the groups, so their ids stay theirs)."""
+        key = tuple(sorted((g.value, id(v)) for g, v in values.items()))
+        hit = self.explicit_groups.get(key)
+        if hit is not None and all(hit[0][g] is v for g, v in values.items()):
+            return hit[1]
+        resolved = TorchGroups.from_mapping(dict(values), source="the helper's groups")
+        return put(self.explicit_groups, key, (dict(values), resolved))[1]

@@ -1,0 +1,203 @@
+"""The per-model memo of every call: :class:`ModelState`, the one object meshgrad writes
+onto objects it does not own (the attribute ``_meshgrad_finalize_state`` of ``chunks[0]``).
+
+It is made on the first call with a chunk list, replaced when the call's chunk list
+differs (another list, order or length), starts afresh when the model is copied or
+pickled, dies with the chunk, and is emptied by
+:func:`torch_impl.finalize.invalidate_plans`. Every cache in it is bounded: at most
+:data:`~torch_impl.call.memo.MAX_PLANS` plans (each with its bound program and its check record, evicted
+together, oldest first), one discovery per ``has_mtp`` (dropped with its bindings when
+the model watch fires), one resolved group source, the groups of each DeviceMesh and of
+Megatron's ``parallel_state`` (kept here, not on those objects), and :data:`~torch_impl.call.memo.MAX_PLANS`
+helper group sets and embedding discoveries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from meshgrad.config import FinalizeConfig
+from meshgrad.params import Role
+from torch_impl.call.checks import plan_keys
+from torch_impl.call.config_memo import ConfigMemo
+from torch_impl.sources.discover import Discovered, candidate_keys, chunk_facts, discover, one_weight, watched_keys
+from torch_impl.run.stats import ExecStats
+from torch_impl.run.grads import get_grad, is_dtensor
+from torch_impl.call.group_memo import GroupMemo
+from torch_impl.run.groups import TorchGroups
+from torch_impl.sources.config import ddp_object
+from torch_impl.call.memo import MAX_PLANS, put
+from torch_impl.call.model_watch import ModelWatch
+from torch_impl.call.plan_memo import BoundPlan, PlanMemo
+from torch_impl.run.program import Program
+
+_STATE_ATTR = "_meshgrad_finalize_state"
+
+
+class _Fingerprint:
+    """The specs of a discovery as a dict key, hashed once (a model's specs are many)."""
+
+    __slots__ = ("specs", "hash")
+
+    def __init__(self, specs: tuple[Any, ...]) -> None:
+        self.specs, self.hash = specs, hash(specs)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Fingerprint) and self.hash == other.hash and self.specs == other.specs
+
+
+#: What a call's plan may read (:attr:`Request.reads`).
+Reads = Literal["all", "touched", "routers"]
+
+#: What a kept discovery is checked for, by what the call's plan may read.
+_CHECKS: dict[Reads, Callable[[ModelWatch], bool]] = {
+    "all": ModelWatch.same,
+    "touched": ModelWatch.touched_same,
+    "routers": ModelWatch.routers_same,
+}
+
+
+class ModelState:
+    """What meshgrad caches on a model (on its first chunk; lifetime in the module doc).
+
+    It owns its memos: :class:`~torch_impl.call.config_memo.ConfigMemo` (configs),
+    :class:`~torch_impl.call.group_memo.GroupMemo` (groups) and
+    :class:`~torch_impl.call.plan_memo.PlanMemo` (plans, programs, check records); discovery
+    is its own. Discovery is keyed on the chunk objects, resolved groups on the group source, and
+    plans on everything that can change them: parameters' requires_grad / gradient
+    presence and dtype, router modes, the config, the groups and the call's options.
+    Each plan is bound once to the gradient tensors (:class:`~torch_impl.run.program.Program`);
+    a :class:`~torch_impl.call.model_watch.ModelWatch` tells, at C speed, whether a step still sees
+    the same model (structure, flags, requires_grad, gradient tensors, routers), so a
+    repeated step neither re-discovers nor re-binds. ``stats`` counts calls, plans built,
+    bindings and the bytes coalescing had to copy.
+    """
+
+    def __init__(self, chunks: Sequence[Any]) -> None:
+        self.chunk_ids = tuple(id(c) for c in chunks)
+        self.found: dict[tuple[bool, bool], tuple[int, Discovered, ModelWatch, tuple[Any, ...]]] = {}
+        self.tokens: dict[_Fingerprint, int] = {}  # specs -> token
+        self.next_token = 0
+        self.embeddings: dict[tuple[Any, ...], tuple[Any, Any, bool, Discovered]] = {}
+        self.stats = ExecStats()
+        self.config_memo = ConfigMemo()  # resolved configs
+        self.group_memo = GroupMemo()  # resolved groups per source, meshes, parallel_state
+        self.plan_memo = PlanMemo(self.stats)  # plans, programs, check records
+        self.plans, self.programs = self.plan_memo.plans, self.plan_memo.programs
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A cache: copying or pickling the model (deepcopy, torch.save) starts it afresh
+        # instead of trying to copy process groups.
+        return (ModelState, ((),))
+
+    @classmethod
+    def of(cls, chunks: Sequence[Any]) -> "ModelState":
+        """The state of this chunk list (made, or replaced when the list differs)."""
+        state = getattr(chunks[0], _STATE_ATTR, None)
+        if not isinstance(state, cls) or state.chunk_ids != tuple(id(c) for c in chunks):
+            state = cls(chunks)
+            object.__setattr__(chunks[0], _STATE_ATTR, state)
+        return state
+
+    def _token(self, found: Discovered) -> int:
+        """A small int standing for the specs (cheap to hash in plan keys): equal specs,
+        equal tokens, so an unchanged plan is found again in the cache."""
+        fingerprint = _Fingerprint((found.params, found.routers))
+        token = self.tokens.get(fingerprint)
+        if token is None:
+            if len(self.tokens) >= 4 * MAX_PLANS:
+                self.tokens.clear()
+            token = self.tokens[fingerprint] = self.next_token
+            self.next_token += 1
+        return token
+
+    def discovered(
+        self, chunks: Sequence[Any], config: FinalizeConfig, complete: bool = True, reads: Reads = "all"
+    ) -> tuple[Any, Discovered, tuple[Any, ...]]:
+        """(fingerprint token, Discovered, the chunks' DDP objects) for this step.
+
+        While the :class:`~torch_impl.call.model_watch.ModelWatch` sees the same model (structure,
+        watched parameters' flags, requires_grad and gradient tensors, routers, chunk
+        facts), nothing is re-read. Otherwise every bound program is dropped and the
+        model is discovered again (structure changed) or its specs re-read.
+
+        Args:
+          chunks: the model chunks.
+          config: the call's config.
+          complete: a spec for every parameter; False leaves out the parameters of
+            Megatron-DDP chunks that no step of meshgrad touches (read once per
+            discovery: their DDP does the DP sync; the GTP step needs them all).
+          reads: what the call's plan may read, which a kept discovery is checked for
+            (the next call that reads more checks more): ``"all"`` (finalize: every
+            watched parameter, :meth:`~torch_impl.call.model_watch.ModelWatch.same`), ``"touched"``
+            (a seed helper: the parameters a step besides the DP sync may touch, the
+            others' flags, :meth:`~torch_impl.call.model_watch.ModelWatch.touched_same`) or
+            ``"routers"`` (expert bias, qb_beta, reset: routers only,
+            :meth:`~torch_impl.call.model_watch.ModelWatch.routers_same`).
+        """
+        full = (config.has_mtp, True)
+        # A complete discovery serves a call that needs less (an audit keeps one).
+        slot = full if complete or full in self.found else (config.has_mtp, False)
+        cached = self.found.get(slot)
+        if cached is not None and _CHECKS[reads](cached[2]):
+            return cached[0], cached[1], cached[3]  # the watch's chunk facts hold the DDP objects
+        self.programs.clear()
+        ddp = tuple(ddp_object(c) for c in chunks)
+        if cached is None or not cached[2].structure_same():
+            found = discover(chunks, config, () if slot[1] else [obj is not None for obj in ddp])
+        else:
+            found = cached[1].refresh()
+        if cached is not None:
+            cached[2].close()
+        token = self._token(found)
+        has_mtp = config.has_mtp
+        watch = ModelWatch(
+            found, chunks, lambda: chunk_facts(chunks, found, has_mtp, ddp_object),
+            watched_keys(found, [obj is None for obj in ddp]), candidate_keys(found),
+        )
+        self.found[slot] = (token, found, watch, ddp)
+        return token, found, ddp
+
+    def invalidate(self) -> None:
+        """Forget every discovery, plan and binding: the next call reads the model anew."""
+        for _, _, watch, _ in self.found.values():
+            watch.close()
+        self.found.clear()
+        self.plans.clear()
+        self.programs.clear()
+        self.plan_memo.records.clear()
+        self.embeddings.clear()
+
+    def program(self, bound: BoundPlan, found: Discovered, groups: TorchGroups, config: FinalizeConfig) -> Program | None:
+        """The plan bound to this step's gradient tensors (cached until the watch fires),
+        or None when gradients are DTensors (they are unsharded per step)."""
+        hit = self.plan_memo.program(bound, found)
+        if hit is not None:
+            return hit
+        cached = next((hit for hit in self.found.values() if hit[1] is found), None)
+        if cached is not None:
+            cached[2].cover(plan_keys(bound.plan, bound.plain_scale_keys), bound.helper)  # what the plan reads is watched
+            if cached[2].has_dtensor():
+                return None
+        elif any(is_dtensor(get_grad(t)) for t in found.tensors.values()):  # a helper's own discovery
+            return None
+        return self.plan_memo.bind(bound, found, groups, config)
+
+    def embedding(self, chunks: Sequence[Any], index: int, weight: Any, role: Role) -> Discovered:
+        """An embedding helper's own discovery of its one weight (of chunk ``index``),
+        kept while the weight, its gradient tensor and ``requires_grad`` stay the same."""
+        grad = get_grad(weight) if weight is not None else None
+        trained = bool(getattr(weight, "requires_grad", False))
+        key = (role, id(weight), index)
+        hit = self.embeddings.get(key)
+        if hit is not None and hit[0] is weight and hit[1] is grad and hit[2] == trained:
+            return hit[3]
+        found = one_weight(chunks, index, weight, role)
+        return put(self.embeddings, key, (weight, grad, trained, found))[3]
+
+
+__all__ = ["ModelState", "Reads"]

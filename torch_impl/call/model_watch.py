@@ -1,0 +1,269 @@
+"""Whether a model still is what its cached plan was made for (:class:`ModelWatch`):
+module registration hooks, the module dicts on the paths to the watched objects, and
+the watched parameters' :class:`~torch_impl.call.watches.GradWatch`."""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from meshgrad.params import ParamKey
+from torch_impl.call.watches import BUFFERS, MODULES, PARAMETERS, DictWatch, ExactDicts, GradWatch, by_value, differs, split
+
+
+class _Edges:
+    """The module-tree dicts (``_modules`` / ``_parameters``) on the paths from the chunks'
+    roots down to some objects, each compared whole with a copy (which also sees a removal
+    or a direct dict assignment, which no registration hook reports).
+
+    A copy is compared by ``==`` in one list comparison (identical values short-cut); a
+    dict holding a value that could compare equal to its replacement (a one-element or
+    meta parameter, a subclass) is compared key by key, by identity (:class:`ExactDicts`).
+
+    Args:
+      roots: the unwrapped chunks.
+      targets: (chunk, dotted path, leaf kind -- ``PARAMETERS`` for a parameter, None
+        for a module) of each watched object.
+    """
+
+    def __init__(self, roots: Sequence[Any], targets: Iterable[tuple[int, str, Any]]) -> None:
+        stores: dict[tuple[int, Any], tuple[dict[str, Any], Any]] = {}  # (owner, kind) -> (owner's __dict__, kind)
+        modules: dict[tuple[int, str], Any] = {}  # (chunk, module path) -> the module there, or None
+
+        def add(owner: Any, kind: Any) -> None:
+            stores.setdefault((id(owner), kind), (vars(owner), kind))
+
+        def module_at(chunk: int, path: str) -> Any:
+            """The module at ``path`` (each prefix walked once), adding the edges to it."""
+            key = (chunk, path)
+            if key not in modules:
+                found = roots[chunk] if isinstance(roots[chunk], nn.Module) else None
+                if path:
+                    head, _, last = path.rpartition(".")
+                    parent = module_at(chunk, head)
+                    found = parent._modules.get(last) if parent is not None else None
+                    if found is not None:
+                        add(parent, MODULES)
+                modules[key] = found
+            return modules[key]
+
+        for chunk, path, leaf_kind in targets:
+            if leaf_kind is None:
+                module_at(chunk, path)
+            elif path:
+                owner = module_at(chunk, path.rpartition(".")[0])
+                if owner is not None:
+                    add(owner, leaf_kind)
+        owners = list(stores.values())
+        plain, exact = split(owners, (by_value(kind(owner)) for owner, kind in owners))
+        self.plain_owners, self.plain_kinds = [o for o, _ in plain], [k for _, k in plain]
+        self.copies = list(map(dict.copy, map(operator.call, self.plain_kinds, self.plain_owners)))
+        self.exact_owners, self.exact_kinds = [o for o, _ in exact], [k for _, k in exact]
+        self.exact = ExactDicts(map(operator.call, self.exact_kinds, self.exact_owners))
+
+    def same(self) -> bool:
+        """Each module's dict (whichever object it now is) holds the same objects under the
+        same names."""
+        return not differs(list(map(operator.call, self.plain_kinds, self.plain_owners)), self.copies) and (
+            self.exact.same(map(operator.call, self.exact_kinds, self.exact_owners))
+        )
+
+
+def _watched_module_ids(chunks: Sequence[Any], found: Any) -> list[int]:
+    """The ids of the modules the registration hooks watch.
+
+    Args:
+      chunks: the chunks as given (each one's ``.module`` wrapper chain is walked).
+      found: the discovered model (every module of its unwrapped chunks).
+
+    Returns:
+      The module ids, wrapper chains first.
+    """
+    module_ids: list[int] = []
+    for chunk in chunks:  # the wrapper chain
+        module_ids.append(id(chunk))
+        inner = chunk
+        for _ in range(64):
+            inner = getattr(inner, "module", None)
+            if not isinstance(inner, nn.Module):
+                break
+            module_ids.append(id(inner))
+    for root in found.chunks:
+        if isinstance(root, nn.Module):
+            module_ids.extend(id(m) for m in root.modules())
+    return module_ids
+
+
+def _register_hooks(ids: set[int], dirty: list[bool]) -> list[Any]:
+    """Register torch's global module registration hooks, filtered to ``ids``.
+
+    Args:
+      ids: the ids of the watched modules.
+      dirty: a one-element flag list, set True when a watched module registers an
+        object other than the one its dict already holds under that name.
+
+    Returns:
+      The hook handles (remove them with :func:`_remove_hooks`).
+    """
+
+    def hook(kind: str) -> Callable[[Any, str, Any], None]:
+        def seen(module: Any, name: str, value: Any) -> None:
+            if id(module) in ids and not dirty[0]:
+                store = module.__dict__.get(kind)
+                if store is None or store.get(name) is not value:
+                    dirty[0] = True
+
+        return seen
+
+    return [
+        torch_module.register_module_parameter_registration_hook(hook("_parameters")),
+        torch_module.register_module_buffer_registration_hook(hook("_buffers")),
+        torch_module.register_module_module_registration_hook(hook("_modules")),
+    ]
+
+
+def _remove_hooks(handles: Sequence[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+class ModelWatch:
+    """Whether a model still is what its cached plan was made for.
+
+    Structure -- parameters, buffers or submodules registered, replaced or removed
+    anywhere in the chunks -- is seen without visiting the parameters: torch's module
+    registration hooks (filtered to this model's modules) set a dirty flag, and the
+    module dicts on the paths to the watched parameters and routers are compared with
+    copies (:class:`_Edges`: this also sees removals and direct dict edits, which no hook
+    reports). Per step, then, the cost
+    is that of the watched parameters' :class:`GradWatch`, the routers' attributes and
+    buffers, and a few calls per chunk (wrapper chain, DDP object, embedding getters).
+
+    Watched parameters: every parameter of a plain chunk (meshgrad reads every gradient
+    for the DP sync), and of a Megatron-DDP chunk those a step of meshgrad may touch: a
+    flag set (sequence_parallel, average_gradients_across_tp_domain, pipeline_parallel,
+    flextron_router_pp_sync, is_gtp_weight_remat), an embedding role or a q/k layernorm
+    name, plus whatever the bound plan reads (:meth:`cover`). Flags and requires_grad of
+    the other parameters of a DDP chunk are read once per discovery
+    (``torch_impl.invalidate_plans(model)`` forces a re-read). A seed helper checks less
+    (:meth:`touched_same`: in full only what its plan may read), the router helpers only
+    the routers (:meth:`routers_same`).
+
+    Args:
+      found: the discovered model.
+      chunks: the chunks as given (wrappers included).
+      facts: per chunk, the facts that decide discovery (:func:`chunk_facts`).
+      watched: the keys of the parameters to watch.
+      touched: the keys of the parameters a step besides the DP sync may touch (what a
+        seed helper's plan may read: :meth:`touched_same`); None: all watched ones.
+    """
+
+    def __init__(
+        self,
+        found: Any,
+        chunks: Sequence[Any],
+        facts: Callable[[], tuple[Any, ...]],
+        watched: Iterable[ParamKey],
+        touched: Iterable[ParamKey] | None = None,
+    ) -> None:
+        self.found = found
+        self.facts = facts
+        self.chunk_facts = facts()  # held: their ids cannot be reused while watched
+        self.fact_ids = tuple(map(id, self.chunk_facts))
+        self.keys = set(watched)
+        self.touched = self.keys if touched is None else set(touched) & self.keys
+        self.grads = self._grad_watch(self.keys)
+        self._helper: tuple[GradWatch, DictWatch] | None = None  # made on a helper's first check
+        routers = list(found.router_modules.values())
+        # A router's attributes against a copy (its containers, _buffers among them, are the
+        # same objects, so they compare by identity); its buffers key by key, by identity
+        # (a one-element buffer replaced by an equal one is still seen).
+        self.router_dicts = list(map(vars, routers))
+        self.router_snapshots = list(map(dict.copy, self.router_dicts))
+        self.router_buffers = ExactDicts(map(BUFFERS, self.router_dicts))
+        # The modules the hooks watch, and the module-tree edges down to the watched
+        # parameters and, apart, to the routers.
+        self.module_ids = _watched_module_ids(chunks, found)
+        self.param_edges = self._parameter_edges()
+        self.router_edges = _Edges(found.chunks, [(k[0], k[1], None) for k in found.router_modules])
+        self.dirty = [False]
+        handles = _register_hooks(set(self.module_ids), self.dirty)
+        self._finalizer = weakref.finalize(self, _remove_hooks, handles)
+
+    def _parameter_edges(self) -> _Edges:
+        """The module-tree edges to the watched parameters."""
+        return _Edges(self.found.chunks, [(k[0], k[1], PARAMETERS) for k in self.keys])
+
+    def structure_same(self) -> bool:
+        """No registration in the model since construction, the same module-tree edges to
+        the watched objects, and the same per-chunk facts."""
+        return (
+            not self.dirty[0]
+            and self.param_edges.same()
+            and self.router_edges.same()
+            and tuple(map(id, self.facts())) == self.fact_ids
+        )
+
+    def routers_same(self) -> bool:
+        """What a plan of router steps only (expert bias, qb_beta, reset) depends on: no
+        registration in the model, the same edges to the routers, chunk facts, router
+        attributes and buffers (not the parameters)."""
+        return (
+            not self.dirty[0]
+            and self.router_edges.same()
+            and tuple(map(id, self.facts())) == self.fact_ids
+            and self._routers_unchanged()
+        )
+
+    def _routers_unchanged(self) -> bool:
+        return not differs(self.router_dicts, self.router_snapshots) and self.router_buffers.same(
+            map(BUFFERS, self.router_dicts)  # whichever dict each router holds now
+        )
+
+    def same(self) -> bool:
+        """True when the cached discovery (and every plan made from it) still holds."""
+        return self.structure_same() and self._routers_unchanged() and self.grads.same()
+
+    def touched_same(self) -> bool:
+        """What a seed helper's plan depends on (it does no DP sync): structure, chunk
+        facts and routers as :meth:`same`, the parameters a step besides the DP sync may
+        touch (and what bound plans read) in full, and of the other watched parameters
+        their attributes only (a flag set later makes one a candidate); their gradients
+        and requires_grad are the DP sync's, which :meth:`same` checks."""
+        if self._helper is None:
+            if not self.same():  # the helper's snapshot starts from the discovered state
+                return False
+            rest = [self.found.tensors[k] for k in self.found.tensors if k in self.keys and k not in self.touched]
+            full = self.grads if not rest else self._grad_watch(self.touched)
+            self._helper = (full, DictWatch(map(vars, rest)))
+        full, rest = self._helper
+        return self.structure_same() and self._routers_unchanged() and full.same() and rest.same()
+
+    def _grad_watch(self, keys: set[ParamKey]) -> GradWatch:
+        return GradWatch(self.found.tensors[k] for k in self.found.tensors if k in keys)
+
+    def cover(self, keys: Iterable[ParamKey], helper: bool = False) -> None:
+        """Also watch ``keys`` (what a bound plan reads or writes; a seed helper's plan:
+        also in :meth:`touched_same`): their flags and gradient tensors, and the module
+        dicts on their paths."""
+        keys = set(keys)
+        if keys - self.keys:
+            self.keys |= keys
+            self.grads = self._grad_watch(self.keys)
+            self.param_edges = self._parameter_edges()
+            self._helper = None
+        if helper and keys - self.touched:
+            self.touched = self.touched | keys
+            self._helper = None
+
+    def has_dtensor(self) -> bool:
+        return self.grads.has_dtensor()
+
+    def close(self) -> None:
+        """Remove the registration hooks now (they also go when the watch is collected)."""
+        self._finalizer()

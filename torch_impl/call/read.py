@@ -1,0 +1,175 @@
+"""The read stage of a call: everything it reads from the user's objects.
+
+:func:`read` takes the model chunks, their configs (or a helper's), the group source and
+the model's parameters, gradients, flags and routers into an immutable
+:class:`CallInputs`, memoized on the model (:mod:`torch_impl.call.model_state`) while
+the model watch sees the same objects. It is the only stage that touches user objects;
+whatever it raises, of any type, is held by the pipeline for the status round
+(:func:`torch_impl.call.pipeline.prepare`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from meshgrad.axes import Group
+from meshgrad.config import FinalizeConfig
+from meshgrad.errors import FinalizeTypeError
+from meshgrad.plan import Step
+from meshgrad.steps import ROUTER_ONLY_STEPS
+from torch_impl.call.model_state import ModelState, Reads
+from torch_impl.run.groups import TorchGroups, world_rank
+from torch_impl.sources.config import Requested, chunk_configs
+from torch_impl.sources.discover import Discovered, discover, dtype_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What one call asks of :func:`prepare`.
+
+    Args:
+      steps: the steps a seed helper runs; empty: every step (``finalize_model_grads``).
+      config: a helper's config (a Megatron config, a mapping or a FinalizeConfig; None:
+        the chunks' ``config``), merged with the chunks' ``ddp_config`` unless
+        ``merge_ddp_config`` is False.
+      merge_ddp_config: merge the chunks' ``ddp_config`` into ``config``.
+      overrides: FinalizeConfig fields a helper sets (Megatron's helpers skip some gates).
+      num_tokens: the call's ``num_tokens`` (checked every step).
+      force_all_reduce: all-reduce instead of the distributed optimizer's reduce-scatter.
+      found: a helper's own discovery (the embedding helpers' one weight).
+      over: the groups a helper communicates over: its status round and comparison.
+    """
+
+    steps: tuple[Step, ...] = ()
+    config: Any = None
+    merge_ddp_config: bool = True
+    overrides: tuple[tuple[str, Any], ...] = ()
+    num_tokens: Any = None
+    force_all_reduce: bool = False
+    found: Discovered | None = None
+    over: tuple[Group, ...] = ()
+
+    @property
+    def finalize(self) -> bool:
+        """Whether this is ``finalize_model_grads``: every step."""
+        return not self.steps
+
+    @property
+    def reads(self) -> Reads:
+        """What the call's plan may read: every watched parameter (finalize), the routers
+        only (router steps), else what a step besides the DP sync may touch."""
+        if self.finalize:
+            return "all"
+        return "routers" if ROUTER_ONLY_STEPS.issuperset(self.steps) else "touched"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CallInputs:
+    """What the read stage read for one call (immutable): the model state it is memoized
+    on, the config, the sizes the config states, the groups, the discovery (with its
+    fingerprint token) and each chunk's DDP object (None: meshgrad syncs it)."""
+
+    state: ModelState
+    config: FinalizeConfig
+    requested: Requested
+    groups: TorchGroups
+    token: Any
+    found: Discovered
+    ddp: tuple[Any, ...]
+
+
+def as_chunks(model: Any) -> list[Any]:
+    """The model as a non-empty list of chunks.
+
+    Raises:
+      TypeError: ``model`` is not a module or a sequence of modules.
+    """
+    if isinstance(model, nn.Module):
+        return [model]
+    if not isinstance(model, (list, tuple)) or not model:
+        raise FinalizeTypeError(
+            f"rank {world_rank()}: model must be a non-empty list of nn.Module chunks, got {type(model).__name__}"
+        )
+    for i, chunk in enumerate(model):
+        if not isinstance(chunk, nn.Module):
+            raise FinalizeTypeError(f"rank {world_rank()}: model[{i}] is a {type(chunk).__name__}, not an nn.Module")
+    return list(model)
+
+
+def _config(state: ModelState, chunks: Sequence[Any], request: Request) -> tuple[FinalizeConfig, tuple[Any, Any]]:
+    """The call's FinalizeConfig and the raw configs it came from."""
+    raw, ddp_config = chunk_configs(chunks)
+    if request.config is not None:
+        raw = request.config
+    if not request.merge_ddp_config:
+        ddp_config = None
+    config = state.config_memo.config(raw, ddp_config)
+    if request.overrides or not request.finalize:
+        config = state.config_memo.helper_config(config, request.overrides)
+    return config, (raw, ddp_config)
+
+
+def _layout_found(chunks: Sequence[Any], config: FinalizeConfig) -> Discovered:
+    """The model as ``attach_grad_buffers`` plans it: every trainable parameter with a
+    gradient of the dtype the DP sync will reduce."""
+    found = discover(chunks, config)
+    grad_dtype = "float32" if config.grad_reduce_in_fp32 else None
+    specs = tuple(
+        dataclasses.replace(
+            spec,
+            has_grad=bool(found.tensors[spec.key].requires_grad),
+            dtype=grad_dtype or dtype_name(found.tensors[spec.key].dtype),
+        )
+        for spec in found.params
+    )
+    return dataclasses.replace(found, params=specs)
+
+
+def _read_sources(chunks: list[Any], source: Any, request: Request, known: dict[str, Any]) -> tuple[Any, ...]:
+    """The read stage's first half: the model state, config, stated sizes and groups."""
+    state = ModelState.of(chunks)
+    config, known["raw"] = _config(state, chunks, request)
+    known["config"] = config
+    requested = state.config_memo.requested(known["raw"][0]) if request.finalize else Requested()
+    memo = state.group_memo
+    groups = memo.resolve_groups(memo.parallel_state_groups() if source is None else source, config, requested)
+    known["groups"] = groups
+    return state, config, requested, groups
+
+
+def read(model: Any, source: Any, request: Request, known: dict[str, Any]) -> CallInputs:
+    """The read stage: everything the call reads from the user's objects (chunks, config,
+    group source, parameters, gradients, routers), memoized on the model while unchanged.
+
+    Args:
+      model: the model chunks (or one module).
+      source: the group source.
+      request: what the call asks for.
+      known: filled with what resolved, for sharing an error raised here.
+    """
+    chunks = as_chunks(model)
+    state, config, requested, groups = _read_sources(chunks, source, request, known)
+    if request.found is not None:
+        token, found, ddp = (request.found.params, request.found.routers), request.found, (None,) * len(chunks)
+    else:
+        gtp = groups.size(Group.GTP) > 1 or groups.size(Group.EGTP) > 1
+        token, found, ddp = state.discovered(chunks, config, complete=gtp, reads=request.reads)
+    if not request.finalize:
+        ddp = (None,) * len(chunks)
+    return CallInputs(state, config, requested, groups, token, found, ddp)
+
+
+def read_layout(model: Any, source: Any) -> CallInputs:
+    """The read stage of ``attach_grad_buffers``: the model as ``finalize_model_grads``
+    will plan it, every trainable parameter counted as having a gradient."""
+    chunks = as_chunks(model)
+    state, config, requested, groups = _read_sources(chunks, source, Request(), {})
+    found = _layout_found(chunks, config)
+    return CallInputs(state, config, requested, groups, None, found, (None,) * len(chunks))
+
+
+__all__ = ["CallInputs", "Request", "as_chunks", "read", "read_layout"]

@@ -1,0 +1,169 @@
+"""The watches that say at C speed whether a cached plan's inputs are unchanged:
+:class:`GradWatch` (parameters' flags and gradient tensors, shapes of gradients and
+parameters), :class:`DictWatch` / :class:`ExactDicts` (dicts compared with copies), and
+:func:`differs`, the comparison they share."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+
+from torch_impl.run.grads import get_grad, is_dtensor
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_GRAD = operator.attrgetter("grad")
+_SHAPE = operator.attrgetter("shape")  # a little cheaper than Tensor.size()
+MODULES = operator.itemgetter("_modules")
+PARAMETERS = operator.itemgetter("_parameters")
+BUFFERS = operator.itemgetter("_buffers")
+
+
+#: Attribute values whose ``==`` tells a replacement from the same object: plain values
+#: compare by value (an equal replacement reads the same: flags are read by truth value),
+#: and a plain tensor that is not of one element (or is on the meta device) raises when
+#: compared with any other tensor.
+_PLAIN_VALUES = (bool, int, float, str, bytes, type(None))
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+
+
+def _compares_by_identity(value: Any) -> bool:
+    """Whether a changed ``value`` cannot compare equal to its replacement, as far as the
+    watches are concerned (see :data:`_PLAIN_VALUES`; a module without its own ``==``
+    compares by identity)."""
+    kind = type(value)
+    if kind in _PLAIN_VALUES:
+        return True
+    if isinstance(value, nn.Module):
+        return kind.__eq__ is object.__eq__
+    # A meta or empty tensor's comparison result has no truth value (it raises, like a
+    # tensor of two or more elements): only a one-element tensor can compare equal.
+    return kind in _PLAIN_TENSORS and (value.device.type == "meta" or value.numel() != 1)
+
+
+def by_value(mapping: Mapping[str, Any]) -> bool:
+    """Whether a copy of ``mapping`` tells every replacement by ``==`` (all its values
+    :func:`_compares_by_identity`); else it is compared key by key, by identity
+    (:class:`ExactDicts`)."""
+    return all(map(_compares_by_identity, mapping.values()))
+
+
+def differs(live: Any, snapshot: Any) -> bool:
+    """``live != snapshot`` (C-level for lists and dicts: identical elements short-cut); a
+    comparison that raises (two different tensors) counts as a change."""
+    try:
+        return live != snapshot
+    except Exception:  # noqa: BLE001 -- an elementwise comparison's error: not the same object
+        return True
+
+
+def split(items: Iterable[Any], flags: Iterable[bool]) -> tuple[list[Any], list[Any]]:
+    """(the items whose flag is true, the others), each in order."""
+    kept: list[Any] = []
+    rest: list[Any] = []
+    for item, flag in zip(items, flags):
+        (kept if flag else rest).append(item)
+    return kept, rest
+
+
+class ExactDicts:
+    """Dicts whose values need an identity check (a one-element or meta tensor, a tensor
+    subclass): the same keys in the same order, each value the same object.
+
+    Args:
+      dicts: the dicts as they are now (their keys and values are held).
+    """
+
+    def __init__(self, dicts: Iterable[dict[str, Any]]) -> None:
+        dicts = list(dicts)
+        self.keys = list(map(tuple, dicts))
+        self.values = list(chain.from_iterable(map(dict.values, dicts)))  # held: identity needs live objects
+
+    def same(self, live: Iterable[dict[str, Any]]) -> bool:
+        """Whether ``live`` (the dicts now, in construction order) hold what they held."""
+        live = list(live)
+        return list(map(tuple, live)) == self.keys and all(  # same keys: the values line up
+            map(operator.is_, chain.from_iterable(map(dict.values, live)), self.values)
+        )
+
+
+class DictWatch:
+    """Whether some dicts (parameters' or modules' attribute dicts) hold what they held.
+
+    Each dict is compared with a copy, all in one list comparison (identical values
+    short-cut; a plain value compares by value, a tensor that is not of one element raises
+    against any other tensor: a change), or, when it holds a value that could compare
+    equal to its replacement (a one-element tensor, a subclass), key by key and by
+    identity (:class:`ExactDicts`).
+
+    Args:
+      dicts: the live dicts (held: they are the objects compared each time).
+    """
+
+    def __init__(self, dicts: Iterable[dict[str, Any]]) -> None:
+        dicts = list(dicts)
+        self.plain, self.exact = split(dicts, map(by_value, dicts))
+        self.snapshots = list(map(dict.copy, self.plain))
+        self.exact_now = ExactDicts(self.exact)
+
+    def same(self) -> bool:
+        """Whether every dict holds what it held at construction."""
+        return not differs(self.plain, self.snapshots) and self.exact_now.same(self.exact)
+
+
+class GradWatch:
+    """Whether parameters still look as they did at construction, at C speed.
+
+    Per parameter: ``requires_grad``, the ``.grad`` tensor object (where there is no
+    ``main_grad``), every attribute set on the parameter (its ``__dict__``: ``main_grad``,
+    ``allreduce``, ``sequence_parallel`` and the other flags), and, for each plain
+    gradient tensor, its data pointer and size (so ``grad.data = ...`` or ``resize_`` is
+    seen too), and the parameter's own shape (``param.data = ...`` of another shape). The attribute dicts are compared with copies in one list comparison: a
+    value compares by identity first, a plain flag by value (an equal replacement means
+    the same), a gradient tensor raises against any other tensor (a change); a dict
+    holding another kind of value (a one-element tensor, a subclass) is compared key by
+    key and value by identity. Everything runs as C-level loops over fixed lists: a few
+    tens of nanoseconds per parameter and check.
+
+    Args:
+      params: the parameters (any order, fixed for this watch).
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.params = tuple(params)
+        self.requires = list(map(_REQUIRES_GRAD, self.params))
+        dicts = list(map(vars, self.params))
+        self.attributes = DictWatch(dicts)
+        # .grad matters where main_grad is absent (its appearing changes the dict).
+        self.grad_params = [p for p, d in zip(self.params, dicts) if "main_grad" not in d]
+        self.grads = list(map(_GRAD, self.grad_params))
+        tensors = []
+        for p in self.params:
+            g = get_grad(p)
+            if isinstance(g, torch.Tensor) and g.layout is torch.strided and not is_dtensor(g) and g.device.type != "meta":
+                tensors.append(g)
+        self.tensors = tensors
+        self.ptrs = list(map(torch.Tensor.data_ptr, tensors))
+        self.sizes = list(map(_SHAPE, tensors))
+        self.param_sizes = list(map(_SHAPE, self.params))  # ``param.data = ...`` of another shape
+
+    def same(self) -> bool:
+        """True when nothing a bound program or the plan depends on has changed."""
+        return (
+            list(map(_REQUIRES_GRAD, self.params)) == self.requires
+            and self.attributes.same()
+            and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
+            and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
+            # One torch.Size at a time, compared and let go of: a list of thousands of new
+            # tuples would set the cyclic garbage collector off (10x the check itself).
+            and all(map(operator.eq, map(_SHAPE, self.tensors), self.sizes))
+            and all(map(operator.eq, map(_SHAPE, self.params), self.param_sizes))
+        )
+
+    def has_dtensor(self) -> bool:
+        return any(is_dtensor(g) for g in map(get_grad, self.params))

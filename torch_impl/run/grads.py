@@ -1,0 +1,103 @@
+"""Gradient access: which tensor is a parameter's gradient, DTensor unshard / reshard,
+Megatron-FSDP local shards.
+
+* :func:`get_grad` / :func:`grad_attr`: ``param.main_grad`` when the parameter has it,
+  else ``param.grad``.
+* :class:`GradAccess`: per-step access by key; a DTensor gradient is made whole on first
+  use and written back into its local shard by :meth:`GradAccess.flush` (with
+  ``local_shards``, Megatron FSDP, its local shard is used as is).
+
+The watches that say whether gradients and model still are what a cached plan was made
+for are in :mod:`torch_impl.call.watches` and :mod:`torch_impl.call.model_watch`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from meshgrad.params import ParamKey
+from meshgrad.errors import FinalizeInputError
+
+
+def grad_attr(param: torch.Tensor) -> str:
+    """``"main_grad"`` when the parameter has that attribute, else ``"grad"``."""
+    return "main_grad" if hasattr(param, "main_grad") else "grad"
+
+
+def get_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient finalization works on (``main_grad`` or ``grad``)."""
+    return getattr(param, grad_attr(param))
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (without importing the slow DTensor package: no
+    DTensor can exist before ``torch.distributed.tensor`` is imported)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def unshard(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor made whole (``full_tensor()``); any other tensor unchanged."""
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
+
+
+def reshard(tensor: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``tensor`` sharded like the DTensor ``reference`` (no communication: every rank
+    holds the whole tensor), keeping the attributes set on ``reference``."""
+    from torch.distributed.tensor import distribute_tensor  # late: a slow import, needed only with DTensors
+
+    out = distribute_tensor(tensor, reference.device_mesh, reference.placements, src_data_rank=None)
+    for name, value in vars(reference).items():
+        if not name.startswith("_"):
+            setattr(out, name, value)
+    return out
+
+
+class GradAccess:
+    """Per-step access to gradients by key.
+
+    Plain tensors are used in place. A DTensor gradient is unsharded on first use and
+    written back into its local shard by :meth:`flush`; with ``local_shards`` (Megatron
+    FSDP) its local shard is used directly.
+
+    Args:
+      params: parameter objects by key.
+      local_shards: reduce DTensor local shards instead of whole tensors.
+    """
+
+    def __init__(self, params: Mapping[ParamKey, torch.Tensor], local_shards: bool = False) -> None:
+        self.params = params
+        self.local_shards = local_shards
+        self._work: dict[ParamKey, torch.Tensor] = {}
+        self._dtensors: dict[ParamKey, torch.Tensor] = {}
+
+    def __getitem__(self, key: ParamKey) -> torch.Tensor:
+        work = self._work.get(key)
+        if work is None:
+            grad = get_grad(self.params[key])
+            if grad is None:
+                raise FinalizeInputError(f"parameter {key[1]!r} (chunk {key[0]}) lost its gradient after planning")
+            if is_dtensor(grad):
+                if self.local_shards:
+                    work = grad.to_local()
+                else:
+                    work = grad.full_tensor()
+                    self._dtensors[key] = grad
+            else:
+                work = grad
+            self._work[key] = work
+        return work
+
+    def flush(self) -> None:
+        """Write unsharded DTensor gradients back into their local shards."""
+        for key, grad in self._dtensors.items():
+            grad.to_local().copy_(reshard(self._work[key], grad).to_local())
+        self._dtensors.clear()
+        self._work.clear()
+
+
+__all__ = ["GradAccess", "get_grad", "grad_attr", "is_dtensor", "reshard", "unshard"]

@@ -1,0 +1,60 @@
+"""Plan once, run many: a plan's actions bound once to one step's gradient tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from meshgrad.params import ParamKey
+from meshgrad.plan import Action
+from torch_impl.run.stats import ExecStats
+from torch_impl.run.execute import bind_action, execute_ops
+from torch_impl.run.groups import TorchGroups
+from torch_impl.run.scaling import bind_scale
+
+
+class Program:
+    """A plan's actions bound to one set of gradient tensors.
+
+    Everything that depends only on the plan and the tensors -- flat spans, staging
+    buffers and their views, copy lists, the groups of each collective, the spans the
+    num_tokens scale multiplies -- is computed here once; :meth:`run` then does
+    O(collectives) work. Valid while the parameters hold the same gradient tensors
+    (:class:`~torch_impl.call.watches.GradWatch`); not for DTensor gradients (they are unsharded per step).
+
+    Args:
+      actions: the actions to run (TokenScale excluded).
+      grads: gradient tensor by key (plain tensors).
+      routers: router modules by key.
+      groups: this rank's process groups.
+      stats: counters (copied bytes).
+      scale_keys: the gradients :meth:`scale` multiplies.
+    """
+
+    def __init__(
+        self,
+        actions: Sequence[Action],
+        grads: Mapping[ParamKey, torch.Tensor],
+        routers: Mapping[ParamKey, nn.Module],
+        groups: TorchGroups,
+        stats: ExecStats,
+        scale_keys: Sequence[ParamKey] = (),
+    ) -> None:
+        self.ops = [(a, bind_action(a, grads, routers, groups, stats)) for a in actions]
+        self._scale = bind_scale([grads[k] for k in scale_keys])
+        stats.programs_bound += 1
+
+    def run(self, on_step: Callable[[Action], None] | None = None) -> None:
+        """Run every bound action in order, under ``torch.no_grad()``."""
+        if not torch.is_grad_enabled():  # finalize already runs it under no_grad
+            execute_ops(self.ops, on_step)
+            return
+        with torch.no_grad():
+            execute_ops(self.ops, on_step)
+
+    def scale(self, factor: torch.Tensor) -> None:
+        """Multiply the bound gradients by the 0-d float32 ``factor`` (num_tokens scale)."""
+        with torch.no_grad():
+            self._scale(factor)

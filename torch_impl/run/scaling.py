@@ -1,0 +1,107 @@
+"""The global token-count scale: the count reduced across ranks, and gradients
+multiplied by its reciprocal (bound once, on device, no host sync)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshgrad.axes import Group
+from meshgrad.plan import ReduceOp, TokenScale
+from torch_impl.run.collectives import all_reduce
+from torch_impl.run.groups import TorchGroups
+
+
+def global_token_scale(num_tokens: torch.Tensor, action: TokenScale, groups: TorchGroups) -> torch.Tensor:
+    """Per-token scaling: broadcast num_tokens from the last pp stage, SUM it over the
+    planned group, and return the factor that divides every gradient (no host sync).
+
+    The count is reduced in int64 (float64 for floating input), so int8..int32 counts do
+    not overflow, and written back into ``num_tokens``, which holds the global count
+    afterwards, as in Megatron (wrapped to its dtype if it cannot hold it). The factor is
+    Megatron's ``1.0 / clamp(n, min=1)``: in ``num_tokens``' floating dtype, or the default
+    float dtype (float32) for integer counts, with ``num_tokens``' shape.
+    """
+    wide = torch.float64 if num_tokens.is_floating_point() else torch.int64
+    total = num_tokens.detach().to(wide, copy=True)
+    pp = groups.group(Group.PP)
+    if groups.token_broadcast is not None:
+        group, source = groups.token_broadcast
+        dist.broadcast(total, src=source, group=group)
+    elif pp is not None:
+        dist.broadcast(total, src=groups.pp_last_rank, group=pp)
+    all_reduce(total, groups.group(action.group), ReduceOp.SUM, groups.size(action.group))
+    num_tokens.detach().copy_(total)
+    counted = num_tokens.detach() if num_tokens.is_floating_point() else total
+    return torch.clamp(counted, min=1).reciprocal()
+
+
+def scale_grads(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply every tensor in place by the 0-d float32 ``scale`` (on device)."""
+    bind_scale(tensors)(scale)
+
+
+def coalesce(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The fewest tensors covering ``tensors``: contiguous tensors that lie back to back
+    in one storage are merged into one 1-D span (overlapping ones are kept apart)."""
+    spans: list[tuple[Any, int, torch.Tensor]] = []
+    other: list[torch.Tensor] = []
+    for t in tensors:
+        try:
+            ptr = t.untyped_storage().data_ptr() if t.is_contiguous() else None
+        except (RuntimeError, NotImplementedError):
+            ptr = None
+        if ptr is None or t.numel() == 0:
+            other.append(t)
+        else:
+            spans.append(((ptr, t.dtype, t.device), t.storage_offset(), t))
+    spans.sort(key=lambda item: (str(item[0]), item[1]))
+    out: list[torch.Tensor] = []
+    run: list[torch.Tensor] = []
+    end = None
+    for where, offset, t in spans:
+        if run and (where, offset) == end:
+            run.append(t)
+        else:
+            if run:
+                out.append(_merge(run))
+            run = [t]
+        end = (where, offset + t.numel())
+    if run:
+        out.append(_merge(run))
+    return out + other
+
+
+def _merge(run: list[torch.Tensor]) -> torch.Tensor:
+    if len(run) == 1:
+        return run[0]
+    first = run[0]
+    total = sum(t.numel() for t in run)
+    return first.as_strided((total,), (1,), first.storage_offset())
+
+
+def bind_scale(tensors: Sequence[torch.Tensor]) -> Callable[[torch.Tensor], None]:
+    """Multiplication of ``tensors`` by a 0-d float32 factor, bound once: back-to-back
+    gradients (a flat buffer) become one span, one ``_foreach_mul_`` per device and dtype.
+    The factor stays on device (no host sync)."""
+    by_kind: dict[tuple[Any, Any], list[torch.Tensor]] = {}
+    for t in coalesce(tensors):
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    kinds = [(device, group) for (device, _), group in by_kind.items()]
+
+    def run(scale: torch.Tensor) -> None:
+        for device, group in kinds:
+            factor = scale if scale.device == device else scale.to(device)
+            if factor.dim() == 0 or torch.result_type(group[0], factor) == group[0].dtype:
+                torch._foreach_mul_(group, factor.reshape(()))
+            else:  # a wider one-element factor (float64 num_tokens): multiply as Megatron's `*=`
+                for t in group:
+                    t.copy_((t * factor).reshape(t.shape))
+
+    return run
+
+
+# --------------------------------------------------------------------------- plan

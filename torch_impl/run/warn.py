@@ -1,0 +1,41 @@
+"""Warnings that point at the user's line.
+
+A warning meshgrad gives (a group size that differs from the config, and the likely
+mistakes of the plan stage) is attributed to the first frame outside ``meshgrad`` and
+``torch_impl`` -- the user's call of finalize or of a seed helper -- so that the warnings
+filter shows the user's file and line, and its default action ("once per location")
+keeps one per call site. Each is given once per plan: the stage that warns runs when a
+plan is built, not on the cached calls after it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import meshgrad
+
+_OURS = (
+    os.path.dirname(os.path.abspath(meshgrad.__file__)) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # torch_impl/, every stage
+)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside meshgrad and torch_impl, for a
+    ``warnings.warn`` called by the caller of this function."""
+    frame = sys._getframe(2)  # the caller of our caller: where warnings.warn's level 2 points
+    level = 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_OURS):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message, category)`` attributed to the user's line."""
+    warnings.warn(message, category, stacklevel=user_stacklevel())
+
+
+__all__ = ["user_stacklevel", "warn_user"]

@@ -1,0 +1,366 @@
+"""ParamSpecs and RouterSpecs from torch model chunks, with Megatron's attribute conventions.
+
+Conventions read (all optional):
+
+* ``param.allreduce = False``: an expert parameter (reduced over expert DP).
+* ``param.sequence_parallel``, ``param.average_gradients_across_tp_domain``,
+  ``param.pipeline_parallel``, ``param.flextron_router_pp_sync``,
+  ``param.is_gtp_weight_remat``: the flags of docs/semantics.md.
+* gradient: ``param.main_grad`` when the attribute exists, else ``param.grad``.
+* word embedding: ``module.shared_embedding_or_output_weight()`` when the module's
+  ``share_embeddings_and_output_weights`` is True or the config has MTP layers;
+  position embedding: ``module.position_embeddings.weight``.
+* routers: modules with ``expert_bias`` / ``qb_beta`` buffers or a
+  ``reset_global_aux_loss_tracker()`` method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshgrad.config import FinalizeConfig
+from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
+from meshgrad.steps import may_touch
+from meshgrad.errors import FinalizeInputError, FinalizeTypeError
+from torch_impl.run.grads import get_grad
+
+#: Parameter attributes copied into ParamSpec flags.
+FLAG_ATTRS = (
+    "sequence_parallel",
+    "average_gradients_across_tp_domain",
+    "pipeline_parallel",
+    "flextron_router_pp_sync",
+    "is_gtp_weight_remat",
+)
+
+
+_MODULE_GETATTR = nn.Module.__getattr__
+_NO_ATTR = object()
+
+
+def attr_or(obj: Any, name: str, default: Any = None) -> Any:
+    """``getattr(obj, name, default)``. For an ``nn.Module`` that keeps torch's
+    ``__getattr__``, a name that is neither an instance nor a class attribute is looked up
+    in its parameters, buffers and submodules, in torch's order, without calling that
+    ``__getattr__`` (which formats an error message for each miss; the wrapper chains of
+    a model are walked every step)."""
+    cls = type(obj)
+    if getattr(cls, "__getattr__", None) is _MODULE_GETATTR:
+        state = obj.__dict__
+        if name not in state and not hasattr(cls, name):
+            for store in (state["_parameters"], state["_buffers"], state["_modules"]):
+                if name in store:
+                    return store[name]
+            return default
+    return getattr(obj, name, default)
+
+
+def has_attr(obj: Any, name: str) -> bool:
+    """``hasattr(obj, name)``, a miss answered as :func:`attr_or` does."""
+    return attr_or(obj, name, _NO_ATTR) is not _NO_ATTR
+
+
+def unwrap(module: Any, attr: str = "pre_process") -> Any:
+    """Follow ``.module`` wrappers (DDP, Float16Module, ...) down to the model.
+
+    Args:
+      module: a model chunk, possibly wrapped.
+      attr: stop at the first object that has this attribute.
+
+    Returns:
+      The first object in the ``.module`` chain with ``attr``, else the innermost one.
+    """
+    seen = 0
+    while not has_attr(module, attr) and has_attr(module, "module") and seen < 64:
+        module = module.module
+        seen += 1
+    return module
+
+
+def find_attr(module: Any, attr: str) -> Any:
+    """The first ``attr`` found along the ``.module`` chain of ``module`` (None if absent)."""
+    for _ in range(64):
+        value = attr_or(module, attr, _NO_ATTR)
+        if value is not _NO_ATTR:
+            return value
+        inner = attr_or(module, "module", _NO_ATTR)
+        if inner is _NO_ATTR:
+            return None
+        module = inner
+    return None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+def param_spec(
+    name: str, chunk: int, param: torch.Tensor, role: Role = Role.NONE, class_flags: dict[str, Any] | None = None
+) -> ParamSpec:
+    """The ParamSpec of one parameter.
+
+    Megatron's flags are instance attributes, read from the parameter's ``__dict__``; a
+    flag defined on the parameter's class counts too (``class_flags``: the class's values,
+    :func:`class_flags`, computed here when not given).
+
+    Raises:
+      TypeError: its gradient is not a floating tensor.
+    """
+    attrs = vars(param)
+    flags = class_flags if class_flags is not None else _class_flags(type(param))
+    own = () if _FLAG_NAMES.isdisjoint(attrs) else attrs.keys() & _FLAG_NAMES
+    if own:
+        flags = {**flags, **{k: attrs[k] for k in own}}
+    if "main_grad" in attrs or flags["main_grad"]:
+        attr, grad = "main_grad", attrs["main_grad"] if "main_grad" in attrs else getattr(param, "main_grad")
+    else:
+        attr, grad = "grad", param.grad
+    ref = grad if grad is not None else param
+    if grad is not None and not isinstance(grad, torch.Tensor):
+        raise FinalizeTypeError(f"parameter {name!r} (chunk {chunk}): {attr} is a {type(grad).__name__}, not a tensor")
+    return ParamSpec(
+        name,
+        chunk,
+        tuple(ref.shape),
+        dtype_name(ref.dtype),
+        not flags["allreduce"],  # Megatron: `not getattr(param, "allreduce", True)`
+        bool(flags["sequence_parallel"]),
+        bool(flags["average_gradients_across_tp_domain"]),
+        bool(flags["pipeline_parallel"]),
+        bool(flags["flextron_router_pp_sync"]),
+        bool(flags["is_gtp_weight_remat"]),
+        bool(param.requires_grad) and grad is not None,
+        role,
+    )
+
+
+#: Attributes a parameter's ParamSpec reads, and their values when absent.
+_FLAG_DEFAULTS = {"allreduce": True, **{flag: False for flag in FLAG_ATTRS}}
+_FLAG_NAMES = frozenset(_FLAG_DEFAULTS)
+
+
+def _class_flags(cls: type) -> dict[str, Any]:
+    """The flag values a parameter class defines (defaults for the rest), and whether it
+    defines ``main_grad``."""
+    return {**{k: getattr(cls, k, v) for k, v in _FLAG_DEFAULTS.items()}, "main_grad": hasattr(cls, "main_grad")}
+
+
+def shared_word_embedding(module: Any, has_mtp: bool) -> torch.Tensor | None:
+    """semantics `word_embedding`: the tied word-embedding weight of an unwrapped chunk, or None."""
+    if not (attr_or(module, "share_embeddings_and_output_weights", False) or has_mtp):
+        return None
+    getter = attr_or(module, "shared_embedding_or_output_weight", None)
+    return getter() if callable(getter) else None
+
+
+def position_embedding(module: Any) -> torch.Tensor | None:
+    """semantics `pos_embedding`: ``module.position_embeddings.weight``, or None."""
+    emb = attr_or(module, "position_embeddings", None)
+    return attr_or(emb, "weight", None) if emb is not None else None
+
+
+def router_spec(name: str, chunk: int, module: nn.Module) -> RouterSpec | None:
+    """The RouterSpec of a module, or None when it holds no router state.
+
+    Raises:
+      ValueError: its per-expert buffers disagree in length, or expert_bias comes
+        without local_tokens_per_expert.
+    """
+    bias = getattr(module, "expert_bias", None)
+    qb = getattr(module, "qb_beta", None)
+    reset = getattr(module, "reset_global_aux_loss_tracker", None)
+    if not (hasattr(module, "expert_bias") or hasattr(module, "qb_beta") or callable(reset)):
+        return None
+    lengths = {}
+    for attr in ("expert_bias", "local_tokens_per_expert", "qb_beta", "qb_beta_accum"):
+        value = getattr(module, attr, None)
+        if isinstance(value, torch.Tensor):
+            lengths[attr] = int(value.shape[-1]) if value.dim() else 1
+    if len(set(lengths.values())) > 1:
+        raise FinalizeInputError(f"router {name!r} (chunk {chunk}): per-expert buffers differ in length: {lengths}")
+    if bias is not None and not isinstance(getattr(module, "local_tokens_per_expert", None), torch.Tensor):
+        raise FinalizeInputError(f"router {name!r} (chunk {chunk}) has expert_bias but no local_tokens_per_expert tensor")
+    return RouterSpec(
+        name=name,
+        chunk=chunk,
+        num_experts=next(iter(lengths.values()), 1),
+        training=bool(getattr(module, "training", True)),
+        has_expert_bias=bias is not None,
+        frozen_expert_bias=bool(getattr(module, "frozen_expert_bias", False)),
+        has_qb_beta=qb is not None,
+        qb_accum_present=getattr(module, "qb_beta_accum", None) is not None,
+        has_aux_loss_tracker=callable(reset),
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Discovered:
+    """What discovery found in a model list.
+
+    Args:
+      params: one ParamSpec per parameter of every chunk.
+      routers: one RouterSpec per router module.
+      tensors: the parameter objects by key.
+      router_modules: the router modules by key.
+      chunks: the unwrapped chunks (index = chunk).
+      complete: every parameter has a spec (False: the Megatron-DDP chunks' parameters
+        that no step of meshgrad touches were left out, :func:`discover`).
+      untouched_experts: some left-out parameter is a trained expert parameter.
+    """
+
+    params: tuple[ParamSpec, ...]
+    routers: tuple[RouterSpec, ...]
+    tensors: Mapping[ParamKey, torch.Tensor]
+    router_modules: Mapping[ParamKey, nn.Module]
+    chunks: tuple[Any, ...]
+    complete: bool = True
+    untouched_experts: bool = False
+
+    def fingerprint(self) -> tuple[Any, ...]:
+        """What may change between steps and changes the plan: requires_grad, gradient
+        presence and dtype of every parameter; mode and accumulator presence of routers."""
+        out: list[Any] = []
+        for key, param in self.tensors.items():
+            grad = get_grad(param)
+            out.append((param.requires_grad, None if grad is None else grad.dtype))
+        for module in self.router_modules.values():
+            out.append((module.training, getattr(module, "qb_beta_accum", None) is None))
+        return tuple(out)
+
+    def refresh(self) -> "Discovered":
+        """Re-read the per-step facts (grad presence, dtype, router mode) of the same
+        parameters and routers."""
+        params = tuple(
+            param_spec(s.name, s.chunk, self.tensors[s.key], s.role) for s in self.params
+        )
+        routers = tuple(router_spec(r.name, r.chunk, self.router_modules[r.key]) for r in self.routers)
+        return dataclasses.replace(self, params=params, routers=routers)  # type: ignore[arg-type]
+
+
+def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[bool] = ()) -> Discovered:
+    """ParamSpecs and RouterSpecs of every chunk of ``model``.
+
+    Args:
+      model: the model chunks of this rank (virtual pipeline chunks), possibly wrapped.
+      config: the finalize config (MTP decides whether the shared weight is looked up).
+      untouched: per chunk, leave out the parameters no step but the DP sync touches
+        (no flag, role or q / k layernorm name: :func:`touched`); for Megatron-DDP
+        chunks, whose DDP does the DP sync, when the GTP step is off.
+
+    Returns:
+      A :class:`Discovered`.
+
+    Raises:
+      TypeError: a gradient is not a floating tensor.
+      ValueError: inconsistent router buffers.
+    """
+    params: list[ParamSpec] = []
+    routers: list[RouterSpec] = []
+    tensors: dict[ParamKey, torch.Tensor] = {}
+    router_modules: dict[ParamKey, nn.Module] = {}
+    chunks = []
+    by_class: dict[type, dict[str, Any]] = {}
+    left_out = experts = False
+    for index, chunk in enumerate(model):
+        skip = index < len(untouched) and untouched[index]
+        module = unwrap(chunk)
+        chunks.append(module)
+        roles: dict[int, Role] = {}
+        word = shared_word_embedding(module, config.has_mtp)
+        if word is not None:
+            roles[id(word)] = Role.WORD_EMBEDDING
+        pos = position_embedding(module)
+        if pos is not None:
+            roles.setdefault(id(pos), Role.POSITION_EMBEDDING)
+        for name, param in module.named_parameters():
+            cls = type(param)
+            if cls not in by_class:
+                by_class[cls] = _class_flags(cls)
+            role = roles.get(id(param), Role.NONE)
+            if skip and role is Role.NONE and not touched(name, param, by_class[cls]):
+                left_out = True
+                experts = experts or _trained_expert(param, by_class[cls])
+                continue
+            spec = param_spec(name, index, param, role, by_class[cls])
+            params.append(spec)
+            tensors[spec.key] = param
+        for name, sub in module.named_modules():
+            spec = router_spec(name, index, sub)
+            if spec is not None:
+                routers.append(spec)
+                router_modules[spec.key] = sub
+    return Discovered(tuple(params), tuple(routers), tensors, router_modules, tuple(chunks), not left_out, experts)
+
+
+def _flag(attrs: Mapping[str, Any], class_flags: Mapping[str, Any], name: str) -> Any:
+    return attrs[name] if name in attrs else class_flags[name]
+
+
+def touched(name: str, param: torch.Tensor, class_flags: Mapping[str, Any]) -> bool:
+    """Whether a step other than the DP sync and GTP may touch ``param`` (its role
+    aside): a flag set or a q / k layernorm name -- :func:`candidate` before a spec is made."""
+    attrs = vars(param)
+    return may_touch(name, Role.NONE, (_flag(attrs, class_flags, flag) for flag in FLAG_ATTRS))
+
+
+def _trained_expert(param: torch.Tensor, class_flags: Mapping[str, Any]) -> bool:
+    """An expert parameter (``allreduce`` false) that trains and has a gradient."""
+    return not _flag(vars(param), class_flags, "allreduce") and bool(param.requires_grad) and get_grad(param) is not None
+
+
+def one_weight(model: Sequence[Any], index: int, weight: torch.Tensor | None, role: Role) -> Discovered:
+    """The discovery of an embedding helper: the one weight it reduces (none: nothing).
+
+    The helper already chose chunk ``index`` (Megatron's chunk rule); the weight is
+    labelled chunk 0 so that the plan's chunk rule keeps it.
+    """
+    if weight is None:
+        return Discovered((), (), {}, {}, tuple(model))
+    module = unwrap(model[index])
+    name = next((n for n, p in module.named_parameters() if p is weight), "embedding.weight")
+    spec = param_spec(name, 0, weight, role)
+    return Discovered((spec,), (), {spec.key: weight}, {}, tuple(model))
+
+
+
+
+def candidate(spec: ParamSpec) -> bool:
+    """Whether a step other than the DP sync may touch this parameter (given a
+    gradient): a flag, an embedding role or a q / k layernorm name."""
+    return may_touch(spec.name, spec.role, (getattr(spec, flag) for flag in FLAG_ATTRS))
+
+
+def candidate_keys(found: Discovered) -> list[ParamKey]:
+    """The keys of the :func:`candidate` parameters (what a seed helper's plan may read)."""
+    return [s.key for s in found.params if candidate(s)]
+
+
+def watched_keys(found: Discovered, plain: Sequence[bool]) -> list[ParamKey]:
+    """The parameters whose per-step state a cached plan depends on: all of a plain
+    chunk (meshgrad's DP sync reads them), the :func:`candidate` ones of a DDP chunk."""
+    return [s.key for s in found.params if plain[s.chunk] or candidate(s)]
+
+
+def chunk_facts(model: Sequence[Any], found: Discovered, has_mtp: bool, ddp_object: Any) -> tuple[Any, ...]:
+    """Per chunk, what decides discovery beyond the parameters: the unwrapped module, its
+    DDP object, the tied-embedding flag and weight, the position-embedding weight."""
+    out: list[Any] = []
+    for chunk in model:
+        module = unwrap(chunk)
+        out += (
+            module,
+            ddp_object(chunk),
+            attr_or(module, "share_embeddings_and_output_weights", None),
+            shared_word_embedding(module, has_mtp),
+            position_embedding(module),
+        )
+    return tuple(out)

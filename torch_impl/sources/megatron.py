@@ -1,0 +1,166 @@
+"""The one place where torch_impl reads Megatron-Core's modules.
+
+Megatron is never imported here: its modules can only matter once the user's process has
+imported them, so they are found in ``sys.modules``. This module reads
+``parallel_state`` (:func:`parallel_state`, :func:`parallel_state_values`,
+:func:`parallel_state_groups`): the groups of an initialized Megatron job, by meshgrad
+name, including the GTP-remat ones; and the GTP fence (:func:`gtp_fence`):
+``gtp_api.wait_for_gtp_grad_reduction_on_current_stream``.
+
+What Megatron's objects mean is read elsewhere, with the same rules: a
+``ProcessGroupCollection`` in :mod:`torch_impl.sources.pg_collection`, a helper's None group in
+:mod:`torch_impl.sources.helper_groups`, configs and DDP chunks in :mod:`torch_impl.sources.config`,
+a group source of any kind in :mod:`torch_impl.sources.group_sources`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from meshgrad.axes import Group
+from torch_impl.run.groups import TorchGroups
+
+ProcessGroup = Any
+
+PARALLEL_STATE = "megatron.core.parallel_state"
+GTP_API = "megatron.core.tensor_parallel.gtp_api"
+GTP_FENCE = "wait_for_gtp_grad_reduction_on_current_stream"
+
+
+# =========================================================================== modules
+
+
+def loaded_parallel_state() -> Any | None:
+    """Megatron's ``parallel_state`` module when the process imported it, else None."""
+    return sys.modules.get(PARALLEL_STATE)
+
+
+def parallel_state() -> Any | None:
+    """Megatron-Core's ``parallel_state`` when its model-parallel groups are initialized
+    in this process, else None."""
+    ps = loaded_parallel_state()
+    if ps is None:
+        return None
+    try:
+        return ps if ps.model_parallel_is_initialized() else None
+    except Exception:  # an older or partial parallel_state: treat as not initialized
+        return None
+
+
+def gtp_fence() -> Callable[[], None] | None:
+    """Megatron's ``wait_for_gtp_grad_reduction_on_current_stream`` when its ``gtp_api``
+    module is loaded, else None (looked up at every call, so a patched one is used)."""
+    fence = getattr(sys.modules.get(GTP_API), GTP_FENCE, None)
+    return fence if callable(fence) else None
+
+
+# =========================================================================== parallel_state
+
+#: How each named group is read from Megatron's ``parallel_state``: getter, keywords, and
+#: keywords an older Megatron lacks (dropped when the getter does not take them).
+#: DP_CP is the replicate group (the gradient sync); DP_CP_GTP the full data group
+#: (num_tokens and qb_beta), which is what ``get_data_parallel_group`` returns by default.
+PARALLEL_STATE_GETTERS: dict[Group, tuple[str, dict[str, Any], tuple[str, ...]]] = {
+    Group.TP: ("get_tensor_model_parallel_group", {}, ()),
+    Group.PP: ("get_pipeline_model_parallel_group", {}, ()),
+    Group.EMBD: ("get_embedding_group", {"check_initialized": False}, ()),
+    Group.POS_EMBD: ("get_position_embedding_group", {"check_initialized": False}, ()),
+    Group.DP_CP: ("get_data_parallel_group", {"with_context_parallel": True, "with_gtp_remat": False}, ("with_gtp_remat",)),
+    Group.DP_CP_GTP: ("get_data_parallel_group", {"with_context_parallel": True}, ()),
+    Group.EDP: ("get_expert_data_parallel_group", {"with_gtp_remat": False}, ("with_gtp_remat",)),
+    Group.TP_DP_CP: ("get_tensor_and_data_parallel_group", {"with_context_parallel": True}, ()),
+    Group.GTP: ("get_gtp_weight_remat_group", {"check_initialized": False}, ()),
+    Group.EGTP: ("get_expert_gtp_weight_remat_group", {"check_initialized": False}, ()),
+}
+UNDEFINED = object()
+
+
+def _accepted(getter: Callable[..., Any], kwargs: dict[str, Any], optional: tuple[str, ...]) -> dict[str, Any]:
+    if not optional:
+        return kwargs
+    try:
+        params = inspect.signature(getter).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params or k not in optional}
+
+
+def parallel_state_group(ps: Any, group: Group) -> Any:
+    """One named group from ``parallel_state``; ``UNDEFINED`` when its getter is absent
+    or asserts (not initialized), None where Megatron holds none for this rank."""
+    name, kwargs, optional = PARALLEL_STATE_GETTERS[group]
+    getter = getattr(ps, name, None)
+    if not callable(getter):
+        return UNDEFINED
+    try:
+        return getter(**_accepted(getter, kwargs, optional))
+    except (AssertionError, RuntimeError, TypeError, AttributeError):
+        return None if group in (Group.EMBD, Group.POS_EMBD, Group.GTP, Group.EGTP) else UNDEFINED
+
+
+def parallel_state_values(ps: Any) -> dict[Group, ProcessGroup | None]:
+    """The groups Megatron's ``parallel_state`` defines, by meshgrad name (a getter that is
+    absent or raises leaves its group out)."""
+    values = {g: parallel_state_group(ps, g) for g in PARALLEL_STATE_GETTERS}
+    return {g: v for g, v in values.items() if v is not UNDEFINED}
+
+
+def parallel_state_groups(ps: Any | None = None) -> TorchGroups | None:
+    """This rank's :class:`TorchGroups` from Megatron's initialized ``parallel_state``
+    (a new one; :func:`parallel_state_keyed` keeps one while the groups stay the same),
+    or None when it is not initialized."""
+    found = parallel_state_keyed(ps)
+    return found[1] if found is not None else None
+
+
+def parallel_state_keyed(
+    ps: Any | None = None, memo: tuple[tuple[Any, ...], TorchGroups] | None = None
+) -> tuple[tuple[Any, ...], TorchGroups] | None:
+    """This rank's :class:`TorchGroups` from Megatron's initialized ``parallel_state``, as
+    ``finalize_model_grads(pg_collection=None)`` reads it, with its key (the groups'
+    identities).
+
+    Args:
+      ps: the ``parallel_state`` module (default: Megatron's, when imported).
+      memo: a previous result: returned again while the groups are the same objects (the
+        caller keeps it -- the model state -- so a loop passing ``pg_collection=None``
+        reuses one TorchGroups, and one cached plan, every step).
+
+    Returns:
+      (key, groups), or None when parallel_state is not initialized.
+    """
+    ps = parallel_state() if ps is None else ps
+    if ps is None:
+        return None
+    values = parallel_state_values(ps)
+    key = tuple((g, id(v)) for g, v in values.items())
+    if memo is not None and memo[0] == key:
+        return memo
+    return key, TorchGroups.from_mapping(values, source="Megatron parallel_state")  # it keeps the groups alive
+
+
+def default_group() -> ProcessGroup | None:
+    """What a None group passed to a torch.distributed collective means: the world."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+__all__ = [
+    "GTP_API",
+    "GTP_FENCE",
+    "PARALLEL_STATE",
+    "PARALLEL_STATE_GETTERS",
+    "UNDEFINED",
+    "default_group",
+    "gtp_fence",
+    "loaded_parallel_state",
+    "parallel_state",
+    "parallel_state_group",
+    "parallel_state_groups",
+    "parallel_state_keyed",
+    "parallel_state_values",
+]
