@@ -203,7 +203,7 @@ def _allreduce_router_grads(
         parallel_state's, which is what Megatron's helper always uses).
     """
     pp = helper_group(Group.PP, pp_group, "lookup", "_allreduce_router_grads: the pipeline group")
-    request = Request(steps=(Step.ROUTER,), config=config, overrides=(("flextron", True),), over=(Group.PP,))
+    request = Request(steps=(Step.ROUTER,), config=config, over=(Group.PP,))
     run_helper(model, {Group.PP: pp}, request)
 
 
@@ -234,8 +234,7 @@ def _allreduce_replicated_grads_over_gtp_remat_group(
     chunks = as_chunks(model)
     raw, ddp_config = chunk_configs(chunks)
     config = None if raw is not None or ddp_config is not None else FinalizeConfig()  # None: the chunks'
-    overrides = (("calculate_per_token_loss", bool(calculate_per_token_loss)),)
-    request = Request(steps=(Step.GTP,), config=config, overrides=overrides)
+    request = Request(steps=(Step.GTP,), config=config, per_token_loss=bool(calculate_per_token_loss))
     run_helper(chunks, {Group.GTP: gtp_remat_group, Group.EGTP: egtp_remat_group}, request)
 
 
@@ -357,7 +356,7 @@ def _update_router_expert_bias(
         Megatron's helper).
     """
     group = helper_group(Group.TP_DP_CP, tp_dp_cp_group, "lookup", "_update_router_expert_bias(tp_dp_cp_group)")
-    request = Request(steps=(Step.EXPERT_BIAS,), config=config, overrides=(("moe_router_enable_expert_bias", True),))
+    request = Request(steps=(Step.EXPERT_BIAS,), config=config)
     run_helper(model, {Group.TP_DP_CP: group}, request)
 
 
@@ -371,8 +370,7 @@ def _update_router_qb_beta(model: list[nn.Module], config: Any, dp_cp_group: Pro
     default group (the world), to which Megatron passes it on.
     """
     group = helper_group(Group.DP_CP_GTP, dp_cp_group, "world", "_update_router_qb_beta(dp_cp_group)")
-    overrides = (("moe_router_load_balancing_type", "quantile_balancing"),)
-    request = Request(steps=(Step.QB_BETA,), config=config, overrides=overrides)
+    request = Request(steps=(Step.QB_BETA,), config=config)
     run_helper(model, {Group.DP_CP: group, Group.DP_CP_GTP: group}, request)
 
 

@@ -79,7 +79,6 @@ def embedding_grad(
     request = Request(
         steps=(step,),
         config=config,
-        overrides=(("share_embeddings_and_output_weights", True),),
         found=state.embedding(chunks, index, weight, role),
         over=(Group.EMBD, Group.POS_EMBD),
     )

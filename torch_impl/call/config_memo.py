@@ -7,6 +7,8 @@ import dataclasses
 from typing import Any
 
 from meshgrad.config import FinalizeConfig
+from meshgrad.helpers import helper_config
+from meshgrad.plan import Step
 from torch_impl.sources.config import CONFIG_SIZES, Requested, resolve_config
 from torch_impl.call.memo import Snapshot, put
 
@@ -19,7 +21,7 @@ class ConfigMemo:
     def __init__(self) -> None:
         self.last_config: tuple[Snapshot, Snapshot, FinalizeConfig] | None = None
         self.last_requested: tuple[Snapshot, Requested] | None = None
-        self.helper_configs: dict[tuple[FinalizeConfig, tuple[tuple[str, Any], ...]], FinalizeConfig] = {}
+        self.helper_configs: dict[tuple[FinalizeConfig, tuple[Step, ...], bool | None], FinalizeConfig] = {}
 
     def config(self, raw: Any, ddp_config: Any) -> FinalizeConfig:
         """``resolve_config(raw, ddp_config)``, memoized: the same two objects with the same
@@ -38,18 +40,14 @@ class ConfigMemo:
         self.last_config = (*snapshots, resolved)
         return resolved
 
-    def helper_config(self, config: FinalizeConfig, overrides: tuple[tuple[str, Any], ...]) -> FinalizeConfig:
-        """A seed helper's config: ``config`` with the helper's ``overrides`` and without
-        configured embedding stage sets (no embedding step of finalize runs in a helper),
-        memoized (a FinalizeConfig is immutable)."""
-        key = (config, overrides)
+    def helper_config(self, config: FinalizeConfig, steps: tuple[Step, ...], per_token_loss: bool | None) -> FinalizeConfig:
+        """A seed helper's config (:func:`meshgrad.helpers.helper_config`), memoized (a
+        FinalizeConfig is immutable)."""
+        key = (config, steps, per_token_loss)
         hit = self.helper_configs.get(key)
         if hit is not None:
             return hit
-        derived = config.replace(**dict(overrides)) if overrides else config
-        if derived.embedding_stages is not None or derived.position_embedding_stages is not None:
-            derived = derived.replace(embedding_stages=None, position_embedding_stages=None)
-        return put(self.helper_configs, key, derived)
+        return put(self.helper_configs, key, helper_config(config, steps, calculate_per_token_loss=per_token_loss))
 
     def last_resolved_config(self, raw: Any, ddp_config: Any) -> FinalizeConfig | None:
         """The config last resolved from these two objects (not checked again), or None."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
+from meshgrad.helpers import plan_helper
 from meshgrad.plan import GroupSizes, plan_finalize
 from meshgrad.requirements import group_requirements
 from torch_impl.call.check import CheckSpec, PlanRecord
@@ -98,9 +99,9 @@ def _finalize_plan(
 
 
 def _helper_plan(found: Discovered, config: FinalizeConfig, groups: TorchGroups, request: Request) -> BoundPlan:
-    """A seed helper's plan: only its steps, no DP sync, checked over its own groups."""
-    plan = plan_finalize(found.params, config, groups.group_sizes(config), found.routers, dp_sync=False)
-    plan = dataclasses.replace(plan, actions=plan.for_step(*request.steps))
+    """A seed helper's plan (:func:`meshgrad.helpers.plan_helper`: its steps, built with its
+    rules), checked over its own groups."""
+    plan = plan_helper(found.params, config, groups.group_sizes(config), found.routers, request.steps)
     checks = CheckSpec(keys=tuple(plan_keys(plan, ())), nan=False, over=request.over, compared=request.over)
     return BoundPlan(plan, (), (), (), checks, helper=True)
 

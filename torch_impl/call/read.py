@@ -37,7 +37,7 @@ class Request:
         the chunks' ``config``), merged with the chunks' ``ddp_config`` unless
         ``merge_ddp_config`` is False.
       merge_ddp_config: merge the chunks' ``ddp_config`` into ``config``.
-      overrides: FinalizeConfig fields a helper sets (Megatron's helpers skip some gates).
+      per_token_loss: the GTP helper's ``calculate_per_token_loss`` argument (None: none).
       num_tokens: the call's ``num_tokens`` (checked every step).
       force_all_reduce: all-reduce instead of the distributed optimizer's reduce-scatter.
       found: a helper's own discovery (the embedding helpers' one weight).
@@ -47,7 +47,7 @@ class Request:
     steps: tuple[Step, ...] = ()
     config: Any = None
     merge_ddp_config: bool = True
-    overrides: tuple[tuple[str, Any], ...] = ()
+    per_token_loss: bool | None = None
     num_tokens: Any = None
     force_all_reduce: bool = False
     found: Discovered | None = None
@@ -108,8 +108,8 @@ def _config(state: ModelState, chunks: Sequence[Any], request: Request) -> tuple
     if not request.merge_ddp_config:
         ddp_config = None
     config = state.config_memo.config(raw, ddp_config)
-    if request.overrides or not request.finalize:
-        config = state.config_memo.helper_config(config, request.overrides)
+    if not request.finalize:  # a helper plans with its own rules (meshgrad.helpers)
+        config = state.config_memo.helper_config(config, request.steps, request.per_token_loss)
     return config, (raw, ddp_config)
 
 
