@@ -9,9 +9,11 @@ case; megatron-core's device lookups point at the CPU
 forward, backward, finalize, SGD on ``main_grad``): one twin's finalize is
 ``megatron.core.distributed.finalize_model_grads``, the other's
 ``torch_impl.finalize_model_grads``. Losses, gradient buffers and parameters must be
-bit-identical at every step; where megatron-core raises (``check_for_nan_in_grad`` on a
-NaN gradient) ours must raise a RuntimeError too (a ``CollectiveError`` naming the step),
-chained to the very error megatron-core's DDP raised. The DDP's buckets, ``overlap_grad_reduce``
+bit-identical at every step; where megatron-core's DDP raises (``check_for_nan_in_grad``
+on a NaN gradient) ours raises ``NonFiniteGradError`` naming the parameter, before any
+collective and with the gradient buffer unchanged (it reads the DDP's buffers first: with
+NaN on one rank only, megatron-core's own check raises there while its peers enter the
+collective, which this test cannot run for megatron-core; ours raises on every rank). The DDP's buckets, ``overlap_grad_reduce``
 (its reduction starts in backward hooks), the distributed optimizer's reduce-scatter,
 ``grad_reduce_in_fp32`` with bf16 parameters, ``average_in_collective`` and per-token
 scaling (``scale_gradients``) are all megatron-core's own.
@@ -28,6 +30,8 @@ division (both twins go through it alike). Skipped without megatron-core.
 from __future__ import annotations
 
 import copy
+import re
+import time
 import warnings
 from typing import Any
 
@@ -63,7 +67,11 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     ),
     "check-nan": (dict(check_for_nan_in_grad=True), {}),
     "check-nan-hit": (dict(check_for_nan_in_grad=True), dict(nan_at_step=1)),
+    "check-nan-one-rank": (dict(check_for_nan_in_grad=True), dict(nan_at_step=1, nan_rank=1, ours_only=True)),
 }
+#: Cases run with torch_impl's finalize alone (megatron-core's twin would wait for the
+#: process-group timeout there).
+OURS_ONLY = [n for n, (_, o) in CASES.items() if o.get("ours_only")]
 
 # =========================================================================== worker side
 
@@ -155,17 +163,27 @@ def _train(impl: str, ddp_fields: dict[str, Any], options: dict[str, Any], rank:
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         x = _batch(step, rank, dtype)
-        if options.get("nan_at_step") == step:
+        if options.get("nan_at_step") == step and options.get("nan_rank", rank) == rank:
             x[0, 0] = float("nan")
         out = ddp(x).float().pow(2)
         loss = out.sum() if per_token else out.mean()
+        if options.get("ours_only") and step > options.get("nan_at_step", STEPS):
+            reference = _reference_grads(ddp.module, x)  # the first step after the failed one
+        loss.backward()
+        before = [b.grad_data.clone() for b in ddp.buffers]
+        start = time.perf_counter()
         try:
-            loss.backward()
             tokens = torch.tensor(out.numel() * (rank + 1)) if per_token else None
             finalize([ddp], num_tokens=tokens)
         except Exception as err:  # compared between the twins
-            cause = err.__cause__ if err.__cause__ is not None else err  # ours names the step, chained
-            steps.append({"error": (isinstance(err, RuntimeError), type(cause).__name__, str(cause)[:300])})
+            seconds = time.perf_counter() - start
+            cause = err.__cause__ if err.__cause__ is not None else err
+            unchanged = all(bool(((a == b.grad_data) | (a.isnan() & b.grad_data.isnan())).all())
+                            for a, b in zip(before, ddp.buffers))
+            steps.append({"error": (isinstance(err, RuntimeError), type(cause).__name__, str(cause)[:300]),
+                          "unchanged": unchanged, "seconds": seconds})
+            if options.get("ours_only"):
+                continue  # the next step must work
             return {"steps": steps, "reference": reference}
         grads = [p.main_grad.detach().to(torch.float64).numpy().copy() for p in ddp.parameters()]
         with torch.no_grad():
@@ -189,7 +207,8 @@ def ddp_world(rank: int, world: int) -> dict[str, Any]:
         ps.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     try:
         return {
-            name: {side: _train(side, fields, options, rank) for side in ("megatron", "ours")}
+            name: {side: _train(side, fields, options, rank)
+                   for side in (("ours",) if options.get("ours_only") else ("megatron", "ours"))}
             for name, (fields, options) in CASES.items()
         }
     finally:
@@ -207,17 +226,18 @@ def _results() -> list[dict[str, Any]]:
     return _WORLD["values"]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if n not in OURS_ONLY])
 def test_real_ddp_twins_bit_identical(name: str) -> None:
     """megatron-core's finalize and torch_impl's on twin real-DDP models: the same losses,
-    gradients and parameters, bit for bit, at every step (or the same error)."""
+    gradients and parameters, bit for bit, at every step; where megatron-core's DDP raises,
+    ours raises NonFiniteGradError before anything changed."""
     problems = []
     for rank, result in enumerate(_results()):
         meg, ours = result[name]["megatron"]["steps"], result[name]["ours"]["steps"]
         assert len(meg) == len(ours), f"rank {rank}: megatron ran {len(meg)} steps, ours {len(ours)}"
         for step, (m, o) in enumerate(zip(meg, ours)):
             if "error" in m or "error" in o:
-                if m.get("error") != o.get("error"):
+                if "error" not in m or "error" not in o or o["error"][1] != "NonFiniteGradError" or not o["unchanged"]:
                     problems.append(f"rank {rank} step {step}: megatron {m.get('error')} ours {o.get('error')}")
                 continue
             if m["loss"] != o["loss"]:
@@ -234,12 +254,36 @@ def test_real_ddp_cases_are_not_vacuous() -> None:
     and losses change between steps."""
     for rank, result in enumerate(_results()):
         for name in CASES:
+            if name in OURS_ONLY:
+                continue
             steps = result[name]["megatron"]["steps"]
             if name == "check-nan-hit":
                 assert "error" in steps[-1] and len(steps) == 2, f"rank {rank}: {steps[-1]}"
                 continue
             assert len(steps) == STEPS and all("loss" in s for s in steps), f"{name} rank {rank}: {steps[-1]}"
             assert steps[0]["loss"] != steps[-1]["loss"], f"{name} rank {rank}: loss did not change"
+
+
+def test_nan_in_one_ranks_ddp_buffer_raises_on_every_rank_before_the_ddp_syncs() -> None:
+    """NaN on rank 1 only with the DDP's check_for_nan_in_grad: every rank raises
+    NonFiniteGradError promptly (well within the 300 s group timeout), rank 1 naming the
+    parameter; no rank's gradient buffer changed; the next step trains and gives the mean
+    of the local gradients on every rank."""
+    results = _results()
+    for rank, result in enumerate(results):
+        steps = result["check-nan-one-rank"]["ours"]["steps"]
+        assert len(steps) == STEPS and "loss" in steps[0] and "loss" in steps[2], f"rank {rank}: {steps}"
+        is_runtime, kind, text = steps[1]["error"]
+        assert kind == "NonFiniteGradError" and steps[1]["unchanged"], f"rank {rank}: {steps[1]}"
+        assert steps[1]["seconds"] < 30, f"rank {rank} waited {steps[1]['seconds']:.1f} s"
+        # NaN in the input reaches every gradient: all six parameters are counted.
+        named = re.search(r"gradient of '\d\.(weight|bias)' and 5 more in the gradient buffer", text)
+        assert named if rank == 1 else ("rank 1 has NaN or Inf" in text), f"rank {rank}: {text}"
+        reference = result["check-nan-one-rank"]["ours"]["reference"]
+        for i, (got, want) in enumerate(zip(steps[2]["grads"], reference)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(1e-3, float(np.abs(want).max())),
+                                       err_msg=f"rank {rank} param {i}")
+            np.testing.assert_array_equal(got, results[0]["check-nan-one-rank"]["ours"]["steps"][2]["grads"][i])
 
 
 @pytest.mark.parametrize("name", [n for n, (f, o) in CASES.items() if not f.get("use_distributed_optimizer")

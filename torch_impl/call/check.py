@@ -21,6 +21,7 @@ from torch_impl.call.group_checks import check_layout
 from torch_impl.run.groups import TorchGroups
 from torch_impl.run.status import SPANNING_GROUPS, capturing
 from torch_impl.sources.config import Requested
+from torch_impl.sources.ddp_layout import nonfinite_in_buffers
 from torch_impl.sources.discover import Discovered
 
 
@@ -97,9 +98,28 @@ def _local_checks(
     return None, record
 
 
-def _nonfinite_message(rank: int, bad: list[ParamKey]) -> str | None:
-    """The error naming the non-finite gradients ``bad``, or None when there are none."""
-    return nonfinite_message(rank, bad) if bad else None
+def _nonfinite_message(rank: int, found: Discovered, spec: CheckSpec) -> str | None:
+    """The error naming the gradients that hold NaN / Inf, or None when there are none:
+    those meshgrad syncs (``spec.nan_keys``), then those in the gradient buffers of a
+    Megatron DDP that would check them itself inside ``finish_grad_sync`` (its
+    ``check_for_nan_in_grad`` without ``overlap_grad_reduce``: there its check raises on
+    one rank while its peers enter the collective). With ``overlap_grad_reduce`` the DDP
+    checked each bucket when its reduction started, in backward."""
+    bad = nonfinite(found, spec.nan_keys)
+    if bad:
+        return nonfinite_message(rank, bad)
+    for ddp in spec.ddp:
+        ddp_config = getattr(ddp, "ddp_config", None)
+        if getattr(ddp_config, "check_for_nan_in_grad", False) and not getattr(ddp_config, "overlap_grad_reduce", False):
+            names = nonfinite_in_buffers(ddp)
+            if names:
+                more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+                return (
+                    f"rank {rank}: NaN or Inf in the gradient of {names[0]!r}{more} in the gradient buffer of "
+                    f"{type(ddp).__name__} (check_for_nan_in_grad); found before any collective: no gradient "
+                    "was changed"
+                )
+    return None
 
 
 def _nonfinite_tokens(num_tokens: Any) -> bool:
@@ -162,7 +182,7 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
     compare = mode != "off" and (mode == "every_step" or not record.consistent or record.tokens != tokens)
     return Findings(
         None, record, round_due=True, compare=compare, tokens=tokens,
-        nonfinite=_nonfinite_message(groups.rank, nonfinite(found, spec.nan_keys)) if nan_check else None,
+        nonfinite=_nonfinite_message(groups.rank, found, spec) if nan_check else None,
         nonfinite_tokens=nan_check and _nonfinite_tokens(num_tokens),
     )
 

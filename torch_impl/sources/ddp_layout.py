@@ -1,6 +1,8 @@
 """Read a Megatron DDP's bucket layout, and name the cross-stage-summed parameters it
 shards differently across pipeline stages.
 
+Also the read-only NaN / Inf pre-check of its gradient buffers (:func:`nonfinite_in_buffers`).
+
 Read only: the DDP's ``buffers`` / ``expert_parallel_buffers`` (each with ``params``,
 ``param_index_map``: param -> (start, end, bucket id) in the buffer, ``bucket_indices``:
 bucket id -> (start, end), ``data_parallel_world_size``) and its ``ddp_config``. The
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from typing import Any
+
+import torch
 
 from meshgrad.ddp_layout import Bucket, BucketParam, misaligned_cross_stage_params
 
@@ -47,13 +51,47 @@ def buffer_layout(buffer: Any, names: Mapping[int, str]) -> BufferLayout:
     return tuple(buckets), int(buffer.data_parallel_world_size)
 
 
+def gradient_buffers(ddp: Any) -> list[Any]:
+    """A Megatron ``DistributedDataParallel``'s gradient buffers (dense, then expert); empty
+    for a DDP-like module without them."""
+    return [b for attr in ("buffers", "expert_parallel_buffers") for b in _buffer_list(ddp, attr)]
+
+
 def ddp_layouts(ddp: Any) -> tuple[BufferLayout, ...]:
     """Every buffer's layout of a Megatron ``DistributedDataParallel`` (dense, then expert)."""
-    buffers = [b for attr in ("buffers", "expert_parallel_buffers") for b in _buffer_list(ddp, attr)]
+    buffers = gradient_buffers(ddp)
     if not buffers:
         return ()
     names = _param_names(ddp)
     return tuple(buffer_layout(b, names) for b in buffers)
+
+
+def nonfinite_in_buffers(ddp: Any) -> list[str]:
+    """The parameters of a Megatron DDP whose gradient (in its gradient buffers) holds NaN
+    or Inf, read only: one ``isfinite`` per buffer and one host sync; each parameter's
+    range (``param_index_map``) is read only when its buffer holds one.
+
+    Args:
+      ddp: a Megatron ``DistributedDataParallel`` chunk.
+
+    Returns:
+      The names (as in ``ddp.module.named_parameters()``), in buffer order.
+    """
+    buffers = [b for b in gradient_buffers(ddp) if getattr(b, "grad_data", None) is not None]
+    if not buffers:
+        return []
+    finite = torch.stack([torch.isfinite(b.grad_data).all() for b in buffers]).tolist()
+    if all(finite):
+        return []
+    names = _param_names(ddp)
+    bad: list[str] = []
+    for buffer, ok in zip(buffers, finite):
+        if ok:
+            continue
+        for param, (start, stop, _) in buffer.param_index_map.items():
+            if not bool(torch.isfinite(buffer.grad_data[start:stop]).all()):
+                bad.append(names.get(id(param), f"<unnamed {tuple(param.shape)}>"))
+    return bad
 
 
 def _buffer_list(ddp: Any, attr: str) -> list[Any]:
@@ -85,4 +123,4 @@ def misaligned_in_ddp(ddp: Any, cross_stage: Collection[str], *, force_all_reduc
     return tuple(dict.fromkeys(out))
 
 
-__all__ = ["BufferLayout", "buffer_layout", "ddp_layouts", "misaligned_in_ddp"]
+__all__ = ["BufferLayout", "buffer_layout", "ddp_layouts", "gradient_buffers", "misaligned_in_ddp", "nonfinite_in_buffers"]
