@@ -70,3 +70,46 @@ def test_the_warning_is_silenced_by_its_category_and_absent_without_the_mistake(
     out = read_outputs(model, scenario, data)
     for key, g in data.grads.items():
         np.testing.assert_array_equal(out.grads[key], g / 2)
+
+
+# --------------------------------------------------------------------------- tp = 2
+
+
+def sequence_parallel_world(rank: int, world: int) -> dict:
+    """Two tp ranks, a layernorm flagged sequence_parallel, config.sequence_parallel off
+    then on: the warnings given and the gradients after each call."""
+    import torch.distributed as dist
+
+    tp = dist.new_group([0, 1])
+    singles = [dist.new_group([r]) for r in range(world)]
+    groups = {"tp": tp, "pp": singles[rank], "embd": singles[rank], "pos_embd": singles[rank], "dp_cp": singles[rank]}
+    out = {}
+    for sequence_parallel in (False, True):
+        norm = torch.nn.LayerNorm(2)
+        norm.weight.sequence_parallel = True
+        norm.config = {"sequence_parallel": sequence_parallel}
+        warned, grads = [], []
+        for _ in range(2):  # one plan, two calls
+            norm.weight.grad = torch.full((2,), float(rank + 1))
+            norm.bias.grad = torch.full((2,), float(10 * (rank + 1)))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                finalize_model_grads([norm], pg_collection=groups)
+            warned += [(str(w.message), w.filename) for w in _mistakes(caught)]
+            grads.append((norm.weight.grad.tolist(), norm.bias.grad.tolist()))
+        out[str(sequence_parallel)] = {"warned": warned, "grads": grads}
+    return out
+
+
+def test_sequence_parallel_flags_without_config_warn_at_tp2_and_keep_megatrons_numbers():
+    from parity_tests.torch_world import case_values, run_cases
+
+    results = case_values(run_cases(__name__, ["sequence_parallel_world"], 2, timeout=120), "sequence_parallel_world")
+    for rank, result in enumerate(results):
+        off, on = result["False"], result["True"]
+        (warning,) = off["warned"]  # once per plan, though called twice
+        text, filename = warning
+        assert filename == __file__ and "'weight'" in text and "sequence_parallel" in text, warning
+        assert off["grads"] == [([rank + 1.0] * 2, [10.0 * (rank + 1)] * 2)] * 2  # Megatron: no tp sum
+        assert on["warned"] == []
+        assert on["grads"] == [([3.0] * 2, [10.0 * (rank + 1)] * 2)] * 2  # summed over tp: 1 + 2
