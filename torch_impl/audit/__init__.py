@@ -36,13 +36,16 @@ Usage::
 
 Replay with ``python -m parity_tests audit runs/step100``. The "before" values are read
 before the wrapped function runs, so a Megatron DDP whose ``finish_grad_sync`` does the
-DP sync is audited too (its reduction must not have started yet: no
-``overlap_grad_reduce`` on the audited step).
+DP sync is audited too. A DDP with ``overlap_grad_reduce=True`` reduces during backward:
+pass ``model=`` to :func:`record` / :func:`audited` (or call ``Recorder.watch``) before
+the first recorded backward, and its bucket groups' gradients are read as each starts to
+reduce (:mod:`.overlap`).
 
 Modules (one job each): :mod:`.recorder` (the :class:`Recorder`), :mod:`.options` (its
 argument checks), :mod:`.planner` (how samples are chosen), :mod:`.step` (what is read and
 written per step), :mod:`.writer` (writing the files, in a thread), :mod:`.api`
-(:func:`record`, :func:`audited`), :mod:`.sampling` (sampled positions, reading them),
+(:func:`record`, :func:`audited`), :mod:`.overlap` (reading an overlapping DDP's
+gradients as its buckets start to reduce), :mod:`.sampling` (sampled positions, reading them),
 :mod:`.plan` (what a rank's step files share), :mod:`.layout` (groups and config as
 recorded), :mod:`.fileformat` (names, ``.npz`` writing) and :mod:`.internals` (the only
 module that reads torch_impl's internals).

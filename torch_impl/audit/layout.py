@@ -44,20 +44,22 @@ def _layout(groups: Any, rank: int) -> dict[str, Any]:
     }
 
 
+def ddp_of(chunk: Any) -> Any:
+    """The Megatron DDP of a chunk: the first object of its ``.module`` chain with a
+    callable ``finish_grad_sync`` (None when there is none)."""
+    obj = chunk
+    for _ in range(64):
+        if callable(getattr(obj, "finish_grad_sync", None)):
+            return obj
+        if not hasattr(obj, "module"):
+            return None
+        obj = obj.module
+    return None
+
+
 def _ddp_chunks(model: Sequence[Any]) -> list[bool]:
     """Per chunk: whether its ``.module`` chain has a ``finish_grad_sync`` (Megatron DDP)."""
-    out = []
-    for chunk in model:
-        found, obj = False, chunk
-        for _ in range(64):
-            if callable(getattr(obj, "finish_grad_sync", None)):
-                found = True
-                break
-            if not hasattr(obj, "module"):
-                break
-            obj = obj.module
-        out.append(found)
-    return out
+    return [ddp_of(chunk) is not None for chunk in model]
 
 
 def _config_dict(config: FinalizeConfig, raw: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from torch import nn
 from torch_impl.audit.fileformat import file_name
 from torch_impl.audit.internals import model_state, resolve_layout
 from torch_impl.audit.options import FinalizeFn, check_options
+from torch_impl.audit.overlap import OverlapTaps, unwatched_reason
 from torch_impl.audit.plan import _Plan
 from torch_impl.audit.planner import PARAM_FLAGS, Planner
 from torch_impl.audit.sampling import _Entry, _router_values
@@ -62,6 +63,7 @@ class Recorder:
         self.background = background
         self._planner = Planner()
         self._writer = StepWriter()
+        self._overlap = OverlapTaps(lambda: self._planner.plan)
 
     @property
     def plans_made(self) -> int:
@@ -90,6 +92,7 @@ class Recorder:
           What the wrapped function returned.
         """
         chunks = [model] if isinstance(model, nn.Module) else list(model)
+        unwatched = self._overlap.watch(chunks)
         if self.run_id is None:
             self.run_id = agree_run_id()
         state = model_state(chunks)
@@ -100,21 +103,40 @@ class Recorder:
             plan = self._current_plan(chunks, pg_collection, resolve_layout(chunks, pg_collection))
             fields, buffers = _router_values(plan.routers)
         before = read_before(plan, fields, buffers, num_tokens)
-        result = self.finalize(chunks, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        started, lost = self._overlap.merge(plan, before.values)  # bucket groups that reduced in backward
+        try:
+            result = self.finalize(chunks, num_tokens=num_tokens, pg_collection=pg_collection,
+                                   force_all_reduce=force_all_reduce)
+        finally:
+            self._overlap.arm()
         checked = self._current_plan(chunks, pg_collection, resolve_layout(chunks, pg_collection, (state, calls)), check=False)
         if checked is not plan:
             if not checked.reads_like(plan):
-                warnings.warn(
-                    f"audit: step {self.step} not recorded: the model changed in a way only the call could see "
-                    "(parameters or routers added or removed); the next step is recorded", RuntimeWarning, stacklevel=2)
-                self.step += 1
-                return result
+                return self._skip(result, "the model changed in a way only the call could see "
+                                          "(parameters or routers added or removed)")
             plan = checked
+        if unwatched or lost:
+            return self._skip(result, lost or unwatched_reason(unwatched))
         after = read_after(plan, num_tokens, before.tokens)
         meta = step_meta(self.step, plan, self.run_id, num_tokens, after.tokens, force_all_reduce)
+        if started:
+            meta["before_at_grad_sync"] = started
         if after.fields != plan.router_fields:
             meta["router_fields_after"] = after.fields
         self._submit(plan, step_values(meta, before, after))
+        return result
+
+    def watch(self, model: Any) -> None:
+        """Read ``model``'s overlapping Megatron DDPs' gradients as their buckets start to
+        reduce, until :meth:`close` (call it before the first recorded backward). Raises
+        FinalizeTypeError for a DDP with ``overlap_grad_reduce=True`` of unknown structure."""
+        self._overlap.watch([model] if isinstance(model, nn.Module) else list(model))
+
+    def _skip(self, result: Any, why: str) -> Any:
+        """Leave this step unrecorded (a warning says why) and return the call's result."""
+        warnings.warn(f"audit: step {self.step} not recorded: {why}; the next step is recorded",
+                      RuntimeWarning, stacklevel=3)
+        self.step += 1
         return result
 
     def _current_plan(self, chunks: list[Any], source: Any, facts: tuple[Any, Any, Any, Any], check: bool = True) -> _Plan:
@@ -143,7 +165,8 @@ class Recorder:
         self._writer.flush()
 
     def close(self) -> None:
-        """Flush and stop the writer thread."""
+        """Remove the wrappers of overlapping DDPs' bucket groups, flush and stop the writer thread."""
+        self._overlap.close()
         self._writer.close()
 
     def wrap(self, fn: FinalizeFn) -> FinalizeFn:
