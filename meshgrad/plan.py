@@ -134,6 +134,22 @@ class FinalizePlan:
                 out.append(a)
         return tuple(out)
 
+    def gradient_keys(self, scale_keys: Sequence[ParamKey] | None = None) -> tuple[ParamKey, ...]:
+        """Every gradient key the plan reads or writes, in first-use order: the reductions'
+        (with their chunk copies), the stage reductions' operands, then the num_tokens scale's.
+
+        Args:
+          scale_keys: the keys the backend scales itself (default: the token scale's keys).
+        """
+        keys: dict[ParamKey, None] = {}
+        for action in self.actions:
+            if isinstance(action, Reduction):
+                keys.update(dict.fromkeys(action.all_keys))
+            elif isinstance(action, StageReduction):
+                keys.update(dict.fromkeys(k for k in action.keys_by_stage if k is not None))
+        keys.update(dict.fromkeys(self.token_scale.keys if scale_keys is None else scale_keys))
+        return tuple(keys)
+
     def actions_with(self, num_tokens: bool) -> tuple[Action, ...]:
         """The actions to run: the plan's, plus its token scaling when num_tokens is given."""
         return self.actions + ((self.token_scale,) if num_tokens else ())

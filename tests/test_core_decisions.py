@@ -98,3 +98,15 @@ def test_the_gtp_helpers_argument_and_no_configured_stage_sets():
     own = helper_config(config, (Step.GTP,), calculate_per_token_loss=True)
     assert own.calculate_per_token_loss is True and own.embedding_stages is None
     assert helper_config(FinalizeConfig(), (Step.NON_TP,)) == FinalizeConfig()  # nothing to change
+
+
+# --------------------------------------------------------------------------- what a plan reads
+
+
+def test_gradient_keys_are_what_the_actions_read_then_the_scaling():
+    params = [spec("ln", sequence_parallel=True), spec("w"), ParamSpec("emb", shape=(2,), role=Role.WORD_EMBEDDING),
+              spec("frozen", has_grad=False)]
+    plan = plan_finalize(params, FinalizeConfig(sequence_parallel=True, share_embeddings_and_output_weights=True),
+                         DIMS, delegated=frozenset({0}))
+    assert plan.gradient_keys() == ((0, "ln"), (0, "emb"), (0, "w"))  # tp sum, embedding, then the scale
+    assert plan.gradient_keys(plan.own_scale_keys) == ((0, "ln"), (0, "emb"))  # the DDP scales chunk 0

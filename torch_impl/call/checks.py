@@ -20,7 +20,6 @@ import torch
 from meshgrad.axes import Group
 from meshgrad.config import CONSISTENCY_CHECKS, FinalizeConfig, config_get
 from meshgrad.params import ParamKey, ParamSpec
-from meshgrad.plan import FinalizePlan, Reduction, StageReduction
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.sources.discover import Discovered
 from torch_impl.run.grads import GradAccess, get_grad, grad_attr, is_dtensor
@@ -29,19 +28,6 @@ from torch_impl.run.status import backend
 
 #: Gradient dtypes a plan can reduce.
 GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def plan_keys(plan: FinalizePlan, scale_keys: Sequence[ParamKey] | None = None) -> list[ParamKey]:
-    """Every gradient key the plan reads or writes (reductions with their chunk copies,
-    the stage reductions' operands, the num_tokens scale), in first-use order."""
-    keys: dict[ParamKey, None] = {}
-    for action in plan.actions:
-        if isinstance(action, Reduction):
-            keys.update(dict.fromkeys(action.all_keys))
-        elif isinstance(action, StageReduction):
-            keys.update(dict.fromkeys(k for k in action.keys_by_stage if k is not None))
-    keys.update(dict.fromkeys(plan.token_scale.keys if scale_keys is None else scale_keys))
-    return list(keys)
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -268,6 +254,5 @@ __all__ = [
     "check_num_tokens",
     "nonfinite",
     "nonfinite_message",
-    "plan_keys",
     "uses_nccl",
 ]

@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import Role
-from torch_impl.call.checks import plan_keys
 from torch_impl.call.config_memo import ConfigMemo
 from torch_impl.sources.discover import Discovered, candidate_keys, chunk_facts, discover, one_weight, watched_keys
 from torch_impl.run.stats import ExecStats
@@ -180,7 +179,7 @@ class ModelState:
             return hit
         cached = next((hit for hit in self.found.values() if hit[1] is found), None)
         if cached is not None:
-            cached[2].cover(plan_keys(bound.plan, bound.plain_scale_keys), bound.helper)  # what the plan reads is watched
+            cached[2].cover(bound.plan.gradient_keys(bound.plain_scale_keys), bound.helper)  # what the plan reads is watched
             if cached[2].has_dtensor():
                 return None
         elif any(is_dtensor(get_grad(t)) for t in found.tensors.values()):  # a helper's own discovery

@@ -17,7 +17,6 @@ from meshgrad.helpers import plan_helper
 from meshgrad.plan import GroupSizes, plan_finalize
 from meshgrad.requirements import group_requirements
 from torch_impl.call.check import CheckSpec, PlanRecord
-from torch_impl.call.checks import plan_keys
 from torch_impl.call.notices import warn_plan
 from torch_impl.call.plan_memo import BoundPlan
 from torch_impl.call.read import CallInputs, Request
@@ -88,7 +87,7 @@ def _finalize_plan(
     )
     own = tuple(s.key for s in found.params if s.has_grad and s.chunk not in bound.plan.delegated)
     checks = CheckSpec(
-        keys=tuple(dict.fromkeys(own + tuple(plan_keys(bound.plan, bound.plain_scale_keys)))),
+        keys=tuple(dict.fromkeys(own + bound.plan.gradient_keys(bound.plain_scale_keys))),
         nan_keys=own,
         ddp=bound.ddp,
         requested=requested,
@@ -102,7 +101,7 @@ def _helper_plan(found: Discovered, config: FinalizeConfig, groups: TorchGroups,
     """A seed helper's plan (:func:`meshgrad.helpers.plan_helper`: its steps, built with its
     rules), checked over its own groups."""
     plan = plan_helper(found.params, config, groups.group_sizes(config), found.routers, request.steps)
-    checks = CheckSpec(keys=tuple(plan_keys(plan, ())), nan=False, over=request.over, compared=request.over)
+    checks = CheckSpec(keys=plan.gradient_keys(()), nan=False, over=request.over, compared=request.over)
     return BoundPlan(plan, (), (), (), checks, helper=True)
 
 
