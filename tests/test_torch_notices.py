@@ -113,3 +113,23 @@ def test_sequence_parallel_flags_without_config_warn_at_tp2_and_keep_megatrons_n
         assert off["grads"] == [([rank + 1.0] * 2, [10.0 * (rank + 1)] * 2)] * 2  # Megatron: no tp sum
         assert on["warned"] == []
         assert on["grads"] == [([3.0] * 2, [10.0 * (rank + 1)] * 2)] * 2  # summed over tp: 1 + 2
+
+
+def test_a_warning_inside_a_compiled_step_points_at_the_users_line():
+    """Under torch.compile finalize runs eagerly (a graph break); its warning still names
+    the user's line, not dynamo's frames, and the numbers are Megatron's."""
+    scenario, model, data = _setup({"calculate_per_token_loss": False})
+
+    def step(tokens):
+        finalize_model_grads(model, num_tokens=tokens)
+        return tokens + 0
+
+    compiled = torch.compile(step, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.tensor(4))
+    (warning,) = _mistakes(caught)
+    assert warning.filename == __file__, warning.filename
+    out = read_outputs(model, scenario, data)
+    for key, g in data.grads.items():
+        np.testing.assert_array_equal(out.grads[key], g / 4)

@@ -38,12 +38,14 @@ from torch_impl.run.scaling import global_token_scale, scale_grads
 from torch_impl.run.grads import GradAccess, grad_attr, is_dtensor, reshard, unshard
 from torch_impl.run.groups import group_ranks, world_rank
 from torch_impl.sources.helper_groups import helper_group
+from torch_impl.sources.compiled import eager_under_compile
 from torch_impl.sources.config import chunk_configs, resolve_config
 from torch_impl.sources.megatron import gtp_fence as megatron_gtp_fence
 
 ProcessGroup = Any
 
 
+@eager_under_compile
 def invalidate_plans(model: Any) -> None:
     """Make the next call re-read ``model`` entirely (e.g. after changing flags or
     ``requires_grad`` of parameters of a Megatron-DDP chunk that no meshgrad step
@@ -51,6 +53,7 @@ def invalidate_plans(model: Any) -> None:
     ModelState.of(as_chunks(model)).invalidate()
 
 
+@eager_under_compile
 def execution_stats(model: Any) -> ExecStats:
     """The counters kept on ``model``'s cached finalize state: calls, plans built, plans
     bound to gradient tensors, and gradient bytes copied to coalesce (0 when every
@@ -61,6 +64,7 @@ def execution_stats(model: Any) -> ExecStats:
 # =========================================================================== entry point
 
 
+@eager_under_compile
 def finalize_model_grads(
     model: list[nn.Module],
     num_tokens: torch.Tensor | None = None,
@@ -177,6 +181,7 @@ def _reshard_if_dtensor(tensor_to_shard: torch.Tensor, reference_tensor: torch.T
     return reshard(tensor_to_shard, reference_tensor)
 
 
+@eager_under_compile
 @ranked()
 def _allreduce_conditional_embedding_grads(
     model: list[nn.Module], config: Any, pp_group: ProcessGroup | None = None
@@ -188,6 +193,7 @@ def _allreduce_conditional_embedding_grads(
     run_helper(model, {Group.PP: pp}, Request(steps=(Step.COND_EMBEDDER,), config=config, over=(Group.PP,)))
 
 
+@eager_under_compile
 @ranked()
 def _allreduce_router_grads(
     model: list[nn.Module], config: Any, *, pp_group: ProcessGroup | None = None
@@ -207,6 +213,7 @@ def _allreduce_router_grads(
     run_helper(model, {Group.PP: pp}, request)
 
 
+@eager_under_compile
 @ranked()
 def _allreduce_non_tensor_model_parallel_grads(
     model: list[nn.Module], config: Any, tp_group: ProcessGroup | None = None
@@ -221,6 +228,7 @@ def _allreduce_non_tensor_model_parallel_grads(
 _allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
 
 
+@eager_under_compile
 @ranked()
 def _allreduce_replicated_grads_over_gtp_remat_group(
     model: list[nn.Module],
@@ -264,6 +272,7 @@ def _get_position_embedding_weight(model_module: nn.Module) -> nn.Parameter:
     return weight
 
 
+@eager_under_compile
 @ranked()
 def _allreduce_embedding_grad(
     model: list[nn.Module],
@@ -295,6 +304,7 @@ def _allreduce_embedding_grad(
     embedding_grad(model, embd_group, pp_group, weight_getter, skip_if_none, config, has_mtp)
 
 
+@eager_under_compile
 def _allreduce_word_embedding_grads(
     model: list[nn.Module],
     config: Any,
@@ -330,6 +340,7 @@ def _allreduce_word_embedding_grads(
         embedding_grad(model, embd_group, pp_group, getter, True, config, has_mtp)
 
 
+@eager_under_compile
 def _allreduce_position_embedding_grads(
     model: list[nn.Module], config: Any, pos_emb_group: ProcessGroup, pp_group: ProcessGroup
 ) -> None:
@@ -339,6 +350,7 @@ def _allreduce_position_embedding_grads(
         embedding_grad(model, pos_emb_group, pp_group, _get_position_embedding_weight, False, config, False)
 
 
+@eager_under_compile
 @ranked()
 def _update_router_expert_bias(
     model: list[nn.Module], config: Any, tp_dp_cp_group: ProcessGroup | None = None
@@ -360,6 +372,7 @@ def _update_router_expert_bias(
     run_helper(model, {Group.TP_DP_CP: group}, request)
 
 
+@eager_under_compile
 @ranked()
 def _update_router_qb_beta(model: list[nn.Module], config: Any, dp_cp_group: ProcessGroup | None = None) -> None:
     """Update the quantile-balancing bias once per global batch: AVG of
@@ -374,6 +387,7 @@ def _update_router_qb_beta(model: list[nn.Module], config: Any, dp_cp_group: Pro
     run_helper(model, {Group.DP_CP: group, Group.DP_CP_GTP: group}, request)
 
 
+@eager_under_compile
 @ranked()
 def reset_model_temporary_tensors(config: Any, model: list[nn.Module]) -> None:
     """Reset the temporary tensors of the model: token counts, qb accumulators, the global

@@ -2,7 +2,8 @@
 
 A warning meshgrad gives (a group size that differs from the config, and the likely
 mistakes of the plan stage) is attributed to the first frame outside ``meshgrad`` and
-``torch_impl`` -- the user's call of finalize or of a seed helper -- so that the warnings
+``torch_impl`` (and torch's own compile machinery in between) -- the user's call of
+finalize or of one of Megatron's helpers -- so that the warnings
 filter shows the user's file and line, and its default action ("once per location")
 keeps one per call site. Each is given once per plan: the stage that warns runs when a
 plan is built, not on the cached calls after it.
@@ -14,11 +15,15 @@ import os
 import sys
 import warnings
 
+import torch
+
 import meshgrad
 
 _OURS = (
     os.path.dirname(os.path.abspath(meshgrad.__file__)) + os.sep,
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # torch_impl/, every stage
+    # A call made inside a torch.compile'd step passes through dynamo's frames on its way.
+    os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_dynamo") + os.sep,
 )
 
 

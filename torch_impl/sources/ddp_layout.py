@@ -19,14 +19,16 @@ from typing import Any
 import torch
 
 from meshgrad.ddp_layout import Bucket, BucketParam, misaligned_cross_stage_params
+from torch_impl.sources.compiled import uncompiled_name
 
 #: One buffer's buckets and the size of the DP group it reduce-scatters over.
 BufferLayout = tuple[tuple[Bucket, ...], int]
 
 
 def _param_names(ddp: Any) -> dict[int, str]:
+    """``id(param)`` -> its name in the DDP's module, as the uncompiled model names it."""
     module = getattr(ddp, "module", ddp)
-    return {id(p): name for name, p in module.named_parameters()}
+    return {id(p): uncompiled_name(name) for name, p in module.named_parameters()}
 
 
 def buffer_layout(buffer: Any, names: Mapping[int, str]) -> BufferLayout:

@@ -12,6 +12,9 @@ Conventions read (all optional):
   position embedding: ``module.position_embeddings.weight``.
 * routers: modules with ``expert_bias`` / ``qb_beta`` buffers or a
   ``reset_global_aux_loss_tracker()`` method.
+* a ``torch.compile(module)`` wrapper (``OptimizedModule``) is seen through wherever it
+  sits in the ``.module`` chain: names come from the module it compiled (no
+  ``_orig_mod.`` prefix), so they match the uncompiled twin on other ranks and chunks.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
 from meshgrad.steps import may_touch
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.run.grads import get_grad
+from torch_impl.sources.compiled import uncompiled
 
 #: Parameter attributes copied into ParamSpec flags.
 FLAG_ATTRS = (
@@ -66,7 +70,8 @@ def has_attr(obj: Any, name: str) -> bool:
 
 
 def unwrap(module: Any, attr: str = "pre_process") -> Any:
-    """Follow ``.module`` wrappers (DDP, Float16Module, ...) down to the model.
+    """Follow ``.module`` wrappers (DDP, Float16Module, ...) down to the model; a
+    ``torch.compile`` wrapper on the way is read through (:func:`uncompiled`).
 
     Args:
       module: a model chunk, possibly wrapped.
@@ -75,9 +80,10 @@ def unwrap(module: Any, attr: str = "pre_process") -> Any:
     Returns:
       The first object in the ``.module`` chain with ``attr``, else the innermost one.
     """
+    module = uncompiled(module)
     seen = 0
     while not has_attr(module, attr) and has_attr(module, "module") and seen < 64:
-        module = module.module
+        module = uncompiled(module.module)
         seen += 1
     return module
 
@@ -85,6 +91,7 @@ def unwrap(module: Any, attr: str = "pre_process") -> Any:
 def find_attr(module: Any, attr: str) -> Any:
     """The first ``attr`` found along the ``.module`` chain of ``module`` (None if absent)."""
     for _ in range(64):
+        module = uncompiled(module)
         value = attr_or(module, attr, _NO_ATTR)
         if value is not _NO_ATTR:
             return value
