@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from parity_tests import reference as ref
-from parity_tests.audit import FLAGS, FORMAT_VERSION
+from parity_tests.audit_files import FLAGS, FORMAT_VERSION
 from parity_tests.scenarios import ParamLayout, RankData, Scenario
 
 GROUPS = ("tp", "pp", "dp_cp", "expt_dp", "tp_dp_cp", "embd", "pos_embd", "gtp_remat", "expt_gtp_remat",
