@@ -12,14 +12,21 @@
 #      (no host sync inside), checked by value; megatron-core tried under capture too.
 #   3. python -m bench.cuda --backend fake       the same capture / replay / check for
 #      the multi-rank layout under the fake backend.
-#   4. python -m bench.full_graph                a whole training step (forward, backward,
-#      megatron-core's real DDP, torch_impl's finalize with num_tokens) captured in one
-#      CUDA graph, as FullCudaGraphWrapper captures forward_backward_func; replays on new
-#      inputs compared with eager steps of a twin model, and timed against them.
+#   4. python -m bench.full_graph                with megatron-core: megatron's own
+#      FullCudaGraphWrapper around get_forward_backward_func() (a tiny GPTModel in
+#      megatron-core's real DDP, per-token loss, config.finalize_model_grads_func =
+#      torch_impl.finalize_model_grads): eager warm-up steps, capture, replays on new
+#      batches; losses, gradients and parameters compared with eager twins (torch_impl's
+#      finalize, megatron-core's), max abs diff per step, PASS / FAIL; replay and eager
+#      step timed. Without megatron-core: the hand-rolled capture of step 5.
+#   5. python -m bench.full_graph --impl hand    the hand-rolled capture: one step
+#      (forward, backward, the DDP's sync, torch_impl's finalize with num_tokens) in one
+#      torch.cuda.graph, replays on new inputs compared with a twin's eager steps, timed.
 #
 # Usage: bash bench/gpu.sh [--quick] [--cpu-smoke]
 #   --quick      fewer rounds, the 24-layer layouts only
-#   --cpu-smoke  no GPU needed: every step on the CPU with tiny layouts (tests this script)
+#   --cpu-smoke  no GPU needed: every step on the CPU with tiny layouts (tests this script;
+#                steps 4-5 take the capture path with the torch.cuda graph calls stood in)
 # Environment: OUT (results folder; default bench/results), PYTHON (default python3),
 #   STEP_TIMEOUT (seconds per step, default 900).
 # Exit status: 0 when every step succeeded, 1 when one failed, 2 when no GPU is usable.
@@ -37,7 +44,7 @@ for arg in "$@"; do
   case "$arg" in
     --quick) QUICK=(--quick) ;;
     --cpu-smoke) SMOKE=1; QUICK=(--quick) ;;
-    -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "bench/gpu.sh: unknown argument: $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -94,17 +101,19 @@ run() {  # run NAME CMD...: run a step, keep going on failure, remember it
   fi
 }
 
-run "1/4 side by side, fake backend, gradients on $DEVICE" \
+run "1/5 side by side, fake backend, gradients on $DEVICE" \
   "$PY" -m bench --device "$DEVICE" --no-gloo "${QUICK[@]}" "${SIDE[@]}" --json "$RESULTS/gpu_side_by_side.json"
-run "2/4 world of one (${WORLD1[1]}), CUDA graph capture" \
+run "2/5 world of one (${WORLD1[1]}), CUDA graph capture" \
   "$PY" -m bench.cuda "${WORLD1[@]}" "${QUICK[@]}" --json "$RESULTS/gpu_world_of_one.json"
-run "3/4 fake multi-rank layout, CUDA graph capture" \
+run "3/5 fake multi-rank layout, CUDA graph capture" \
   "$PY" -m bench.cuda "${FAKE[@]}" "${QUICK[@]}" --json "$RESULTS/gpu_fake_graph.json"
-run "4/4 whole training step in one CUDA graph (FullCudaGraphWrapper-style), torch_impl finalize" \
+run "4/5 whole training step in one CUDA graph: megatron's FullCudaGraphWrapper (fallback: hand-rolled), torch_impl finalize" \
   "$PY" -m bench.full_graph "${GRAPH[@]}" --json "$RESULTS/gpu_full_step_graph.json"
+run "5/5 whole training step in one CUDA graph: hand-rolled torch.cuda.graph capture, torch_impl finalize" \
+  "$PY" -m bench.full_graph "${GRAPH[@]}" --impl hand --json "$RESULTS/gpu_full_step_graph_hand.json"
 
 say "summary"
-echo "results: $RESULTS/gpu_side_by_side.json gpu_world_of_one.json gpu_fake_graph.json gpu_full_step_graph.json"
+echo "results: $RESULTS/gpu_side_by_side.json gpu_world_of_one.json gpu_fake_graph.json gpu_full_step_graph.json gpu_full_step_graph_hand.json"
 if [[ ${#failed[@]} -gt 0 ]]; then
   echo "failed steps: ${failed[*]}" >&2
   exit 1

@@ -1,19 +1,33 @@
 """``python -m bench.real_ddp``: finalize time with megatron-core's REAL
-``DistributedDataParallel`` chunks, megatron-core's finalize against torch_impl's, in a
-gloo world (real collectives, one process per rank).
+``DistributedDataParallel`` chunks, megatron-core's finalize against torch_impl's and
+against the floor, in a gloo world (real collectives, one process per rank). Also run by
+``python -m bench`` (``--no-real-ddp`` skips it).
 
 The other benchmark rows use ``bench.ddp.MiniDDP``, a stand-in with Megatron DDP's
-finalize-facing surface: their chunks hold parameters on the meta device in fake-backend
-worlds of up to 64 ranks in one process, where megatron-core's DDP cannot be built (it
-needs ``parallel_state`` or a full ``ProcessGroupCollection`` of real groups and a
-``TransformerConfig``). This script measures what the real DDP can run: an MLP of
-``--layers`` x ``--hidden`` in megatron-core's DDP on every rank of a gloo world with
-Megatron's ``parallel_state`` (dp = world), per-token loss, ``overlap_grad_reduce`` off
-and on. Each call is ``finalize_model_grads([ddp], num_tokens=n)``: the DDP's own bucket
-sync and ``scale_gradients``, plus what the finalize adds around them (megatron-core:
-its helper calls; torch_impl: planning once, then its cached plan). Times are interleaved
-rounds (``bench.timing.interleaved``), the slowest rank's median per call; the ratio
-torch_impl / megatron-core is printed, no goal.
+finalize-facing surface (see bench/README.md for which rows and why). This script measures
+what the real DDP runs: an MLP of ``--layers`` x ``--hidden`` in megatron-core's DDP on every
+rank of a gloo world with Megatron's ``parallel_state`` (dp = world), per-token loss,
+``overlap_grad_reduce`` off and on. Four twin DDPs per setting (same seed):
+
+* ``megatron-core``: ``megatron.core.distributed.finalize_model_grads([ddp], num_tokens=n)``;
+* ``torch_impl``: ``torch_impl.finalize_model_grads([ddp], num_tokens=n)`` (planning once,
+  then its cached plan around the DDP's own sync);
+* ``torch_impl no round``: the same with ``consistency_check = "off"`` in the model's config
+  (no status round: the one small collective a call adds before data moves; shown, no goal);
+* ``floor``: what any finalize must do here, and nothing else: the DDP's
+  ``finish_grad_sync()``, the all-reduce of the token count over dp and the DDP's
+  ``scale_gradients(1 / n)``.
+
+With ``overlap_grad_reduce`` each call first runs ``zero_grad_buffer()``, forward and
+backward (the DDP's hooks start the reduction during backward), for all alike.
+Without it the calls repeat on the reduced buffers; every rank passes one token, so the
+scale ``1 / world`` undoes the sum over ranks and the values keep their magnitude.
+Times are interleaved rounds (``bench.timing.interleaved``), the slowest rank's median per
+call.
+
+Values, not timing: before and after the timed calls, the megatron-core and torch_impl twins
+each run one step on the same per-rank input (zero, forward, backward, finalize); their
+gradient buffers must be bit-identical (``max_abs_diff`` 0) and not zero.
 """
 
 from __future__ import annotations
@@ -22,7 +36,32 @@ import argparse
 import json
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
+
+from bench.goals import goal
+
+NAMES = ("megatron-core", "torch_impl", "torch_impl no round", "floor")
+MODES = {"no overlap": False, "overlap_grad_reduce": True}
+#: torch_impl / floor and torch_impl / megatron-core (as the gloo world of 4: within 1.2x).
+GOALS = {"floor": 1.2, "megatron-core": 1.2}
+
+
+def megatron_missing() -> str | None:
+    """Why the real-DDP rows cannot run here (megatron-core not importable), or None."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else "megatron-core is not installed (pip install megatron-core)"
+
+
+def _grads(ddp: Any) -> Any:
+    import torch
+
+    return torch.cat([p.main_grad.detach().reshape(-1).float() for p in ddp.parameters()])
 
 
 def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> None:
@@ -33,54 +72,153 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
 
     import torch_impl
     from bench.timing import interleaved
+    from parity_tests.megatron_state import megatron_on_cpu
 
-    torch.cuda.current_device = lambda: "cpu"  # megatron-core's DDP buffers on the CPU
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # megatron-core's device lookups (its DDP buffers) on the CPU; its TorchFunctionMode
+        # (tensors asked for on "cuda") is left at once: nothing here needs it, and a Python
+        # mode around every torch call would add to the very overhead measured
+        megatron_on_cpu().__exit__(None, None, None)
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads as megatron_finalize
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         ps.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
-    out: dict[str, Any] = {}
-    for overlap in (False, True):
-        models = {}
-        for name in ("megatron-core", "torch_impl"):
-            torch.manual_seed(0)
-            layers = [nn.Linear(payload["hidden"], payload["hidden"]) for _ in range(payload["layers"])]
-            ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=1 << 18)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, calculate_per_token_loss=True)
-                models[name] = DistributedDataParallel(cfg, ddp_cfg, nn.Sequential(*layers))
-        x = torch.randn(4, payload["hidden"])
-        tokens = torch.tensor(4 * world)
-        for ddp in models.values():  # gradients in the buffers; with overlap, the reduction started
-            ddp.zero_grad_buffer()
-            ddp(x).sum().backward()
-        finals = {"megatron-core": megatron_finalize, "torch_impl": torch_impl.finalize_model_grads}
+    dp_group = ps.get_data_parallel_group()
+    hidden = payload["hidden"]
 
-        def call(name: str) -> Any:
+    def build(overlap: bool, round_off: bool) -> Any:
+        torch.manual_seed(0)
+        layers = [nn.Linear(hidden, hidden) for _ in range(payload["layers"])]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, calculate_per_token_loss=True)
+            if round_off:
+                cfg.consistency_check = "off"  # read by torch_impl from the model's config
+            ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=1 << 18)
+            return DistributedDataParallel(cfg, ddp_cfg, nn.Sequential(*layers))
+
+    def floor_finalize(model: list[Any], num_tokens: Any) -> None:
+        (ddp,) = model
+        ddp.finish_grad_sync()
+        dist.all_reduce(num_tokens, group=dp_group)
+        ddp.scale_gradients(1.0 / num_tokens)
+
+    finals: dict[str, Callable[..., None]] = {
+        "megatron-core": megatron_finalize, "torch_impl": torch_impl.finalize_model_grads,
+        "torch_impl no round": torch_impl.finalize_model_grads, "floor": floor_finalize,
+    }
+    x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(rank))
+    one = torch.tensor(1)
+    out: dict[str, Any] = {}
+    for key, overlap in MODES.items():
+        models = {name: build(overlap, name == "torch_impl no round") for name in NAMES}
+
+        def backward(name: str) -> None:
+            models[name].zero_grad_buffer()
+            models[name](x).sum().backward()
+
+        def check() -> tuple[float, float]:
+            """One step of the two twins on the same input: (max abs diff, max abs gradient)."""
+            grads = {}
+            for name in ("megatron-core", "torch_impl"):
+                backward(name)
+                finals[name]([models[name]], num_tokens=torch.tensor(x.shape[0]))
+                grads[name] = _grads(models[name])
+            diff = float((grads["megatron-core"] - grads["torch_impl"]).abs().max())
+            return diff, float(grads["torch_impl"].abs().max())
+
+        checks = [check()]
+        for name in NAMES if not overlap else ():  # gradients in the buffers (overlap: each call's own)
+            backward(name)
+
+        def call(name: str) -> Callable[[], None]:
             def run() -> None:
-                ddp = models[name]
                 if overlap:  # each call needs a started reduction: backward's hooks start it
-                    ddp.zero_grad_buffer()
-                    ddp(x).sum().backward()
-                finals[name]([ddp], num_tokens=tokens.clone())
+                    backward(name)
+                finals[name]([models[name]], num_tokens=one.clone())
 
             return run
 
-        timed = interleaved({n: call(n) for n in finals}, rounds=payload["rounds"], batch=payload["batch"])
-        medians = torch.tensor([timed[n]["median"] for n in finals], dtype=torch.float64)
+        timed = interleaved({n: call(n) for n in NAMES}, rounds=payload["rounds"], batch=payload["batch"])
+        checks.append(check())
+        medians = torch.tensor([timed[n]["median"] for n in NAMES], dtype=torch.float64)
         dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-        key = "overlap_grad_reduce" if overlap else "no overlap"
-        out[key] = {n: float(m) for n, m in zip(finals, medians)}
-        out[key]["torch_impl / megatron-core"] = float(medians[1] / medians[0])
+        values = torch.tensor([max(c[0] for c in checks), min(c[1] for c in checks)], dtype=torch.float64)
+        worst = values.clone()
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the largest difference of any rank
+        dist.all_reduce(values, op=dist.ReduceOp.MIN)  # the smallest gradient of any rank
+        seconds = {n: float(m) for n, m in zip(NAMES, medians)}
+        out[key] = {
+            "seconds per call": seconds,
+            "torch_impl / megatron-core": seconds["torch_impl"] / seconds["megatron-core"],
+            "torch_impl / floor": seconds["torch_impl"] / seconds["floor"],
+            "megatron-core / floor": seconds["megatron-core"] / seconds["floor"],
+            "torch_impl no round / floor": seconds["torch_impl no round"] / seconds["floor"],
+            "values": {"steps compared": len(checks), "max_abs_diff": float(worst[0]),
+                       "identical": float(worst[0]) == 0.0, "grad_abs_max": float(values[1])},
+        }
     ps.destroy_model_parallel()
     if rank == 0:
-        params = payload["layers"] * (payload["hidden"] ** 2 + payload["hidden"])
-        sink.put("result", {"world": world, "parameters": params, "seconds per call": out})
+        params = payload["layers"] * (hidden**2 + hidden)
+        sink.put("result", {"world": world, "layers": payload["layers"], "hidden": hidden, "parameters": params,
+                            "modes": out})
+
+
+def run_real_ddp(*, world: int = 4, layers: int = 8, hidden: int = 256, rounds: int = 7, batch: int = 10,
+                 timeout: float = 600.0) -> dict[str, Any]:
+    """Run the benchmark world; its result, or ``{"error": ...}`` when the world failed."""
+    from parity_tests.torch_world import spawn_world
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch)
+    outcome = spawn_world(world_main, world, payload, timeout=timeout)
+    fatal = next((f for f in outcome.fatal if f), None)
+    if fatal or "result" not in outcome.results[0]:
+        return {"error": "timed out" if outcome.timed_out else str(fatal)}
+    return outcome.results[0]["result"]
+
+
+def name_of(result: dict[str, Any]) -> str:
+    """The rows' name: ``real-ddp-<layers>L-h<hidden>-dp<world>``."""
+    return f"real-ddp-{result['layers']}L-h{result['hidden']}-dp{result['world']}"
+
+
+def format_real_ddp(result: dict[str, Any]) -> str:
+    """One row per mode: ms per call of each twin and the floor, ratios, the value check."""
+    if "error" in result:
+        return f"real-DDP benchmark world failed: {result['error']}"
+    lines = [f"{name_of(result)}  (megatron-core DDP, {result['parameters']} params per rank, per-token loss)",
+             f"  {'mode':<21}" + "".join(f"{n + ' ms':>{max(18, len(n) + 5)}}" for n in NAMES)
+             + f"{'ours/mcore':>12}{'ours/floor':>12}{'mcore/floor':>13}  gradients ours vs mcore"]
+    for mode, row in result["modes"].items():
+        t, v = row["seconds per call"], row["values"]
+        same = "bit-identical" if v["identical"] else "DIFFER"
+        lines.append(
+            f"  {mode:<21}" + "".join(f"{1e3 * t[n]:>{max(18, len(n) + 5)}.4f}" for n in NAMES)
+            + f"{row['torch_impl / megatron-core']:>12.3f}{row['torch_impl / floor']:>12.3f}"
+            + f"{row['megatron-core / floor']:>13.3f}  {same} (max abs diff {v['max_abs_diff']:g}, "
+            + f"{v['steps compared']} steps, max |grad| {v['grad_abs_max']:.3g})"
+        )
+    return "\n".join(lines)
+
+
+def real_ddp_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The goals of the real-DDP rows, each with its floor where one exists."""
+    if "error" in result:
+        return []
+    name, out = name_of(result), []
+    for mode, row in result["modes"].items():
+        out.append(goal(f"{name} {mode}: torch_impl finalize / floor <= {GOALS['floor']:g}",
+                        row["torch_impl / floor"], GOALS["floor"], floor=1.0))
+        out.append(goal(f"{name} {mode}: torch_impl / megatron-core <= {GOALS['megatron-core']:g}",
+                        row["torch_impl / megatron-core"], GOALS["megatron-core"],
+                        floor=1.0 / row["megatron-core / floor"]))
+        out.append(goal(f"{name} {mode}: gradients, max abs diff torch_impl vs megatron-core == 0",
+                        row["values"]["max_abs_diff"], 0))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,21 +230,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
-    from parity_tests.torch_world import spawn_world
+    missing = megatron_missing()
+    if missing:
+        print(f"real-DDP rows skipped: {missing}")
+        return 0
+    from bench.goals import format_goals
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    payload = dict(layers=args.layers, hidden=args.hidden, rounds=args.rounds, batch=args.batch)
-    outcome = spawn_world(world_main, args.world, payload, timeout=600)
-    fatal = next((f for f in outcome.fatal if f), None)
-    if fatal or "result" not in outcome.results[0]:
-        print(f"real-DDP benchmark world failed: {'timed out' if outcome.timed_out else fatal}")
-        return 1
-    text = json.dumps(outcome.results[0]["result"], indent=2)
-    print(text)
+    result = run_real_ddp(world=args.world, layers=args.layers, hidden=args.hidden, rounds=args.rounds,
+                          batch=args.batch)
+    result["goals"] = real_ddp_goals(result)
+    print(format_real_ddp(result))
+    if result["goals"]:
+        print("\n" + format_goals(result["goals"]))
     if args.json:
         with open(args.json, "w") as f:
-            f.write(text)
-    return 0
+            json.dump(result, f, indent=2)
+    return 1 if "error" in result else 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@
    Megatron-DDP and plain chunks, first call and steady-state step, all rows in one run.
 3. A gloo world of 4 processes: end-to-end finalize time against the floor (the same
    collectives on pre-flattened buffers).
+4. megatron-core's real ``DistributedDataParallel`` in a gloo world of 4 (``bench.real_ddp``):
+   megatron-core's finalize, torch_impl's (with and without its status round) and the floor
+   on twin DDPs, ``overlap_grad_reduce`` off and on, and the two finalizes' gradients
+   compared bit for bit.
 
 Prints a table and writes JSON (``--json PATH``, default ``bench/results/latest.json``).
 A benchmark, never a timed test: it reports what it measures and checks the goals.
@@ -137,6 +141,23 @@ def goals(fake: list[dict[str, Any]], gloo: list[dict[str, Any]], scale: dict[st
     return out
 
 
+def _real_ddp(args: argparse.Namespace, quick: bool) -> dict[str, Any]:
+    """The real-DDP rows (``bench.real_ddp``), printed; ``{"skipped": reason}`` when they cannot run."""
+    from bench.real_ddp import format_real_ddp, megatron_missing, real_ddp_goals, run_real_ddp
+
+    print("\n== megatron-core's real DDP, gloo world of 4: finalize per call (median of rounds, slowest rank) ==",
+          flush=True)
+    reason = "--no-megatron" if args.no_megatron else megatron_missing()
+    if reason:
+        print(f"  skipped: {reason}", flush=True)
+        return {"skipped": reason}
+    layers, hidden = (int(v) for v in (args.real_ddp_size or ("4x256" if quick else "8x256")).split("x"))
+    result = run_real_ddp(layers=layers, hidden=hidden, rounds=args.rounds or (5 if quick else 9), batch=5 if quick else 10)
+    result["goals"] = real_ddp_goals(result)
+    print(format_real_ddp(result), flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, the 24-layer layouts only")
@@ -146,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fake", action="store_true", help="skip the fake-backend side by side")
     parser.add_argument("--no-gloo", action="store_true", help="skip the gloo world of 4")
     parser.add_argument("--no-jax", action="store_true", help="skip the JAX rows (bench.jax_rows)")
+    parser.add_argument("--no-real-ddp", action="store_true", help="skip the real megatron-core DDP rows (bench.real_ddp)")
+    parser.add_argument("--real-ddp-size", metavar="LxH", help="real-DDP MLP: layers x hidden (default 8x256, --quick 4x256)")
     parser.add_argument("--no-scale", action="store_true", help="skip the MoE scale rows")
     parser.add_argument(
         "--scale-rows", nargs="+", metavar="LxE", help="MoE scale rows to run (default 8x8 32x8 32x64 64x128)"
@@ -166,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             at = shown.index(option)
             del shown[at:at + 2]
     env = {**environment(), "argv": shown}
-    report: dict[str, Any] = {"env": env, "args": vars(args), "fake": [], "scale": None, "gloo": []}
+    report: dict[str, Any] = {"env": env, "args": vars(args), "fake": [], "scale": None, "gloo": [], "real_ddp": None}
     if not args.no_fake:
         from bench.fake import measure_layout
 
@@ -205,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_gloo(lay, rounds=5 if quick else 9, batch=3, megatron=not args.no_megatron)
             report["gloo"].append(result)
             print(format_gloo(result), flush=True)
+    if not args.no_real_ddp:
+        report["real_ddp"] = _real_ddp(args, quick)
     if not args.no_jax:
         from bench.jax_rows import format_rows, run_subprocess
 
@@ -212,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         report["jax"] = run_subprocess(quick)
         print(format_rows(report["jax"]["rows"]), flush=True)
     report["goals"] = goals(report["fake"], report["gloo"], report["scale"])
+    report["goals"] += (report["real_ddp"] or {}).get("goals", [])
     report["goals"] += report.get("jax", {}).get("goals", [])
     report["seconds"] = time.time() - started
     print("\n" + format_goals(report["goals"]))
@@ -223,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(path, "w") as f:
         json.dump(report, f, indent=2, default=str)
     print(f"\nJSON: {path}  ({report['seconds']:.0f} s)")
-    return 0
+    return 1 if "error" in (report["real_ddp"] or {}) else 0
 
 
 if __name__ == "__main__":

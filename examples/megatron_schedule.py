@@ -1,7 +1,10 @@
 """Megatron's own training schedule with ``torch_impl.finalize_model_grads`` as its
 ``config.finalize_model_grads_func``: a tiny megatron-core ``GPTModel`` in megatron-core's
 ``DistributedDataParallel``, trained with ``get_forward_backward_func()`` over TP x PP x DP
-on CPU gloo, against the same run with megatron-core's own finalize.
+on CPU gloo, against the same run with megatron-core's own finalize. With pp > 1
+``get_forward_backward_func()`` returns the 1F1B pipelined schedule
+(``forward_backward_pipelining_without_interleaving``), with pp = 1
+``forward_backward_no_pipelining``; each row names the schedule that ran.
 
 For each layout the script trains the model twice from the same seed -- once with
 ``megatron.core.distributed.finalize_model_grads``, once with
@@ -9,12 +12,13 @@ For each layout the script trains the model twice from the same seed -- once wit
 losses (last pipeline stage) and every parameter bit for bit. The attention has q / k
 layernorms (``qk_layernorm``: their gradients are summed over tp by the finalize; the
 local spec's torch LayerNorm refuses sequence parallelism), the word embedding is
-tied across the first and last stages (its gradients summed over the embedding group),
+tied across the first and last stages (its gradients summed over the embedding group;
+with pp = 1 one tensor serves both),
 and the loss is per token (``calculate_per_token_loss``: the schedule hands the global
 token count to the finalize). It prints one row per (layout, step) and ends with
 ``VERDICT: OK`` (exit 0) or ``VERDICT: MISMATCH`` (exit 1)::
 
-    python examples/megatron_schedule.py                     # tp2-pp2-dp1 and tp1-pp2-dp2, 4 ranks
+    python examples/megatron_schedule.py                     # tp2-pp2-dp1, tp1-pp2-dp2, tp2-pp1-dp2: 4 ranks
     python examples/megatron_schedule.py --layout 2x2x2      # tp2-pp2-dp2, 8 ranks
     python examples/megatron_schedule.py --steps 5 --dump DIR  # DIR/rank<r>.pt: losses, params
 
@@ -94,7 +98,7 @@ def train(tp: int, pp: int, finalize: Any, steps: int) -> dict[str, Any]:
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     config.finalize_model_grads_func = finalize
     forward_backward = get_forward_backward_func()
-    out: dict[str, Any] = {"losses": [], "params": []}
+    out: dict[str, Any] = {"schedule": forward_backward.__name__, "losses": [], "params": []}
     for step in range(steps):
         ddp.zero_grad_buffer()
         reported = forward_backward(
@@ -150,6 +154,8 @@ def run_rank(rank: int, world: int, store: str, layouts: list[tuple[int, int, in
         ours = train(tp, pp, torch_impl.finalize_model_grads, steps)
         ps.destroy_model_parallel()
         results[name] = {"megatron": ref, "torch_impl": ours}
+        if rank == 0:
+            print(f"{name}: megatron-core's {ours['schedule']}", flush=True)
         for step in range(steps):
             diffs = _differences(ref, ours, step)
             rows: list[Any] = [None] * world
@@ -172,15 +178,17 @@ def run_rank(rank: int, world: int, store: str, layouts: list[tuple[int, int, in
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layout", action="append", help="TPxPPxDP (repeatable; default 2x2x1 and 1x2x2)")
+    parser.add_argument("--layout", action="append", help="TPxPPxDP (repeatable; default 2x2x1, 1x2x2, 2x1x2)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--dump", help="folder for rank<r>.pt (losses and parameters of both runs)")
     args = parser.parse_args(argv)
-    layouts = [tuple(int(v) for v in text.split("x")) for text in (args.layout or ["2x2x1", "1x2x2"])]
+    layouts = [tuple(int(v) for v in text.split("x")) for text in (args.layout or ["2x2x1", "1x2x2", "2x1x2"])]
     worlds = {tp * pp * dp for tp, pp, dp in layouts}
     if len(worlds) != 1:
         parser.error(f"all layouts must use the same number of ranks, got {sorted(worlds)}")
     world = worlds.pop()
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,0 +1,120 @@
+"""The benchmark's real-DDP rows (``bench.real_ddp``, run by ``python -m bench``), in a reduced
+configuration: megatron-core's real ``DistributedDataParallel`` in a gloo world of 4, an MLP
+of 2 x 64. Checked by value, never by timing: every row is printed with numbers, the goals
+are printed, and in the benchmark's own run megatron-core's finalize and torch_impl's left
+bit-identical, non-zero gradients on twin DDPs (``overlap_grad_reduce`` off and on, before
+and after the timed calls). Without megatron-core the rows are skipped with a printed reason.
+
+Also ``bench.full_graph`` (``bench/gpu.sh`` step 4) on a CPU: megatron's ``FullCudaGraphWrapper``
+around its schedule with torch_impl's finalize (the capture path taken, the torch.cuda graph
+calls stood in) against eager twins, and its hand-rolled fallback without megatron-core.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launch import checkout_env, launch
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+NUMBER = r"-?[0-9]+(?:\.[0-9]+)?(?:e[-+]?[0-9]+)?"
+ONLY_REAL_DDP = ["--no-fake", "--no-scale", "--no-gloo", "--no-jax"]
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (its real DistributedDataParallel)")
+def test_real_ddp_rows_have_numbers_and_identical_gradients(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    text = launch([sys.executable, "-m", "bench", *ONLY_REAL_DDP, "--rounds", "2", "--real-ddp-size", "2x64",
+                   "--json", str(out)], ROOT, 600)
+    report = json.loads(out.read_text())
+    result = report["real_ddp"]
+    assert "error" not in result, result
+    assert (result["world"], result["layers"], result["hidden"], result["parameters"]) == (4, 2, 64, 2 * (64 * 64 + 64))
+    assert "== megatron-core's real DDP, gloo world of 4" in text
+    for mode in ("no overlap", "overlap_grad_reduce"):
+        row = result["modes"][mode]
+        values = row["values"]
+        assert values["identical"] is True and values["max_abs_diff"] == 0.0, (mode, values)
+        assert values["steps compared"] == 2 and values["grad_abs_max"] > 0, (mode, values)  # not vacuous
+        assert all(row["seconds per call"][n] > 0 for n in ("megatron-core", "torch_impl", "torch_impl no round",
+                                                            "floor")), row
+        line = next(x for x in text.splitlines() if x.strip().startswith(mode))
+        assert len(re.findall(NUMBER, line.split("bit-identical")[0])) >= 7, line  # 4 times, 3 ratios
+        assert "bit-identical (max abs diff 0," in line, line
+        for g in (f"{mode}: torch_impl finalize / floor <= 1.2", f"{mode}: torch_impl / megatron-core <= 1.2",
+                  f"{mode}: gradients, max abs diff torch_impl vs megatron-core == 0"):
+            assert re.search(rf"\[\s*(met|MISSED|floor)\] real-ddp-2L-h64-dp4 {re.escape(g)}  \(measured {NUMBER}",
+                             text), (g, text)
+    goals = [g for g in report["goals"] if g["goal"].startswith("real-ddp-")]
+    assert len(goals) == 6 and all(g["value"] is not None for g in goals)
+    assert all(g["ok"] for g in goals if "gradients" in g["goal"])
+
+
+def test_real_ddp_rows_skipped_with_a_reason(tmp_path: Path) -> None:
+    """Without megatron-core (hidden from the import system) the rows are skipped with the
+    reason printed; ``--no-real-ddp`` leaves them out."""
+    hide = ("import sys; sys.modules['megatron'] = None; from bench.run import main; "
+            "raise SystemExit(main(sys.argv[1:]))")
+    env = checkout_env()
+    runs = {"missing": [sys.executable, "-c", hide, *ONLY_REAL_DDP, "--json", str(tmp_path / "missing.json")],
+            "off": [sys.executable, "-m", "bench", *ONLY_REAL_DDP, "--no-real-ddp", "--json", str(tmp_path / "off.json")]}
+    for name, cmd in runs.items():
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        report = json.loads((tmp_path / f"{name}.json").read_text())
+        if name == "missing":
+            assert "skipped: megatron-core is not installed" in proc.stdout, proc.stdout
+            assert report["real_ddp"] == {"skipped": "megatron-core is not installed (pip install megatron-core)"}
+        else:
+            assert "real DDP" not in proc.stdout and report["real_ddp"] is None, proc.stdout
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (its FullCudaGraphWrapper, schedule and DDP)")
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_full_graph_wrapper_cpu_path_matches_eager(tmp_path: Path, model: str) -> None:
+    """``bench.full_graph`` on a CPU (``bench/gpu.sh`` step 4): megatron's
+    ``FullCudaGraphWrapper`` around its schedule with torch_impl's finalize, the capture path
+    taken for the capture and every replay, equals the eager twins bit for bit at every step;
+    and megatron-core's finalize on the eager twin gives the same values."""
+    from bench.full_graph import STEPS, WARMUP
+
+    out = tmp_path / "graph.json"
+    text = launch([sys.executable, "-m", "bench.full_graph", "--device", "cpu", "--model", model, "--json", str(out)],
+                  ROOT, 600)
+    result = json.loads(out.read_text())
+    assert "PASS" in text.splitlines()[-1], text[-2000:]
+    assert (result["impl"], result["model"], result["schedule"]) == (
+        "megatron FullCudaGraphWrapper", model, "forward_backward_no_pipelining")
+    assert result["runs flagged as captured"] == STEPS - WARMUP  # the capture, then each later replay
+    phases = [row["phase"] for row in result["steps"]]
+    assert phases == ["eager (warm-up)"] * WARMUP + ["capture + replay"] + ["replay"] * (STEPS - WARMUP - 1)
+    assert result["bit_identical"] == {"graph vs eager": True, "eager megatron-core vs eager torch_impl": True}
+    for row in result["steps"]:
+        assert all(v == 0.0 for k, v in row.items() if k.endswith("max abs diff")), row
+        assert row["eager: grads max abs"] > 0 and row["eager: loss max abs"] > 0, row  # not vacuous
+    assert result["values_ok"] is True
+
+
+def test_full_graph_falls_back_to_the_hand_rolled_capture(tmp_path: Path) -> None:
+    """Without megatron-core (hidden from the import system) ``bench.full_graph`` runs its
+    hand-rolled capture on ``bench.ddp.MiniDDP``, replays equal to eager steps."""
+    out = tmp_path / "hand.json"
+    code = ("import sys; sys.modules['megatron'] = None; from bench.full_graph import main; "
+            "raise SystemExit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "--device", "cpu", "--json", str(out)], cwd=ROOT,
+                          env=checkout_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert "hand-rolled capture (fallback)" in proc.stdout
+    assert result["impl"] == "hand-rolled torch.cuda.graph" and result["ddp"].startswith("bench.ddp.MiniDDP")
+    assert result["values_ok"] is True and result["max_rel_diff_replay_vs_eager"] <= 1e-6
+    assert result["grad_abs_max"] > 0  # not vacuous
