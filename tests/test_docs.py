@@ -1,10 +1,17 @@
 """The documentation works as written: README and docs/ snippets run and print what they
-say, commands use the venv, links resolve; the parity report's html and progress output;
-the examples added for newcomers (a verdict, a semantics variant)."""
+say (every python block of README.md and docs/*.md: a program, or a fragment run with the
+objects it names, or a block marked ```python no-run REASON), commands use the venv, links
+resolve, the reliability table names the measured types, stated times are
+bench/setup_times.py's tables; the parity report's html and progress output; the examples
+added for newcomers (a verdict, a semantics variant)."""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import io
+import json
+import os
 import re
 import subprocess
 import sys
@@ -93,7 +100,7 @@ def test_readme_commands_use_the_venv_or_make() -> None:
 
 def test_the_readme_is_a_short_front_page() -> None:
     text = README.read_text()
-    assert len(text.splitlines()) <= 165
+    assert len(text.splitlines()) <= 150
     for page in ("install", "migrating", "semantics", "reliability", "performance", "jax", "audit", "architecture"):
         assert f"](docs/{page}.md" in text, page
     assert "runs/" in (ROOT / ".gitignore").read_text().split()  # made by the documented audit command
@@ -151,10 +158,39 @@ def test_the_reliability_table_check_compares_rows_with_numbers_normalized() -> 
     other = ("fault", "rank 1 stalls 8 s [4 ranks]", "UserWarning after <= 5.0 s")  # another behaviour
     assert undocumented([same, other], text) == [other]
     # The page's own table: every outcome names what happens (an error type, a warning, or a result).
-    rows = documented_rows(DOC.read_text())
+    page = DOC.read_text()
+    rows = documented_rows(page)
     assert len(rows) >= 40
     for kind, case, outcome in rows:
-        assert re.search(r"\w+(Error|Warning)\b|replanned|read like|agree|equals|collectives", outcome), (case, outcome)
+        assert re.search(r"\w+(Error|Warning)\b|replanned|read like|agree|equals|collectives|numbers", outcome), (
+            case, outcome)
+
+
+def test_the_reliability_table_gives_the_measured_warning_or_error_type() -> None:
+    """The group-size rows: a UserWarning by default, a ValueError with strict_groups=True;
+    the likely mistakes: a LikelyMistakeWarning; the new classes: the types their tests check."""
+    from doc_table import DOC, documented_rows
+
+    rows = {case: outcome for _, case, outcome in documented_rows(DOC.read_text())}
+
+    def outcome(start: str) -> str:
+        (found,) = [o for c, o in rows.items() if c.startswith(start)]
+        return found
+
+    assert outcome("tp group size != config.tensor_model_parallel_size, default").startswith("UserWarning once per plan")
+    assert outcome("tp group size != config.tensor_model_parallel_size, strict_groups=True").startswith("ValueError")
+    assert outcome("num_tokens passed with calculate_per_token_loss=False").startswith("LikelyMistakeWarning")
+    assert outcome("a user method finalize calls raises RuntimeError").startswith("RuntimeError there, ConsistencyError")
+    assert outcome("a user method finalize calls raises KeyboardInterrupt").startswith("KeyboardInterrupt there")
+    assert outcome("num_tokens float16 on rank").startswith("ConsistencyError on every rank")
+    assert outcome("num_tokens NaN on rank").startswith("NonFiniteGradError on every rank")
+    assert outcome("finalize entered on ranks").startswith("CollectiveError naming the status round")
+    assert outcome("DeviceMesh: the expert layout changed").startswith("AgreedInputError")
+    assert outcome("param.data replaced by another shape").startswith("ValueError naming the shape")
+    assert outcome("NaN on one rank in a Megatron DDP").startswith("NonFiniteGradError on every rank")
+    assert outcome("finalize with a Megatron DDP under a distributed optimizer").startswith("LayoutWarning once per plan")
+    for field, error in (("consistency_check", "ValueError"), ("check_for_nan_in_grad", "TypeError")):
+        assert outcome(f"config.{field} = ").startswith(f"{error} naming the field there, ConsistencyError")
 
 
 def test_no_references_to_files_a_clone_lacks() -> None:
@@ -393,3 +429,309 @@ def test_a_launch_is_retried_only_after_the_gloo_teardown_abort() -> None:
     assert not teardown_abort_only(0, abort)
     assert not teardown_abort_only(1, "ValueError: rank 0: bad config\n" + abort)
     assert not teardown_abort_only(1, abort.replace("terminate called without an active exception\n", ""))
+
+
+# --------------------------------------------------------------------------- every python block of the docs
+
+#: A python block: an optional ``<!-- docs-test: KIND -->`` line, then the fence, whose info
+#: string may say ``no-run REASON`` (a block no test runs; the reason is required).
+_PYTHON_BLOCK = re.compile(r"^(?:<!-- docs-test: ([^\n]*?) -->\n)?```python([^\n]*)\n(.*?)^```", re.S | re.M)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    page: str  # file name
+    kind: str | None  # the docs-test marker's KIND
+    info: str  # the fence's info string after "python"
+    code: str
+
+
+def python_blocks(path: Path) -> list[Block]:
+    return [Block(path.name, m[1], m[2].strip(), m[3]) for m in _PYTHON_BLOCK.finditer(path.read_text())]
+
+
+#: Marked blocks, per (page, KIND): how many, and the test that runs them as programs.
+MARKED = {
+    ("README.md", "torchrun 2"): (1, "test_readme_torch_snippet_runs_as_written"),
+    ("README.md", "python"): (1, "test_readme_jax_shard_map_snippet_runs_as_written"),
+    ("jax.md", "python"): (2, "test_docs_jax_snippets_run_as_written"),
+    ("jax.md", "jax-optax"): (1, "tests/test_jax_docs.py"),
+}
+#: Fragments (code that needs the reader's objects: a model, groups, a plan), found by
+#: (page, a text in the block), and the test that runs each with those objects made.
+FRAGMENTS = {
+    ("README.md", "finalize_model_grads(model_chunks, num_tokens=num_tokens"): "test_torch_fragments_run_in_a_world_of_one",
+    ("migrating.md", "from torch_impl import finalize_model_grads"): "test_torch_fragments_run_in_a_world_of_one",
+    ("performance.md", "attach_grad_buffers("): "test_torch_fragments_run_in_a_world_of_one",
+    ("audit.md", "audit.record("): "test_torch_fragments_run_in_a_world_of_one",
+    ("jax.md", "dataclasses.replace(plan"): "test_jax_md_plan_edit_fragment_changes_only_the_non_tp_ops",
+}
+
+
+def no_run_reason(block: Block) -> str | None:
+    """The reason of a ``python no-run REASON`` block (None: the block is to be run)."""
+    if not block.info.startswith("no-run"):
+        return None
+    reason = block.info[len("no-run"):].strip(" :-")
+    assert reason, f"{block.page}: a no-run block without its reason: {block.code[:80]!r}"
+    return reason
+
+
+def classify(blocks: list[Block]) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], Block], list[Block], list[Block]]:
+    """(marked blocks counted per (page, KIND), fragments by their FRAGMENTS key, no-run
+    blocks, blocks nothing runs)."""
+    marked: dict[tuple[str, str], int] = {}
+    fragments: dict[tuple[str, str], Block] = {}
+    skipped, unrun = [], []
+    for block in blocks:
+        if no_run_reason(block) is not None:
+            skipped.append(block)
+        elif block.kind is not None:
+            marked[(block.page, block.kind)] = marked.get((block.page, block.kind), 0) + 1
+        else:
+            keys = [k for k in FRAGMENTS if k[0] == block.page and k[1] in block.code]
+            if len(keys) == 1 and keys[0] not in fragments:
+                fragments[keys[0]] = block
+            else:
+                unrun.append(block)
+    return marked, fragments, skipped, unrun
+
+
+def doc_python_blocks() -> list[Block]:
+    return [b for path in (README, *sorted(DOCS.glob("*.md"))) for b in python_blocks(path)]
+
+
+def fragment(page: str, needle: str) -> str:
+    (code,) = [b.code for b in doc_python_blocks() if b.page == page and b.kind is None and needle in b.code]
+    return code
+
+
+def test_every_python_block_of_the_docs_is_run_or_marked_no_run() -> None:
+    marked, fragments, skipped, unrun = classify(doc_python_blocks())
+    assert not unrun, [f"{b.page}: {b.code[:80]!r}" for b in unrun]
+    assert marked == {k: n for k, (n, _) in MARKED.items()}, marked
+    assert set(fragments) == set(FRAGMENTS), sorted(set(FRAGMENTS) - set(fragments))
+    names = {n for n in globals() if n.startswith("test_")}
+    for runner in [t for _, t in MARKED.values()] + list(FRAGMENTS.values()):
+        assert runner in names or (ROOT / runner).exists(), runner
+    assert all(no_run_reason(b) for b in skipped)
+
+
+def test_only_blocks_marked_no_run_are_skipped(tmp_path: Path) -> None:
+    page = tmp_path / "audit.md"
+    page.write_text(
+        "```python no-run: needs 8 GPUs\nx = 1\n```\n\n"
+        "<!-- docs-test: python -->\n```python\nprint(1)\n```\n\n"
+        "```python\nwith audit.record('d') as f:\n    f()\n```\n\n"
+        "```python\nunknown_fragment()\n```\n"
+    )
+    blocks = python_blocks(page)
+    assert [(b.kind, b.info) for b in blocks] == [(None, "no-run: needs 8 GPUs"), ("python", ""), (None, ""), (None, "")]
+    marked, fragments, skipped, unrun = classify(blocks)
+    assert marked == {("audit.md", "python"): 1}
+    assert list(fragments) == [("audit.md", "audit.record(")]
+    assert [no_run_reason(b) for b in skipped] == ["needs 8 GPUs"]
+    assert [b.code for b in unrun] == ["unknown_fragment()\n"]
+    with pytest.raises(AssertionError, match="without its reason"):
+        no_run_reason(Block("x.md", None, "no-run", "x = 1\n"))
+
+
+def run_fragment(code: str, namespace: dict) -> object:
+    """Execute ``code`` in ``namespace``; the value of its last line when that is an
+    expression (as a REPL shows it), else None."""
+    tree = ast.parse(code)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, "<docs fragment>", "exec"), namespace)  # noqa: S102 - the docs' own code
+    return eval(compile(ast.Expression(last.value), "<docs fragment>", "eval"), namespace) if last else None  # noqa: S307
+
+
+def test_run_fragment_gives_the_last_expression() -> None:
+    ns: dict = {}
+    assert run_fragment("x = 2\nx * 3  # 6\n", ns) == 6 and ns["x"] == 2
+    assert run_fragment("y = 1\n", ns) is None and ns["y"] == 1
+
+
+def test_jax_md_plan_edit_fragment_changes_only_the_non_tp_ops() -> None:
+    from meshgrad import FinalizeConfig, ParallelDims, ParamSpec, ReduceOp, Reduction, Step, plan_finalize
+
+    specs = [ParamSpec("ln.weight", shape=(4,), sequence_parallel=True), ParamSpec("fc.weight", shape=(2, 4))]
+    plan = plan_finalize(specs, FinalizeConfig(sequence_parallel=True), ParallelDims(dp=2, tp=2))
+    ns = {"dataclasses": dataclasses, "plan": plan, "ReduceOp": ReduceOp, "Step": Step}
+    run_fragment(fragment("jax.md", "dataclasses.replace(plan"), ns)
+    before = [(a.step, a.op) for a in plan.actions if isinstance(a, Reduction)]
+    after = [(a.step, a.op) for a in ns["variant"].actions if isinstance(a, Reduction)]
+    assert before == [(Step.DP_SYNC, ReduceOp.SUM), (Step.NON_TP, ReduceOp.SUM)]
+    assert after == [(Step.DP_SYNC, ReduceOp.SUM), (Step.NON_TP, ReduceOp.AVG)]
+    assert len(ns["variant"].actions) == len(plan.actions)
+
+
+def torch_fragments(directory: str) -> None:
+    """The torch fragments of the docs, each with the objects it names made here, in one
+    process (a gloo world of one rank, cwd ``directory``); writes ``results.json``."""
+    import inspect
+    import os
+    import types
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch_impl
+    from meshgrad import FinalizeConfig
+
+    os.chdir(directory)
+    codes = json.loads(Path("fragments.json").read_text())
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))  # 5 tokens
+    out: dict[str, object] = {}
+
+    def linear(config: object) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        model.config = config
+        return model
+
+    # README: the call after backward; per-token loss, so the gradient of the mean.
+    model, twin = linear(FinalizeConfig(calculate_per_token_loss=True)), linear(FinalizeConfig())
+    model(x).pow(2).sum().backward()  # the sum of the 5 token losses
+    twin(x).pow(2).sum().div(5).backward()  # their mean
+    ns = {"model_chunks": [model], "num_tokens": torch.tensor([5]), "groups": mesh}
+    run_fragment(codes["README.md"], ns)
+    out["readme"] = {"diff": (model.weight.grad - twin.weight.grad).abs().max().item(),
+                     "num_tokens": ns["num_tokens"].tolist()}
+
+    # migrating.md: the one changed import.
+    ns = {}
+    run_fragment(codes["migrating.md"], ns)
+    out["migrating"] = {"same": ns["finalize_model_grads"] is torch_impl.finalize_model_grads,
+                        "params": list(inspect.signature(ns["finalize_model_grads"]).parameters)}
+
+    # performance.md: buffers attached before training; the user's backward where "..." stands.
+    model, twin = linear(FinalizeConfig()), linear(FinalizeConfig())
+    ns = {"model_chunks": [model], "mesh": mesh, "num_tokens": None,
+          "finalize_model_grads": torch_impl.finalize_model_grads}
+    code = codes["performance.md"]
+    cut = re.search(r"^\.\.\.", code, re.M)
+    run_fragment(code[:cut.start()], ns)
+    model(x).pow(2).mean().backward()
+    twin(x).pow(2).mean().backward()
+    last = run_fragment(code[cut.start():], ns)
+    storages = {b.untyped_storage().data_ptr() for b in ns["buffers"].buffers}
+    out["performance"] = {
+        "last": last,
+        "diff": max((p.main_grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), twin.parameters())),
+        "views": all(p.main_grad.untyped_storage().data_ptr() in storages for p in model.parameters()),
+    }
+
+    # audit.md: torch_impl's finalize recorded, then megatron-core's wrapped, on Megatron-DDP-like chunks.
+    try:
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError as err:
+        out["audit"] = {"skipped": f"megatron-core: {err}"}
+    else:
+        from parity_tests.megatron_state import fake_ddp
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2)
+        config.calculate_per_token_loss = True
+        module = linear(config)
+        module(x).pow(2).sum().backward()
+        world = dist.group.WORLD
+        groups = types.SimpleNamespace(tp=world, pp=world, embd=world, pos_embd=world, dp_cp=world, dp=world,
+                                       expt_dp=world, tp_dp_cp=world, cp=world, ep=world)
+        chunk = fake_ddp(module, DistributedDataParallelConfig(), world, world)
+        before = module.weight.grad.clone()
+        ns = {"model_chunks": [chunk], "n": torch.tensor(5), "groups": groups, "pg_collection": groups}
+        run_fragment(codes["audit.md"], ns)
+        out["audit"] = {"scaled": (module.weight.grad * 25 - before).abs().max().item(),  # 1/5 twice
+                        "files": sorted(str(p) for p in Path("runs").rglob("*.npz"))}
+    Path("results.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_torch_fragments_run_in_a_world_of_one(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    codes = {page: fragment(page, needle) for (page, needle), runner in FRAGMENTS.items()
+             if runner == "test_torch_fragments_run_in_a_world_of_one"}
+    (tmp_path / "fragments.json").write_text(json.dumps(codes))
+    tests = str(Path(__file__).parent)
+    run([sys.executable, "-c", f"import sys; sys.path.insert(0, {tests!r}); import test_docs; "
+         f"test_docs.torch_fragments({str(tmp_path)!r})"], tmp_path)
+    got = json.loads((tmp_path / "results.json").read_text())
+    assert got["readme"]["diff"] <= 1e-6 and got["readme"]["num_tokens"] == [5]  # per-token sum / 5 = the mean's
+    assert got["migrating"]["same"]  # Megatron's parameters first (0.19.2 adds gtp_fence)
+    assert got["migrating"]["params"][:4] == ["model", "num_tokens", "pg_collection", "force_all_reduce"]
+    assert got["performance"] == {"last": 0, "diff": 0.0, "views": True}  # bytes_copied 0, DP of one: unchanged
+    if "skipped" in got["audit"]:
+        pytest.skip(got["audit"]["skipped"])
+    assert got["audit"]["scaled"] <= 1e-6
+    files = got["audit"]["files"]
+    assert any(f.startswith("runs/step100/step00000100.rank00000") for f in files), files
+    assert any(f.startswith("runs/audit/step") for f in files), files
+    for directory in ("runs/step100", "runs/audit"):  # the replay the page documents
+        out = run([sys.executable, "-m", "parity_tests", "audit", directory], tmp_path)
+        assert out.strip().splitlines()[-1] == "audit PASS: 1 step(s), 0 with mismatches", out
+
+
+# --------------------------------------------------------------------------- measured times
+
+
+def _time_tables(text: str) -> list[tuple[re.Match, list[re.Match]]]:
+    """Every table of bench/setup_times.py's format in ``text``: (its machine line, its rows)."""
+    from bench.setup_times import HEADER, MACHINE_RE, ROW_RE, SEPARATOR
+
+    lines = text.splitlines()
+    tables = []
+    for i, line in enumerate(lines):
+        if line != HEADER:
+            continue
+        assert i >= 2 and lines[i - 1] == "" and lines[i + 1] == SEPARATOR, lines[i - 2:i + 2]
+        machine = MACHINE_RE.match(lines[i - 2])
+        assert machine, f"not the script's machine line: {lines[i - 2]!r}"
+        rows = []
+        for row in lines[i + 2:]:
+            if not row.startswith("|"):
+                break
+            match = ROW_RE.match(row)
+            assert match, f"not the script's row: {row!r}"
+            rows.append(match)
+        tables.append((machine, rows))
+    return tables
+
+
+def test_the_time_script_prints_its_table_format() -> None:
+    from bench.setup_times import COMMANDS, Measured, format_table, machine
+
+    line = machine(1.5, 30.0, 2.25, "--only parity_report")
+    rows = [Measured(COMMANDS[1], 12.34, 0, "PARITY: all 2 scenarios | ok"), Measured(COMMANDS[2], 1.0, 3, "`boom`")]
+    ((head, got),) = _time_tables(format_table(rows, line))
+    assert head.group(1) == str(os.cpu_count()) and head.group(5, 6, 7) == ("1.50", "30.00", "2.25")
+    assert [m.groups() for m in got] == [
+        (COMMANDS[1].line, "12.3 s", COMMANDS[1].what.replace("`", "'"), "PARITY: all 2 scenarios / ok"),
+        (COMMANDS[2].line, "failed (exit 3)", COMMANDS[2].what, "'boom'"),  # a cell holds no | or `
+    ]
+
+
+def test_the_docs_time_tables_are_the_scripts_output() -> None:
+    """docs/install.md and examples/README.md state times only in the script's tables (format
+    only: no timing is asserted), and `make test`'s time as pytest's own closing line."""
+    from bench.setup_times import COMMANDS
+
+    lines = {c.line for c in COMMANDS}
+    for page in (DOCS / "install.md", ROOT / "examples" / "README.md"):
+        text = page.read_text()
+        tables = _time_tables(text)
+        assert tables, page
+        for _, rows in tables:
+            assert rows and {m.group(1) for m in rows} <= lines, page
+            assert all(m.group(2).endswith(" s") for m in rows), page  # every command succeeded
+        estimate = re.search(r"(\babout|\bunder|~) ?(a|an|one|\d+(\.\d+)?) ?(minutes?|seconds?|min|s)\b", text)
+        assert not estimate, (page, estimate)  # no prose estimates
+    install = (DOCS / "install.md").read_text()
+    # `make test`: the figure of pytest's own closing line ("... in 1485.32s"), with the machine.
+    assert re.search(r"^\| `make test` \| \d+ s \| pytest's own closing line[^|]*\| [^|]*\d+ CPU cores", install, re.M), \
+        "make test's time: pytest's closing line and the machine"

@@ -4,10 +4,21 @@ hundreds of random steps; between steps every rank makes the same random changes
 parameters frozen / unfrozen, flags (``sequence_parallel``,
 ``average_gradients_across_tp_domain``) set or cleared, parameters added, config values
 (per-token loss, average in collective, expert bias) flipped, new gradient tensors,
-num_tokens present or not -- and every step is checked against a fresh model finalized
-with the same inputs (bit for bit) and against the numpy reference.
+num_tokens present or not, the groups given as a DeviceMesh or as a collection -- and every
+step is checked against a fresh model finalized with the same inputs (bit for bit) and
+against the numpy reference.
 
-    MESHGRAD_SOAK=1 .venv/bin/python -m pytest -q tests/test_reliability_soak.py
+Every other step first injects a fault (the classes of :data:`FAULTS`, in a random order
+per block of steps, each on one random rank): a user method that finalize calls raising
+``RuntimeError`` or ``KeyboardInterrupt``, a parameter's ``.data`` replaced by one of
+another shape (its gradient left), ``num_tokens`` float16 on one rank and float32 on the
+others, a NaN ``num_tokens`` under ``check_for_nan_in_grad``, a bad config value, a
+DeviceMesh expert layout changed. Every rank must raise (the expected type, naming the
+rank at fault) well within the groups' timeout with every gradient, router buffer and
+``num_tokens`` unchanged; the fault is then undone and the step's clean call must give a
+fresh call's numbers and the reference's.
+
+    MESHGRAD_SOAK=1 MESHGRAD_SOAK_STEPS=24 .venv/bin/python -m pytest -q tests/test_reliability_soak.py
 """
 
 from __future__ import annotations
@@ -15,6 +26,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import time
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,12 +39,16 @@ from torch import nn  # noqa: E402
 from parity_tests.compare import compare_ranks  # noqa: E402
 from parity_tests.reference import reference_finalize  # noqa: E402
 from parity_tests.scenarios import ParamLayout, Scenario, gpt_params, make_rank_inputs, moe_routers  # noqa: E402
-from parity_tests.torch_world import build_model, load_inputs, read_outputs, run_cases, scenario_config  # noqa: E402
+from parity_tests.torch_world import (  # noqa: E402
+    build_model, device_mesh, load_inputs, read_outputs, run_cases, scenario_config,
+)
 
 pytestmark = pytest.mark.skipif(os.environ.get("MESHGRAD_SOAK") != "1", reason="opt-in soak: MESHGRAD_SOAK=1")
 
 WORLD = 4
 STEPS = int(os.environ.get("MESHGRAD_SOAK_STEPS", "300"))
+GROUP_TIMEOUT = 30.0  # the collection's groups; the DeviceMesh's get the world's (>= 30 s)
+PROMPT = GROUP_TIMEOUT / 3  # "promptly": every rank raises well within the timeout
 BASE = Scenario(
     "soak-dp2tp2", dp=2, tp=2, ep=2, etp=1,
     params=gpt_params(experts=True),
@@ -39,6 +57,15 @@ BASE = Scenario(
 )
 FLAGS = ("sequence_parallel", "average_gradients_across_tp_domain")
 TOGGLES = ("calculate_per_token_loss", "average_in_collective", "moe_router_enable_expert_bias")
+#: The injected fault classes (issue 22's classes 1-5 and 8).
+FAULTS = ("user_method", "param_shape", "tokens_dtype", "tokens_nan", "bad_config", "mesh_layout")
+#: Bad config values: (field, value on the rank at fault, its error type).
+BAD_CONFIG = (
+    ("consistency_check", "sometimes", "ValueError"),
+    ("check_for_nan_in_grad", "yes", "TypeError"),
+    ("tensor_model_parallel_size", 2.5, "ValueError"),
+    ("moe_router_bias_update_rate", "fast", "TypeError"),
+)
 
 
 def scenario_at(step: int) -> Scenario:
@@ -66,6 +93,34 @@ def scenario_at(step: int) -> Scenario:
             config[name] = not config.get(name, False)
     tokens = rng.choice([None, "random"])
     return dataclasses.replace(BASE, params=tuple(params), config=config, seed=step, num_tokens=tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """What step ``step`` injects (the same on every rank): ``kind`` of :data:`FAULTS` on
+    rank ``bad``; ``variant`` picks the exception, the config value or the parameter."""
+
+    step: int
+    kind: str
+    bad: int
+    variant: int
+
+
+def fault_at(step: int) -> Fault | None:
+    """Odd steps inject a fault; each block of ``2 * len(FAULTS)`` steps has every class
+    once, in a random order, each on a random rank."""
+    if step % 2 == 0:
+        return None
+    block, slot = divmod(step // 2, len(FAULTS))
+    order = list(FAULTS)
+    random.Random(f"soak-faults-{block}").shuffle(order)
+    rng = random.Random(f"soak-fault-{step}")
+    return Fault(step, order[slot], rng.randrange(WORLD), rng.randrange(1 << 16))
+
+
+def uses_mesh(step: int, fault: Fault | None) -> bool:
+    """The groups of step ``step``: a DeviceMesh (always for a layout fault) or the collection."""
+    return (fault is not None and fault.kind == "mesh_layout") or random.Random(f"soak-groups-{step}").random() < 0.5
 
 
 def _apply(model: list[Any], scenario: Scenario, config: Any) -> None:
@@ -98,21 +153,100 @@ def _grad_bytes(model: list[Any], key: tuple[int, str]) -> bytes:
     return p.main_grad.detach().contiguous().view(torch.uint8).numpy().tobytes()
 
 
+def _tokens_bytes(tokens: Any) -> bytes | None:
+    return None if tokens is None else tokens.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def inject(fault: Fault, rank: int, model: list[Any], config: Any, scenario: Scenario, data: Any,
+           groups: Any) -> dict[str, Any]:
+    """Inject ``fault`` (on ``fault.bad`` where it is a one-rank fault), call finalize on
+    every rank, undo the fault; what this rank saw: its error type and message, seconds,
+    whether every gradient, buffer and num_tokens stayed bit-identical."""
+    from test_reliability_inputs import kind_of, snapshot
+
+    from torch_impl import finalize_model_grads, invalidate_plans
+
+    bad = rank == fault.bad
+    count = float(data.num_tokens) if data.num_tokens is not None else 6.0
+    tokens = None
+    undo: list[Callable[[], None]] = []
+    chunk = model[0]
+    if fault.kind == "user_method":
+        error = (RuntimeError, KeyboardInterrupt)[fault.variant % 2]
+        invalidate_plans(model)  # every rank reads the model again: the method is called
+        if bad:
+            def broken() -> Any:
+                raise error("soak: the user's method failed")
+
+            chunk.__dict__["shared_embedding_or_output_weight"] = broken
+            undo.append(lambda: chunk.__dict__.pop("shared_embedding_or_output_weight"))
+    elif fault.kind == "param_shape":
+        names = sorted(k[1] for k, v in data.grads.items() if v is not None and "experts" not in k[1]
+                       and "embedding" not in k[1] and "layernorm" not in k[1])
+        p = chunk.get_parameter(names[fault.variant % len(names)])
+        if bad:
+            old = p.data
+            p.data = torch.zeros(p.shape[0] + 1, *p.shape[1:])  # its gradient left as it was
+            undo.append(lambda: setattr(p, "data", old))
+    elif fault.kind == "tokens_dtype":
+        tokens = torch.tensor(count, dtype=torch.float16 if bad else torch.float32)
+    elif fault.kind == "tokens_nan":
+        tokens = torch.tensor(float("nan") if bad else count)
+        had = "check_for_nan_in_grad" in vars(config)
+        config.check_for_nan_in_grad = True
+        undo.append(lambda: setattr(config, "check_for_nan_in_grad", False) if had else
+                    delattr(config, "check_for_nan_in_grad"))
+    elif fault.kind == "bad_config":
+        field, value, _ = BAD_CONFIG[fault.variant % len(BAD_CONFIG)]
+        if bad:
+            missing = object()
+            old_value = vars(config).get(field, missing)  # a Megatron-like namespace may lack it
+            setattr(config, field, value)
+            undo.append(lambda: delattr(config, field) if old_value is missing else setattr(config, field, old_value))
+    elif fault.kind == "mesh_layout":
+        if bad:
+            config.expert_model_parallel_size = 1
+            undo.append(lambda: setattr(config, "expert_model_parallel_size", 2))
+    else:  # pragma: no cover - FAULTS and inject() disagree
+        raise AssertionError(fault.kind)
+    before, tokens_before = snapshot(model), _tokens_bytes(tokens)
+    start = time.monotonic()
+    try:
+        finalize_model_grads(model, num_tokens=tokens, pg_collection=groups)
+        kind, message = "ok", ""
+    except BaseException as err:  # noqa: BLE001 -- KeyboardInterrupt included; the parent checks
+        kind, message = kind_of(err), str(err)
+    seconds = time.monotonic() - start
+    unchanged = snapshot(model) == before and _tokens_bytes(tokens) == tokens_before
+    for step in undo:
+        step()
+    return {"fault": dataclasses.astuple(fault), "kind": kind, "message": message[:400], "seconds": seconds,
+            "unchanged": unchanged}
+
+
 def case_soak(rank: int, world: int) -> dict[str, Any]:
     from test_reliability_inputs import snapshot, timed_collection
 
     from torch_impl import finalize_model_grads
 
-    groups = timed_collection(BASE, timeout=30.0)
+    warnings.simplefilter("ignore")  # the likely-mistake warnings of random configs
+    collection = timed_collection(BASE, timeout=GROUP_TIMEOUT)
+    mesh = device_mesh(BASE, {})
     config = scenario_config(BASE, False)
     live = build_model(BASE, rank, config)
     failures: list[str] = []
+    faults: list[dict[str, Any]] = []
     checked = 0
     for step in range(STEPS):
         scenario = scenario_at(step)
+        fault = fault_at(step)
+        groups = mesh if uses_mesh(step, fault) else collection
         _apply(live, scenario, config)
         data = make_rank_inputs(scenario, rank)
         load_inputs(live, scenario, data)
+        if fault is not None:
+            faults.append(inject(fault, rank, live, config, scenario, data, groups))
+            load_inputs(live, scenario, data)  # unchanged by the failed call; loaded again all the same
         tokens = None if data.num_tokens is None else torch.tensor(data.num_tokens)
         try:
             finalize_model_grads(live, num_tokens=tokens, pg_collection=groups)
@@ -139,18 +273,80 @@ def case_soak(rank: int, world: int) -> dict[str, Any]:
         if not result.ok:
             failures.append(f"step {step}: differs from the reference: {result.failures[:2]}")
         checked += 1
-    return {"checked": checked, "failures": failures[:20]}
+    return {"checked": checked, "failures": failures[:20], "faults": faults}
 
 
 CASES = ["case_soak"]
 
 
+def expected(fault: Fault, rank: int) -> tuple[str, str]:
+    """(error type, text in its message) that ``rank`` must raise for ``fault``."""
+    peer = ("ConsistencyError", f"rank {fault.bad} failed its own checks")
+    if fault.kind == "user_method":
+        error = ("RuntimeError", "KeyboardInterrupt")[fault.variant % 2]
+        return (error, "the user's method failed") if rank == fault.bad else peer
+    if fault.kind == "param_shape":
+        return ("ValueError", "shape") if rank == fault.bad else peer
+    if fault.kind == "tokens_dtype":
+        return "ConsistencyError", f"rank {rank}: "
+    if fault.kind == "tokens_nan":
+        return "NonFiniteGradError", "num_tokens is nan" if rank == fault.bad else f"rank {fault.bad} has NaN or Inf"
+    if fault.kind == "bad_config":
+        field, _, error = BAD_CONFIG[fault.variant % len(BAD_CONFIG)]
+        return (error, field) if rank == fault.bad else (peer[0], peer[1])
+    return "AgreedInputError", "ask for different DeviceMesh group layouts"
+
+
+OUTCOMES = {
+    "user_method": ("a user method finalize calls raises RuntimeError or KeyboardInterrupt on one random rank",
+                    "that error there, ConsistencyError naming the rank elsewhere"),
+    "param_shape": ("param.data replaced by another shape on one random rank, gradient left",
+                    "ValueError naming the shape there, ConsistencyError naming the rank elsewhere"),
+    "tokens_dtype": ("num_tokens float16 on one random rank, float32 on the others",
+                     "ConsistencyError on every rank"),
+    "tokens_nan": ("num_tokens NaN on one random rank, check_for_nan_in_grad",
+                   "NonFiniteGradError on every rank naming num_tokens there, the rank elsewhere"),
+    "bad_config": ("a bad config value on one random rank (consistency_check, check_for_nan_in_grad, "
+                   "tensor_model_parallel_size, moe_router_bias_update_rate)",
+                   "ValueError / TypeError naming the field there, ConsistencyError naming the rank elsewhere"),
+    "mesh_layout": ("DeviceMesh: the expert layout changed on one random rank",
+                    "AgreedInputError naming the layouts on every rank"),
+}
+
+
 def test_soak_random_steps_match_fresh_calls_and_the_reference(reliability):
-    got = run_cases(__name__, CASES, WORLD, timeout=60 + 3 * STEPS)["case_soak"]
+    got = run_cases(__name__, CASES, WORLD, timeout=60 + 5 * STEPS)["case_soak"]
     problems = [f"rank {r}: {s}: {v}" for r, (s, v) in enumerate(got) if s != "ok"]
     assert not problems, "\n".join(problems)
     for rank, (_, value) in enumerate(got):
         assert not value["failures"], (rank, value["failures"])
         assert value["checked"] == STEPS, (rank, value)
-    reliability("soak", f"{STEPS} random steps changing model, flags, config, gradients, num_tokens [4 ranks]",
+    # Every injected fault: every rank raised the expected error, promptly, changing nothing.
+    per_rank = [value["faults"] for _, value in got]
+    assert len({len(f) for f in per_rank}) == 1 and len(per_rank[0]) == STEPS // 2, [len(f) for f in per_rank]
+    seen: dict[str, list[float]] = {}
+    for i, record in enumerate(per_rank[0]):
+        fault = Fault(*record["fault"])
+        assert fault == fault_at(fault.step), (i, fault)
+        for rank, faults in enumerate(per_rank):
+            seen_here = faults[i]
+            kind, text = expected(fault, rank)
+            where = (fault, rank, seen_here["kind"], seen_here["message"])
+            assert Fault(*seen_here["fault"]) == fault, where
+            assert seen_here["kind"] == kind and text in seen_here["message"], (where, kind, text)
+            if not (fault.kind == "user_method" and rank == fault.bad):  # the user's own exception
+                assert seen_here["message"].startswith(f"rank {rank}: "), where
+            assert seen_here["unchanged"], (where, "a gradient, buffer or num_tokens changed")
+            assert seen_here["seconds"] < PROMPT, (where, seen_here["seconds"])
+            seen.setdefault(fault.kind, []).append(seen_here["seconds"])
+    if STEPS >= 2 * len(FAULTS):
+        assert sorted(seen) == sorted(FAULTS), sorted(seen)
+    reliability("soak", f"{STEPS} random steps changing model, flags, config, gradients, num_tokens, "
+                "DeviceMesh or collection [4 ranks]",
                 "every step equals a fresh call bit for bit and the reference")
+    for kind in FAULTS:
+        if kind in seen:
+            case, outcome = OUTCOMES[kind]
+            reliability("soak", f"injected {len(seen[kind]) // WORLD}x: {case} [4 ranks]",
+                        f"{outcome} after <= {max(seen[kind]):.2f} s; nothing changed; "
+                        "the next clean step equals a fresh call and the reference")
