@@ -735,3 +735,14 @@ def test_the_docs_time_tables_are_the_scripts_output() -> None:
     # `make test`: the figure of pytest's own closing line ("... in 1485.32s"), with the machine.
     assert re.search(r"^\| `make test` \| \d+ s \| pytest's own closing line[^|]*\| [^|]*\d+ CPU cores", install, re.M), \
         "make test's time: pytest's closing line and the machine"
+
+
+def test_the_readme_states_the_extras_version_ranges_of_pyproject() -> None:
+    """The front page says which versions the extras take: the same ranges as pyproject.toml."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    text = README.read_text()
+    for extra, package in (("torch", "torch"), ("jax", "jax"), ("megatron", "megatron-core")):
+        (spec,) = [r for r in extras[extra] if re.match(rf"{re.escape(package)}[<>=]", r)]
+        assert f"{package} {spec[len(package):]}" in text, (extra, spec)
