@@ -9,7 +9,7 @@ protect: the inputs' in :mod:`torch_impl.call.checks`, the groups' in
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -130,8 +130,7 @@ def _nonfinite_tokens(num_tokens: Any) -> bool:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Findings:
+class Findings(NamedTuple):
     """What the check stage found on this rank, for the agree stage.
 
     Args:

@@ -77,7 +77,7 @@ class ModelState:
     """
 
     def __init__(self, chunks: Sequence[Any]) -> None:
-        self.chunk_ids = tuple(id(c) for c in chunks)
+        self.chunk_ids = tuple(map(id, chunks))
         self.found: dict[tuple[bool, bool], tuple[int, Discovered, ModelWatch, tuple[Any, ...]]] = {}
         self.tokens: dict[_Fingerprint, int] = {}  # specs -> token
         self.next_token = 0
@@ -97,7 +97,7 @@ class ModelState:
     def of(cls, chunks: Sequence[Any]) -> "ModelState":
         """The state of this chunk list (made, or replaced when the list differs)."""
         state = getattr(chunks[0], _STATE_ATTR, None)
-        if not isinstance(state, cls) or state.chunk_ids != tuple(id(c) for c in chunks):
+        if not isinstance(state, cls) or state.chunk_ids != tuple(map(id, chunks)):
             state = cls(chunks)
             object.__setattr__(chunks[0], _STATE_ATTR, state)
         return state

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -67,8 +67,7 @@ class Request:
         return "routers" if ROUTER_ONLY_STEPS.issuperset(self.steps) else "touched"
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class CallInputs:
+class CallInputs(NamedTuple):
     """What the read stage read for one call (immutable): the model state it is memoized
     on, the config, the sizes the config states, the groups, the discovery (with its
     fingerprint token) and each chunk's DDP object (None: meshgrad syncs it)."""

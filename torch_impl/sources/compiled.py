@@ -33,6 +33,8 @@ def uncompiled(module: Any) -> Any:
     named with an ``_orig_mod.`` prefix) and forwards attribute reads to it. No wrapper
     exists while ``torch._dynamo`` was never imported.
     """
+    if "_orig_mod" not in getattr(module, "_modules", ()):  # no wrapper here: the common case, one dict look-up
+        return module
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     wrapper = getattr(eval_frame, "OptimizedModule", None)
     if wrapper is None:
