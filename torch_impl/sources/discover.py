@@ -153,6 +153,7 @@ def param_spec(
 #: Attributes a parameter's ParamSpec reads, and their values when absent.
 _FLAG_DEFAULTS = {"allreduce": True, **{flag: False for flag in FLAG_ATTRS}}
 _FLAG_NAMES = frozenset(_FLAG_DEFAULTS)
+_STEP_FLAGS = frozenset(FLAG_ATTRS)
 
 
 def _class_flags(cls: type) -> dict[str, Any]:
@@ -276,6 +277,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
     router_modules: dict[ParamKey, nn.Module] = {}
     chunks = []
     by_class: dict[type, dict[str, Any]] = {}
+    step_defaults: dict[type, tuple[Any, ...]] = {}  # per class, its step flags' values
     left_out = experts = False
     for index, chunk in enumerate(model):
         skip = index < len(untouched) and untouched[index]
@@ -292,8 +294,9 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
             cls = type(param)
             if cls not in by_class:
                 by_class[cls] = _class_flags(cls)
+                step_defaults[cls] = tuple(by_class[cls][flag] for flag in FLAG_ATTRS)
             role = roles.get(id(param), Role.NONE)
-            if skip and role is Role.NONE and not touched(name, param, by_class[cls]):
+            if skip and role is Role.NONE and not touched(name, param, by_class[cls], step_defaults[cls]):
                 left_out = True
                 experts = experts or _trained_expert(param, by_class[cls])
                 continue
@@ -312,10 +315,22 @@ def _flag(attrs: Mapping[str, Any], class_flags: Mapping[str, Any], name: str) -
     return attrs[name] if name in attrs else class_flags[name]
 
 
-def touched(name: str, param: torch.Tensor, class_flags: Mapping[str, Any]) -> bool:
+def touched(
+    name: str, param: torch.Tensor, class_flags: Mapping[str, Any], class_steps: tuple[Any, ...] | None = None
+) -> bool:
     """Whether a step other than the DP sync and GTP may touch ``param`` (its role
-    aside): a flag set or a q / k layernorm name -- :func:`candidate` before a spec is made."""
+    aside): a flag set or a q / k layernorm name -- :func:`candidate` before a spec is made.
+
+    Args:
+      name: the parameter's name.
+      param: the parameter.
+      class_flags: its class's flag values (:func:`_class_flags`).
+      class_steps: its class's values of the step flags (``FLAG_ATTRS``), read when the
+        parameter sets none of them itself (most parameters: one set operation then).
+    """
     attrs = vars(param)
+    if class_steps is not None and attrs.keys().isdisjoint(_STEP_FLAGS):
+        return may_touch(name, Role.NONE, class_steps)
     return may_touch(name, Role.NONE, (_flag(attrs, class_flags, flag) for flag in FLAG_ATTRS))
 
 
