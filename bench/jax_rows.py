@@ -13,7 +13,9 @@ Per row: the jit compile time (trace + lower + XLA compile; the faster of two, b
 4,000 leaves) and the steady step time (median of paired, alternating calls), the ratios
 meshgrad / hand (step: the median of the pairs' ratios), the ratios'
 growth against the leaf-count growth, and the HLO's all-reduce count of each (XLA's
-combiner decides how many collectives run). Run alone (it forces 8 host devices before
+combiner decides how many collectives run). The spread behind the medians is printed
+too: the step ratio's paired calls (min, quartiles, max) and every compile time taken;
+the first line names the machine (CPU cores, jax and jaxlib versions). Run alone (it forces 8 host devices before
 jax is imported): ``python -m bench.jax_rows [--quick] [--json PATH]``; ``python -m bench``
 runs it in a subprocess.
 """
@@ -143,9 +145,33 @@ def measure_row(n: int, rounds: int) -> dict[str, Any]:
             times[name].append(time.perf_counter() - start)
     for name, values in times.items():
         row[f"{name}_step_ms"] = 1e3 * statistics.median(values)
-    row["step_ratio"] = statistics.median(a / b for a, b in zip(times["meshgrad"], times["hand"]))
+    ratios = sorted(a / b for a, b in zip(times["meshgrad"], times["hand"]))
+    row["step_ratio"] = statistics.median(ratios)
+    row["step_ratio_spread"] = _spread(ratios)
+    row["step_pairs"] = len(ratios)
+    for name in seconds:
+        row[f"{name}_compile_runs_s"] = list(seconds[name])
     row["compile_ratio"] = row["meshgrad_compile_s"] / row["hand_compile_s"]
     return row
+
+
+def _spread(values: list[float]) -> list[float]:
+    """[min, first quartile, third quartile, max] of ``values`` (sorted, non-empty)."""
+    if len(values) < 2:
+        return [values[0]] * 4
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return [values[0], q1, q3, values[-1]]
+
+
+def machine() -> dict[str, Any]:
+    """What the rows ran on: CPU cores, Python, jax and jaxlib versions, XLA's devices."""
+    import platform
+
+    import jax
+    import jaxlib
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "devices": jax.device_count(), "platform": jax.default_backend()}
 
 
 def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -189,6 +215,21 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_spread(rows: list[dict[str, Any]]) -> str:
+    """Per row, the spread behind the medians: the step ratio's paired calls (min, quartiles,
+    max) and every compile time measured (the row keeps the faster of each)."""
+    lines = ["spread (step ratio over the paired calls: min [q1, q3] max; every compile, s):"]
+    for r in rows:
+        if "step_ratio_spread" not in r:
+            continue
+        lo, q1, q3, hi = r["step_ratio_spread"]
+        runs = "; ".join(f"{name} " + ", ".join(f"{s:.2f}" for s in r[f"{name}_compile_runs_s"])
+                         for name in ("meshgrad", "hand"))
+        lines.append(f"{r['leaves']:>7} leaves: step ratio {lo:.2f} [{q1:.2f}, {q3:.2f}] {hi:.2f} "
+                     f"over {r['step_pairs']} pairs; compile {runs}")
+    return "\n".join(lines)
+
+
 def run_subprocess(quick: bool) -> dict[str, Any]:
     """Run the rows in a fresh interpreter (8 host devices) and return its JSON."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -206,16 +247,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-json", action="store_true", help="print only the JSON (for python -m bench)")
     args = parser.parse_args(argv)
     leaves = args.leaves or (list(LEAVES[:2]) if args.quick else list(LEAVES))
+    env = machine()
+    if not args.print_json:
+        print(f"machine: {env['cpus']} CPU cores, {env['devices']} {env['platform']} devices, Python {env['python']}, "
+              f"jax {env['jax']}, jaxlib {env['jaxlib']}", flush=True)
     rows = []
     for n in leaves:
+        start = time.perf_counter()
         rows.append(measure_row(n, rounds=5 if args.quick else 11))
+        rows[-1]["row_s"] = time.perf_counter() - start
         if not args.print_json:
-            print(format_rows(rows[-1:]).splitlines()[-1], flush=True)  # each row as it is done
-    result = {"rows": rows, "goals": goals(rows)}
+            print(format_rows(rows[-1:]).splitlines()[-1] + f"   ({rows[-1]['row_s']:.0f} s)", flush=True)
+    result = {"machine": env, "rows": rows, "goals": goals(rows)}
     if args.print_json:
         print(json.dumps(result))
         return 0
     print(format_rows(rows))  # the table again, with its header
+    print(format_spread(rows))
     print(format_goals(result["goals"]))
     if args.json:
         with open(args.json, "w") as f:

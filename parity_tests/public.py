@@ -13,20 +13,25 @@ order, keyed by ``(chunk, name)`` as :attr:`meshgrad.ParamSpec.key`):
   each backend and compares every rank's gradients and router buffers with ``expected``
   (default: :func:`reference` of the plan's own specs and config).
 * :func:`run_plan_jax` / :func:`run_plan_torch` ``(plan, dims, grads, routers=None,
-  num_tokens=None) -> (grads, routers)``: one backend.
+  num_tokens=None) -> (grads, routers)``: one backend. Both run every action type a plan
+  holds (dense, expert and embedding-stage reductions, the router updates, the token
+  scale); torch in a gloo world of W processes started by ``multiprocessing`` (a script
+  calling it needs an ``if __name__ == "__main__":`` guard).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from meshgrad import FinalizeConfig, FinalizePlan, ParallelDims, ParamSpec, RouterSpec
+from meshgrad import (
+    ExpertBiasUpdate, FinalizeConfig, FinalizePlan, Group, ParallelDims, ParamSpec, QbBetaUpdate, RouterSpec, TokenScale,
+)
+from meshgrad.errors import FinalizeInputError, MissingInputError, PlanMismatchError
 from parity_tests import reference as ref
 from parity_tests.scenarios import ParamLayout, RankData, RouterLayout, RouterState, Scenario
 
@@ -145,56 +150,156 @@ def run_plan_jax(
         k: {f: np.asarray(v) for f, v in s.items()} for k, s in new.items()}
 
 
-def _torch_rank(rank: int, plan: FinalizePlan, dims: ParallelDims, grads: Grads, folder: str) -> None:
-    """One gloo rank of :func:`run_plan_torch`: this rank's gradients as ``param.grad``."""
+#: Router buffers each router update reads or writes (the reset zeroes those present).
+_UPDATE_FIELDS = {
+    ExpertBiasUpdate: ("local_tokens_per_expert", "expert_bias"),
+    QbBetaUpdate: ("qb_beta", "qb_beta_accum", "qb_beta_count"),
+}
+
+
+class _TorchRouter:
+    """One rank's buffers of one router, as torch_impl's router updates read them
+    (attributes named as Megatron's router module's buffers)."""
+
+    def __init__(self, buffers: Mapping[str, Any]) -> None:
+        for field, tensor in buffers.items():
+            setattr(self, field, tensor)
+
+    def reset_global_aux_loss_tracker(self) -> None:
+        """The reset step's tracker reset: zero ``aux_loss_tracker`` when given (as jax_impl)."""
+        tracker = getattr(self, "aux_loss_tracker", None)
+        if tracker is not None:
+            tracker.zero_()
+
+
+def _torch_rank(rank: int, world_size: int, payload: tuple[Any, ...], sink: Any) -> None:
+    """One gloo rank of :func:`run_plan_torch`: this rank's gradients as ``param.grad`` and
+    its router buffers, every planned action run over a DeviceMesh's groups (expert and
+    embedding groups included), then the token scale when ``num_tokens`` is given."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    # The one place this module reaches below torch_impl's public names (no public
-    # "run a plan" entry yet): rewire here when torch_impl gets one.
+    from torch_impl import MeshGroups
+
+    # Below torch_impl's public names (it has no public "run this plan" entry, and its
+    # token scale runs only inside finalize_model_grads): rewire here when it gets one.
     from torch_impl.run.execute import execute_local
     from torch_impl.run.grads import GradAccess
-    from torch_impl.sources.mesh_groups import MeshGroups
+    from torch_impl.run.scaling import global_token_scale, scale_grads
 
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
-                            world_size=dims.world_size)
-    try:
-        names = tuple(a for a in ("pp", "dp", "cp", "gtp", "tp") if getattr(dims, a) > 1) or ("dp",)
-        mesh = init_device_mesh("cpu", tuple(getattr(dims, a) for a in names), mesh_dim_names=names)
-        params = {}
-        for key, stacked in grads.items():
-            param = torch.nn.Parameter(torch.zeros(stacked.shape[1:]))
-            param.grad = torch.from_numpy(np.ascontiguousarray(stacked[rank]))
-            params[key] = param
-        execute_local(plan.actions, GradAccess(params), {}, MeshGroups(mesh).resolve())
-        torch.save({k: p.grad.numpy() for k, p in params.items()}, f"{folder}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    plan, dims, grads, routers, num_tokens = payload
+    names = tuple(a for a in ("pp", "dp", "cp", "gtp", "tp") if getattr(dims, a) > 1) or ("dp",)
+    mesh = init_device_mesh("cpu", tuple(getattr(dims, a) for a in names), mesh_dim_names=names)
+    groups = MeshGroups(mesh).resolve(ep=dims.ep, etp=dims.etp, egtp=dims.egtp,
+                                      embedding_stages=plan.sizes.embd_stages,
+                                      position_embedding_stages=plan.sizes.pos_embd_stages)
+    dtypes = {s.key: getattr(torch, s.dtype) for s in plan.params}
+    params = {}
+    for key, stacked in grads.items():
+        grad = torch.from_numpy(np.array(stacked[rank])).to(dtypes.get(key, torch.float32))
+        param = torch.nn.Parameter(torch.zeros_like(grad))
+        param.grad = grad
+        params[key] = param
+    access = GradAccess(params)
+    modules = {key: _TorchRouter({f: torch.from_numpy(np.array(v[rank])) for f, v in fields.items()})
+               for key, fields in routers.items()}
+    tokens = None if num_tokens is None else torch.from_numpy(np.array(num_tokens[rank]).reshape(1))
+    pending: list[Any] = []
+    for action in plan.actions_with(tokens is not None):
+        if not isinstance(action, TokenScale):
+            pending.append(action)
+            continue
+        execute_local(pending, access, modules, groups)
+        pending = []
+        with torch.no_grad():
+            scale_grads([access[k] for k in action.keys], global_token_scale(tokens.clone(), action, groups))
+    execute_local(pending, access, modules, groups)
+    sink.put("grads", {k: p.grad.float().numpy().copy() for k, p in params.items()})
+    sink.put("routers", {key: {f: getattr(module, f).numpy().copy() for f in routers[key]}
+                         for key, module in modules.items()})
+
+
+def _check_torch_inputs(
+    plan: FinalizePlan, dims: ParallelDims, grads: Mapping[Key, np.ndarray], routers: Routers, num_tokens: Any,
+) -> Any:
+    """Raise before any process starts where the stacked inputs do not fit ``plan`` and
+    ``dims``; returns ``num_tokens`` as ``[W, 1]`` (or None).
+
+    Raises:
+      PlanMismatchError: the plan was made for other group sizes than ``dims``.
+      MissingInputError: a planned gradient or router buffer is missing.
+      FinalizeInputError: a leading dim is not W, or num_tokens is not W counts.
+    """
+    world = dims.world_size
+    for group in plan.required_groups(num_tokens is not None):
+        if group not in (Group.EMBD, Group.POS_EMBD) and plan.sizes[group] != dims.group_size(group):
+            raise PlanMismatchError(f"plan was made for {group} of size {plan.sizes[group]}, but {dims} has "
+                                    f"{dims.group_size(group)}")
+    for spec in plan.params:
+        if spec.has_grad and spec.key not in grads:
+            raise MissingInputError(f"no gradient for {spec.name!r} (chunk {spec.chunk})")
+    for action in plan.actions:
+        for field in _UPDATE_FIELDS.get(type(action), ()):
+            for key in action.routers:
+                if field not in routers.get(key, {}):
+                    raise MissingInputError(f"router {key[1]!r} (chunk {key[0]}) has no {field!r}")
+    stacked = [(f"gradient {k[1]!r} (chunk {k[0]})", v) for k, v in grads.items()]
+    stacked += [(f"router {k[1]!r} (chunk {k[0]}) {f}", v) for k, fields in routers.items() for f, v in fields.items()]
+    for what, value in stacked:
+        if np.ndim(value) < 1 or np.shape(value)[0] != world:
+            raise FinalizeInputError(f"{what}: leading dim of shape {np.shape(value)} is not the world size {world}")
+    if num_tokens is None:
+        return None
+    tokens = np.asarray(num_tokens)
+    if tokens.size != world:
+        raise FinalizeInputError(f"num_tokens of shape {tokens.shape}: expected {world} counts, one per rank")
+    return tokens.reshape(world, 1)
 
 
 def run_plan_torch(
     plan: FinalizePlan, dims: ParallelDims, grads: Mapping[Key, np.ndarray],
-    routers: Mapping[Key, Mapping[str, np.ndarray]] | None = None, num_tokens: Any = None,
+    routers: Mapping[Key, Mapping[str, np.ndarray]] | None = None, num_tokens: Any = None, *,
+    timeout: float = 600.0,
 ) -> tuple[Grads, Routers]:
     """Run ``plan`` with torch_impl in a gloo world of W processes on this machine.
 
-    Gradient steps only (dense axes): router buffers and num_tokens are not supported
-    here yet.
+    Every action type runs: gradient reductions over dense and expert groups (a
+    DeviceMesh's groups, with ``dims``' expert factoring), the embedding stage reductions,
+    the router updates (expert bias, qb_beta, reset) and, when ``num_tokens`` is given,
+    the plan's token scale (broadcast from the last pp stage, sum, 1 / max(n, 1)).
+
+    Args:
+      plan, dims, grads, routers, num_tokens: as for :func:`run_plan_jax`.
+      timeout: seconds before the world is killed.
+
+    Returns:
+      (grads, routers) stacked like the inputs, gradients as float32; each router with
+      the fields it was given.
 
     Raises:
-      NotImplementedError: routers or num_tokens given, or an expert / stage-local view.
+      PlanMismatchError, FinalizeInputError, MissingInputError: before any process starts,
+        for inputs that do not fit the plan.
+      RuntimeError: a rank failed or the world timed out (with the first rank's error).
     """
-    import torch
-    import torch.multiprocessing as mp
+    from parity_tests.torch_world import spawn_world
 
-    if routers or num_tokens is not None:
-        raise NotImplementedError("run_plan_torch runs gradient steps only (no routers, no num_tokens)")
+    routers = {k: dict(v) for k, v in (routers or {}).items()}
+    tokens = _check_torch_inputs(plan, dims, grads, routers, num_tokens)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_torch_rank, args=(plan, dims, dict(grads), folder), nprocs=dims.world_size, join=True)
-        ranks = [torch.load(f"{folder}/rank{r}.pt", weights_only=False) for r in range(dims.world_size)]
-    return {k: np.stack([r[k] for r in ranks]).astype(np.float32) for k in grads}, {}
+    payload = (plan, dims, {k: np.asarray(v, np.float32) for k, v in grads.items()},  # then each spec's dtype
+               {k: {f: np.asarray(v, np.float32) for f, v in fields.items()} for k, fields in routers.items()}, tokens)
+    outcome = spawn_world(_torch_rank, dims.world_size, payload, timeout)
+    failed = [r for r in range(dims.world_size) if "grads" not in outcome.results[r]]
+    if failed:
+        why = next((f for f in outcome.fatal if f), None) or (
+            "timed out" if outcome.timed_out else f"exit codes {outcome.exitcodes} (a script that calls this "
+            "needs an `if __name__ == '__main__':` guard: the ranks are started by multiprocessing)")
+        raise RuntimeError(f"run_plan_torch: ranks {failed} did not finish: {why}")
+    ranks = outcome.results
+    out_grads = {k: np.stack([r["grads"][k] for r in ranks]).astype(np.float32) for k in grads}
+    out_routers = {k: {f: np.stack([r["routers"][k][f] for r in ranks]) for f in fields}
+                   for k, fields in routers.items()}
+    return out_grads, out_routers
 
 
 #: Backend name -> runner.

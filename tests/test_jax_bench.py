@@ -10,6 +10,11 @@ def test_row_compares_equal_outputs_and_counts_collectives():
     assert row["max_abs_diff"] == 0.0  # finalize == the hand-written psum tree map
     assert row["meshgrad_all_reduces"] >= 1 and row["same_hlo_ops"] in (True, False)
     assert row["step_ratio"] > 0 and row["compile_ratio"] > 0
+    lo, q1, q3, hi = row["step_ratio_spread"]  # the spread behind the median of the pairs
+    assert lo <= q1 <= row["step_ratio"] <= q3 <= hi and row["step_pairs"] == 250
+    for name in ("meshgrad", "hand"):  # the faster of the two compiles is the row's
+        assert len(row[f"{name}_compile_runs_s"]) == 2 and min(row[f"{name}_compile_runs_s"]) == row[f"{name}_compile_s"]
+    assert jax_rows.format_spread([row]).splitlines()[1].startswith("      8 leaves: step ratio ")
 
 
 def test_goals_from_rows():

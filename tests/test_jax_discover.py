@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_impl.discover import keyed, router_specs, specs_from_nnx, specs_from_tree
+from jax_impl.discover import keyed, router_specs, specs_from_nnx, specs_from_tree, tree_keys
 from meshgrad import ParamSpec, Role
 
 
@@ -26,7 +27,11 @@ def test_specs_from_tree():
     assert w.expert and not w.has_grad and w.shape == (2, 3)
     assert norm.sequence_parallel and not norm.expert
     assert all(s.dtype == "float32" for s in specs_from_tree(arrays, dtype="float32"))
-    assert set(keyed(arrays, chunk=1)) == {(1, n) for n in specs}
+    leaves = (arrays["embedding"]["word_embeddings"]["weight"], arrays["mlp"]["experts"]["w"], arrays["mlp"]["norm"])
+    chex.assert_trees_all_equal(keyed(arrays, chunk=1), {(1, n): leaf for n, leaf in zip(specs, leaves)})
+    layout = tree_keys(arrays)  # the leaves' dotted names, and back to the user's structure
+    assert layout.keys == tuple((0, n) for n in specs)
+    chex.assert_trees_all_equal(layout.unkeyed(layout.keyed(arrays)), arrays)
 
 
 def test_specs_from_tree_errors():

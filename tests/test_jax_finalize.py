@@ -1,7 +1,9 @@
-"""jax_impl.finalize: stacked layouts, compile-once caching, validation before running."""
+"""jax_impl.finalize: stacked layouts, compile-once caching, validation before running;
+the value tests run jitted and not (``chex.variants``)."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,17 +34,49 @@ def inputs(shape=(3,), scale=1.0):
 CONFIG = FinalizeConfig(sequence_parallel=True)
 
 
-def test_values_and_untouched_frozen():
-    g, r = finalize(inputs(), specs=specs(), config=CONFIG, dims=DIMS, stacked=True)
-    assert r == {}
-    assert set(g) == {(0, "w"), (0, "ln")}
-    # w: 1/dp_cp pre-scale, SUM over dp ({r, r^2}): (2r + 2(r^2)) / 2
-    want_w = [(r + (r ^ 2)) for r in range(8)]
-    np.testing.assert_array_equal(np.asarray(g[(0, "w")])[:, 0], want_w)
-    # ln: dp sync as w, then SUM over tp ({r, r^1}) -> tp pair sum of dp means
-    dp = [(r + (r ^ 2)) / 2 for r in range(8)]
-    np.testing.assert_array_equal(np.asarray(g[(0, "ln")])[:, 0], [dp[r] + dp[r ^ 1] for r in range(8)])
-    np.testing.assert_array_equal(np.asarray(g[(0, "ln")])[:, 1], [2] * 8)
+class FinalizeValuesTest(chex.TestCase):
+    """``finalize`` on stacked values: called as it is (its own compiled program) and
+    under the caller's ``jax.jit`` (the collectives traced into that program)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_values_and_untouched_frozen(self):
+        g, r = self.variant(lambda x: finalize(x, specs=specs(), config=CONFIG, dims=DIMS, stacked=True))(inputs())
+        assert r == {}
+        # w: 1/dp_cp pre-scale, SUM over dp ({r, r^2}): (2r + 2(r^2)) / 2
+        want_w = np.asarray([[r + (r ^ 2)] * 3 for r in range(8)], np.float32)
+        # ln: dp sync as w, then SUM over tp ({r, r^1}) -> tp pair sum of dp means
+        dp = [(r + (r ^ 2)) / 2 for r in range(8)]
+        want_ln = np.asarray([[dp[r] + dp[r ^ 1], 2] for r in range(8)], np.float32)
+        chex.assert_trees_all_equal(g, {(0, "w"): want_w, (0, "ln"): want_ln})
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_leading_mesh_dims_match_world_dim(self):
+        flat, _ = finalize(inputs(), specs=specs(), config=CONFIG, dims=DIMS, stacked=True)
+        dense = {k: v.reshape(DIMS.dense_shape() + v.shape[1:]) for k, v in inputs().items()}
+        got, _ = self.variant(lambda x: finalize(x, specs=specs(), config=CONFIG, dims=DIMS))(dense)
+        chex.assert_trees_all_equal_shapes(got, dense)
+        chex.assert_trees_all_equal({k: np.asarray(v).reshape(flat[k].shape) for k, v in got.items()}, flat)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_finalize_with_num_tokens_and_routers(self):
+        dims = ParallelDims(dp=2)
+        params = [ParamSpec("w", shape=(2,))]
+        routers = [RouterSpec("r", num_experts=2, has_expert_bias=True)]
+        config = FinalizeConfig(calculate_per_token_loss=True, moe_router_enable_expert_bias=True,
+                                moe_router_bias_update_rate=1.0)
+        plan = plan_finalize(params, config, dims, routers)
+        grads = {(0, "w"): jnp.asarray([[1.0, 2.0], [3.0, 6.0]])}
+        rstate = {(0, "r"): {"local_tokens_per_expert": jnp.asarray([[3.0, 0.0], [1.0, 0.0]]),
+                             "expert_bias": jnp.zeros((2, 2))}}
+        fn = self.variant(lambda g, r, n: finalize(g, r, n, plan=plan, dims=dims))
+        g, r = fn(grads, rstate, jnp.asarray([1, 3]))
+        # SUM over dp: [4, 8]; num_tokens 1 + 3 = 4 -> [1, 2]; bias: tokens [4, 0], mean 2 -> [-1, +1]
+        chex.assert_trees_all_equal(
+            (g, r),
+            ({(0, "w"): np.asarray([[1, 2], [1, 2]], np.float32)},
+             {(0, "r"): {"local_tokens_per_expert": np.zeros((2, 2), np.float32),
+                         "expert_bias": np.asarray([[-1, 1], [-1, 1]], np.float32)}}),
+        )
 
 
 def test_compiles_once_for_repeated_calls(monkeypatch):
@@ -60,35 +94,10 @@ def test_compiles_once_for_repeated_calls(monkeypatch):
         for s in (1.0, 2.0, 3.0)
     ]
     assert len(traces) == 1
-    np.testing.assert_array_equal(np.asarray(outs[2][(0, "w")]), 3 * np.asarray(outs[0][(0, "w")]))
+    w, ln = (0, "w"), (0, "ln")  # inputs(shape, s) scales w alone
+    chex.assert_trees_all_equal(outs[2], {w: 3 * np.asarray(outs[0][w]), ln: outs[0][ln]})
     finalize(inputs((7, 6)), specs=specs((7, 6)), config=CONFIG, dims=DIMS)
     assert len(traces) == 2  # new shapes: one more compile
-
-
-def test_leading_mesh_dims_match_world_dim():
-    flat, _ = finalize(inputs(), specs=specs(), config=CONFIG, dims=DIMS, stacked=True)
-    dense = {k: v.reshape(DIMS.dense_shape() + v.shape[1:]) for k, v in inputs().items()}
-    got, _ = finalize(dense, specs=specs(), config=CONFIG, dims=DIMS)
-    for key, value in got.items():
-        assert value.shape == dense[key].shape
-        np.testing.assert_array_equal(np.asarray(value).reshape(flat[key].shape), np.asarray(flat[key]))
-
-
-def test_finalize_is_jittable_with_num_tokens_and_routers():
-    dims = ParallelDims(dp=2)
-    params = [ParamSpec("w", shape=(2,))]
-    routers = [RouterSpec("r", num_experts=2, has_expert_bias=True)]
-    config = FinalizeConfig(calculate_per_token_loss=True, moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1.0)
-    plan = plan_finalize(params, config, dims, routers)
-    grads = {(0, "w"): jnp.asarray([[1.0, 2.0], [3.0, 6.0]])}
-    rstate = {(0, "r"): {"local_tokens_per_expert": jnp.asarray([[3.0, 0.0], [1.0, 0.0]]),
-                         "expert_bias": jnp.zeros((2, 2))}}
-    fn = jax.jit(lambda g, r, n: finalize(g, r, n, plan=plan, dims=dims))
-    g, r = fn(grads, rstate, jnp.asarray([1, 3]))
-    # SUM over dp: [4, 8]; num_tokens 1 + 3 = 4 -> [1, 2]
-    np.testing.assert_array_equal(np.asarray(g[(0, "w")]), [[1, 2], [1, 2]])
-    np.testing.assert_array_equal(np.asarray(r[(0, "r")]["expert_bias"]), [[-1, 1], [-1, 1]])
-    np.testing.assert_array_equal(np.asarray(r[(0, "r")]["local_tokens_per_expert"]), [[0, 0], [0, 0]])
 
 
 def test_errors_before_running():
@@ -119,7 +128,8 @@ def test_expert_mesh_leading_dims_and_untouched_router_fields():
     rstate = {(0, "r"): {"expert_bias": extra}}
     g, r = finalize(grads, rstate, None, specs=params, router_specs=routers, config=config, dims=dims)
     # expert rank = edp*4 + ep*2 + etp: expt_dp groups {r, r+4} summed.
-    np.testing.assert_array_equal(np.asarray(g[(0, "e")]).reshape(-1), [4, 6, 8, 10, 4, 6, 8, 10])
+    want = np.asarray([4, 6, 8, 10, 4, 6, 8, 10], np.float32).reshape(dims.expert_shape() + (1,))
+    chex.assert_trees_all_equal(g, {(0, "e"): want})
     assert r[(0, "r")]["expert_bias"] is extra
 
 
