@@ -15,13 +15,15 @@ from parity_tests.scenarios import all_scenarios, by_world_size  # noqa: E402
 from parity_tests.torch_world import run_torch_world  # noqa: E402
 
 SCENARIOS = all_scenarios()
+#: The world of 8 runs 116 scenarios; on 2 shared cores that can take many minutes.
+pytestmark = pytest.mark.timeout(2400)
 
 
 @pytest.fixture(scope="module")
 def torch_results():
     results = {}
     for world_size, scenarios in sorted(by_world_size(SCENARIOS).items()):
-        results.update(run_torch_world(scenarios, world_size, timeout=600.0))
+        results.update(run_torch_world(scenarios, world_size, timeout=1800.0))
     return results
 
 
