@@ -177,3 +177,33 @@ def compare_tokens(files: list[RankFile], view: View) -> Row:
     return row
 
 
+def step_report(meta0: dict[str, Any], step: int, world: int, view: View, rows: list[Row], *,
+                experts: bool, force: bool, jax: bool) -> dict[str, Any]:
+    """One audited step's report: its layout and config, every row, and whether all passed.
+
+    Args:
+      meta0: rank 0's metadata of the step.
+      step: the step's number.
+      world: the number of ranks recorded.
+      view: the step's view of the mesh.
+      rows: the compared rows.
+      experts: the step has expert parameters or routers.
+      force: ``force_all_reduce`` was set.
+      jax: the step was also replayed in JAX.
+    """
+    ok = all(r.status not in FAILING for r in rows) and all(r.jax_status != "MISMATCH" for r in rows)
+    return {
+        "step": step,
+        "world_size": world,
+        "finalize": meta0["finalize"],
+        "layout": view.sizes,
+        "has_experts": experts,
+        "rank_map": view.virtual,
+        "config": view.config,
+        "force_all_reduce": force,
+        "jax": jax,
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "ok": ok,
+    }
+
+

@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from parity_tests.audit_blocks import BlockValues, Group, StepTables, group_key, plan_blocks, read_block, shard_bounds
-from parity_tests.audit_compare import EPS, FAILING, Row, compare_matrix, compare_routers, compare_tokens, compare_values, tolerance
+from parity_tests.audit_compare import (
+    EPS, Row, compare_matrix, compare_routers, compare_tokens, compare_values, step_report, tolerance,
+)
 from parity_tests.audit_files import read_rank_file
 from parity_tests.audit_index import RankIndex
 from parity_tests.audit_sampled import run_jax, sampled_reference
@@ -93,21 +95,9 @@ def replay_step(records: list[RankIndex], use_jax: bool = False, budget: int = B
         if k == 0 and routers:
             _replay_routers(st, routers, rows)
     rows[("num_tokens", 0, "num_tokens")] = compare_tokens(records, view)
-    out_rows = list(rows.values())
-    ok = all(r.status not in FAILING for r in out_rows) and all(r.jax_status != "MISMATCH" for r in out_rows)
-    return {
-        "step": meta0["step"],
-        "world_size": len(records),
-        "finalize": meta0["finalize"],
-        "layout": view.sizes,
-        "has_experts": any(p.layout.expert for p in vparams.values()) or bool(routers),
-        "rank_map": view.virtual,
-        "config": view.config,
-        "force_all_reduce": force,
-        "jax": bool(use_jax and not scatter),
-        "rows": [dataclasses.asdict(r) for r in out_rows],
-        "ok": ok,
-    }
+    experts = any(p.layout.expert for p in vparams.values()) or bool(routers)
+    return step_report(meta0, meta0["step"], len(records), view, list(rows.values()), experts=experts, force=force,
+                       jax=bool(use_jax and not scatter))
 
 
 def _scenario(st: _Step, name: str, dtype: str, params: list[Any], routers: tuple[RouterLayout, ...] = ()) -> Scenario:

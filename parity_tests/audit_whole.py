@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from parity_tests.audit_compare import EPS, FAILING, Row, compare_routers, compare_tokens, compare_values, tolerance
+from parity_tests.audit_compare import (
+    EPS, Row, compare_routers, compare_tokens, compare_values, step_report, tolerance,
+)
 from parity_tests.audit_files import RankFile
 from parity_tests.audit_sampled import run_jax, sampled_reference, shard_fn
 from parity_tests.audit_view import View, build_view, check_positions, global_params, router_layouts, router_state
@@ -102,21 +104,9 @@ def replay_step(files: list[RankFile], use_jax: bool = False) -> dict[str, Any]:
         if k == 0:
             compare_routers(files, view, routers, inputs, outputs, rows)
     rows[("num_tokens", 0, "num_tokens")] = compare_tokens(files, view)
-    out_rows = list(rows.values())
-    ok = all(r.status not in FAILING for r in out_rows) and all(r.jax_status != "MISMATCH" for r in out_rows)
-    return {
-        "step": step,
-        "world_size": world,
-        "finalize": meta0["finalize"],
-        "layout": view.sizes,
-        "has_experts": any(p.layout.expert for p in vparams.values()) or bool(routers),
-        "rank_map": view.virtual,
-        "config": view.config,
-        "force_all_reduce": force,
-        "jax": bool(use_jax and not scatter),
-        "rows": [dataclasses.asdict(r) for r in out_rows],
-        "ok": ok,
-    }
+    experts = any(p.layout.expert for p in vparams.values()) or bool(routers)
+    return step_report(meta0, step, world, view, list(rows.values()), experts=experts, force=force,
+                       jax=bool(use_jax and not scatter))
 
 
 def _inputs(files: list[RankFile], view: View, scen: Scenario, per_rank: list[dict[int, str]], num_chunks: int

@@ -17,7 +17,7 @@ from torch_impl import (  # noqa: E402
     discover,
 )
 from torch_impl.sources.discover import get_grad, router_spec  # noqa: E402
-from torch_impl.sources.discover import find_attr, unwrap  # noqa: E402
+from torch_impl.sources.wrappers import find_attr, unwrap  # noqa: E402
 
 
 class Embedding(nn.Module):

@@ -200,6 +200,7 @@ def case_sources(rank: int, world: int) -> dict[str, Any]:
     out["mapping-str"] = _run(DROPIN, rank, dict(vars(pgc)))
     out["mesh"] = _run(DROPIN, rank, _mesh(DROPIN))
     out["meshgroups"] = _run(DROPIN, rank, mesh_groups(_mesh(DROPIN)))
+    out["mesh-again"], out["mesh-again-groups"] = _counting_new_groups(lambda: _run(DROPIN, rank, _mesh(DROPIN)))
     out["torchgroups"] = _run(DROPIN, rank, TorchGroups.from_collection(pgc))
     # No groups and no parallel_state in a world of 4: a clear error, nothing changed.
     model = build_model(DROPIN, rank, _megatron_config(DROPIN))
@@ -210,6 +211,24 @@ def case_sources(rank: int, world: int) -> dict[str, Any]:
     out["helper-none-error"] = _error(lambda: torch_impl._allreduce_non_tensor_model_parallel_grads(model, model[0].config))
     out["megatron"] = _megatron_sources(rank)
     return out
+
+
+def _counting_new_groups(call: Any) -> tuple[Any, int]:
+    """``call()``'s result and how many process groups it created."""
+    import torch.distributed as dist
+
+    made: list[int] = []
+    new_group = dist.new_group
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return new_group(*args, **kwargs)
+
+    dist.new_group = counting
+    try:
+        return call(), len(made)
+    finally:
+        dist.new_group = new_group
 
 
 def _megatron_sources(rank: int) -> Any:
@@ -321,9 +340,15 @@ def _assert_equal(got: list[RankData], want: list[RankData], routers: bool = Tru
                 np.testing.assert_array_equal(g.routers[key].local_tokens_per_expert, state.local_tokens_per_expert)
 
 
-@pytest.mark.parametrize("source", ["namespace", "mapping", "mapping-str", "mesh", "meshgroups", "torchgroups"])
+@pytest.mark.parametrize("source", ["namespace", "mapping", "mapping-str", "mesh", "meshgroups", "torchgroups", "mesh-again"])
 def test_every_group_source_gives_the_reference_numbers(world, source: str) -> None:
     _assert_equal([r[source] for r in world["case_sources"]], _reference(DROPIN))
+
+
+def test_models_given_one_mesh_share_its_process_groups(world) -> None:
+    """A new model over a DeviceMesh an earlier model used creates no process group (the
+    mesh's groups are kept once per live mesh, not per model) and gets the same numbers."""
+    assert [r["mesh-again-groups"] for r in world["case_sources"]] == [0] * WORLD
 
 
 def test_megatron_collection_and_parallel_state(world) -> None:

@@ -221,9 +221,9 @@ def attach_grad_buffers(
                 f"rank {world_rank()}: attach_grad_buffers: model[{i}] is wrapped in {type(ddp_object(chunk)).__name__}, "
                 "which owns its gradient buffers (finish_grad_sync); attach to unwrapped chunks only"
             )
-    prepared = prepare_layout(chunks, pg_collection, force_all_reduce)
-    params = {k: p for k, p in prepared.found.tensors.items() if p.requires_grad}
-    layout = tuple((d, tuple(k for k in keys if k in params)) for d, keys in prepared.bound.plan.layout)
+    bound, inputs = prepare_layout(chunks, pg_collection, force_all_reduce)
+    params = {k: p for k, p in inputs.found.tensors.items() if p.requires_grad}
+    layout = tuple((d, tuple(k for k in keys if k in params)) for d, keys in bound.plan.layout)
     buffers = allocate(layout, params, attr=attr, device=device, lazy=lazy)
-    prepared.state.programs.clear()
+    inputs.state.programs.clear()
     return buffers

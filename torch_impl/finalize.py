@@ -1,9 +1,8 @@
 """Megatron-Core's ``finalize_model_grads`` API, executed from a meshgrad plan.
 
 Every function of Megatron-Core's `finalize_model_grads` module is here with its name and signature; each is a thin
-entry point over the one set-up path, :func:`torch_impl.call.pipeline.prepare` (config, groups,
-model state, discovery, plan, checks before communication, all cached on the model) and
-:func:`torch_impl.call.pipeline.run`. A seed helper plans only its steps over its own groups and
+entry point over the one call pipeline, :func:`torch_impl.call.pipeline.call` (read, plan,
+check, agree, run; what a call read and planned is cached on the model). A seed helper plans only its steps over its own groups and
 gets the same protection as :func:`finalize_model_grads`: its checks and the cross-rank
 consistency check run once per plan, the status round (over the helper's groups) every
 call, and a bad input raises on every rank before anything changes.
@@ -27,20 +26,18 @@ from torch import nn
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from meshgrad.plan import Step
-from torch_impl.call.pipeline import Prepared, prepare, run
+from torch_impl.call.pipeline import call
 from torch_impl.call.read import Request, as_chunks
 from torch_impl.helpers import embedding_grad, run_helper
 from torch_impl.call.model_state import ModelState
 from torch_impl.sources.discover import position_embedding, shared_word_embedding
-from torch_impl.run.errors import MegatronAssertionError, collective_guard, ranked
+from torch_impl.run.errors import MegatronAssertionError, ranked
 from torch_impl.run.stats import ExecStats
-from torch_impl.run.scaling import global_token_scale, scale_grads
-from torch_impl.run.grads import GradAccess, grad_attr, is_dtensor, reshard, unshard
+from torch_impl.run.grads import grad_attr, is_dtensor, reshard, unshard
 from torch_impl.run.groups import group_ranks, world_rank
 from torch_impl.sources.helper_groups import helper_group
-from torch_impl.sources.compiled import eager_under_compile
+from torch_impl.sources.wrappers import eager_under_compile
 from torch_impl.sources.config import chunk_configs, resolve_config
-from torch_impl.sources.megatron import gtp_fence as megatron_gtp_fence
 
 ProcessGroup = Any
 
@@ -104,44 +101,8 @@ def finalize_model_grads(
       torch_impl.run.errors.CollectiveError: a collective failed (a peer died or stalled
         past the process-group timeout), naming the action.
     """
-    force = bool(force_all_reduce)
-    prepared = prepare(model, pg_collection, Request(num_tokens=num_tokens, force_all_reduce=force))
-    prepared.state.stats.calls += 1
-    fence = (gtp_fence or megatron_gtp_fence()) if prepared.requested.gtp_active else None
-    if fence is not None:
-        fence()
-    with torch.no_grad():
-        _finish_ddp_sync(prepared, force)
-        program = run(prepared)
-        if num_tokens is not None:
-            _scale_by_tokens(prepared, program, num_tokens)
-
-
-def _finish_ddp_sync(prepared: Prepared, force: bool) -> None:
-    """Step 1 of Megatron-DDP chunks: their own ``finish_grad_sync``."""
-    for obj, kwarg in zip(prepared.bound.ddp, prepared.bound.ddp_force_kwarg):
-        with collective_guard(f"dp_sync: {type(obj).__name__}.finish_grad_sync()", prepared.groups):
-            if kwarg:
-                obj.finish_grad_sync(force_all_reduce=force)
-            else:
-                obj.finish_grad_sync()
-
-
-def _scale_by_tokens(prepared: Prepared, program: Any, num_tokens: torch.Tensor) -> None:
-    """Step 11: the global token count and ``1 / max(n, 1)`` on every gradient."""
-    bound, groups = prepared.bound, prepared.groups
-    token_scale = bound.plan.token_scale
-    with collective_guard(
-        f"token_scale: num_tokens broadcast over 'pp' and sum over {token_scale.group.value!r}", groups
-    ):
-        scale = global_token_scale(num_tokens, token_scale, groups)
-    for obj in bound.ddp:
-        obj.scale_gradients(scale)
-    if program is not None:
-        program.scale(scale)
-    elif bound.plain_scale_keys:
-        grads = GradAccess(prepared.found.tensors, local_shards=True)
-        scale_grads([grads[k] for k in bound.plain_scale_keys], scale)
+    request = Request(num_tokens=num_tokens, force_all_reduce=bool(force_all_reduce))
+    call(model, pg_collection, request, fence=gtp_fence)
 
 
 # =========================================================================== seed helpers

@@ -1,6 +1,5 @@
-"""The one set-up path of Megatron's helper functions (the ``_allreduce_*`` /
-``_update_*`` ones): a helper's steps prepared and run over its own groups
-(:func:`run_helper`), and the embedding helpers' chunk and stage rule
+"""Megatron's helper functions (the ``_allreduce_*`` / ``_update_*`` ones) over the call
+pipeline: a helper's steps run over its own groups (:func:`run_helper`), and the embedding helpers' chunk and stage rule
 (:func:`embedding_grad`)."""
 
 from __future__ import annotations
@@ -16,10 +15,9 @@ from meshgrad.axes import Group
 from meshgrad.errors import FinalizeInputError
 from meshgrad.params import Role
 from meshgrad.plan import Step, embedding_chunk
-from torch_impl.call.pipeline import prepare, run
+from torch_impl.call.pipeline import call
 from torch_impl.call.read import Request, as_chunks
-from torch_impl.call.agree import share_local_error
-from torch_impl.sources.discover import unwrap
+from torch_impl.sources.wrappers import unwrap
 from torch_impl.run.groups import TorchGroups, world_rank
 from torch_impl.call.model_state import ModelState
 
@@ -27,24 +25,11 @@ ProcessGroup = Any
 
 
 def run_helper(model: Any, groups: Mapping[Group, Any] | TorchGroups, request: Request) -> None:
-    """Prepare and run a seed helper's steps over its own groups (checked over them).
-
-    A bad model list on one rank joins the status round its peers run over the same
-    groups, so they raise at once instead of waiting for it."""
-    try:
-        chunks = as_chunks(model)
-    except (TypeError, ValueError) as err:
-        if not isinstance(groups, TorchGroups):
-            explicit = TorchGroups.from_mapping(groups, source="the helper's groups")
-            share_local_error(err, explicit, None, raw=(request.config,), over=request.over or tuple(groups))
-        raise
-    if not isinstance(groups, TorchGroups):
-        if not request.over:
-            request = dataclasses.replace(request, over=tuple(groups))
-        groups = ModelState.of(chunks).group_memo.explicit(groups)
-    prepared = prepare(chunks, groups, request)
-    if prepared.bound.plan.actions:
-        run(prepared)
+    """Run a seed helper's steps over its own groups (its status round and comparison
+    over them too) through the call pipeline."""
+    if not request.over and not isinstance(groups, TorchGroups):
+        request = dataclasses.replace(request, over=tuple(groups))
+    call(model, groups, request)
 
 
 def embedding_grad(

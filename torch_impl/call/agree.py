@@ -1,18 +1,19 @@
-"""Cross-rank rounds before any gradient moves: every rank raises together, or none.
+"""The agree stage of a call: every rank raises together, or none, before any gradient moves.
 
 ``config.consistency_check`` (``"off"`` | ``"once"`` per plan, the default |
-``"every_step"``). Each call starts with one **status round** (:func:`agree`: a few
-integers MAX-reduced by one all-reduce over the world, or over the call's spanning
-groups in turn -- tp, dp_cp, gtp and pp for ``finalize_model_grads``, the helper's own
-groups for a seed helper) saying
-whether any rank failed a local check (:mod:`torch_impl.call.checks`), needs a comparison (a
-new plan, another kind of num_tokens, ``"every_step"``) or found NaN / Inf. Every rank
-then takes the same path: raise, compare, or go on. In a **comparison**
-(:func:`exchange_signatures`) the members of every group of size > 1 all-gather a hash
-of what they will launch on it (:func:`signatures`); only on a mismatch are the full
-lines gathered, and :class:`~torch_impl.run.errors.ConsistencyError` names the group, the
-ranks and the first differing line. A rank that failed before its groups resolved still
-joins the round (:func:`share_local_error`), so that its peers raise at once.
+``"every_step"``). Each call runs one **status round** (:func:`agree_call` over
+:func:`torch_impl.run.status.status_round`: a few integers MAX-reduced by one all-reduce
+over the world, or over the call's spanning groups in turn -- tp, dp_cp, gtp and pp for
+``finalize_model_grads``, the helper's own groups for a seed helper) saying whether any
+rank failed a local check (:mod:`torch_impl.call.check`), needs a comparison (a new plan,
+another kind of num_tokens, ``"every_step"``) or found NaN / Inf. Every rank then takes
+the same path: raise, compare, or go on. In a **comparison**
+(:func:`torch_impl.run.status.compare_round`) the members of every group of size > 1
+all-gather a hash of what they will launch on it
+(:func:`torch_impl.call.signatures.signatures`); only on a mismatch are the full lines
+gathered, and :class:`~meshgrad.errors.ConsistencyError` names the group, the ranks and
+the first differing line. A rank that failed before its groups resolved still joins the
+round (:func:`share_local_error`), so that its peers raise at once.
 
 Every rank of a model must use the same ``consistency_check`` and
 ``check_for_nan_in_grad``: they decide which of these collectives run.
@@ -23,73 +24,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch.distributed as dist
-
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from meshgrad.plan import FinalizePlan
-from torch_impl.call.signatures import compare_signatures
+from torch_impl.call.signatures import signatures
 from torch_impl.call.check import CheckSpec, Findings
 from torch_impl.call.checks import check_modes
 from torch_impl.run.errors import NonFiniteGradError
 from torch_impl.run.groups import TorchGroups, world_rank, world_size
-from torch_impl.sources.mesh_groups import timeout_of
 from torch_impl.sources.group_sources import MESH_KINDS, source_kind, status_groups
 from torch_impl.run.status import (
-    SPANNING_GROUPS,
-    capturing,
     COMPARE,
     NONFINITE,
-    Hop,
-    device_for,
+    SPANNING_GROUPS,
+    capturing,
     flagged_rank,
-    reduce_max,
-    settle,
     share_error,
-    status_vector,
+    status_round,
+    status_route,
     world_route,
 )
-
-def _distinct(groups: TorchGroups, over: Sequence[Group]) -> list[tuple[Group, Any]]:
-    """The process groups of ``over`` of size > 1, each process group once."""
-    out: list[tuple[Group, Any]] = []
-    for group in over:
-        pg = groups.group(group)
-        if pg is not None and all(pg is not seen for _, seen in out):
-            out.append((group, pg))
-    return out
-
-
-def status_route(groups: TorchGroups, over: Sequence[Group] = SPANNING_GROUPS) -> list[Hop]:
-    """The hops a status round MAX-reduces over, in turn (computed once per groups and
-    ``over``): the world at once for groups built from a DeviceMesh (their layout round
-    runs over the world: the same kind of round), or when the spanning groups together
-    reach every rank of it and the world's timeout is no longer than theirs (or no
-    backend tells any timeout); else the distinct groups of ``over`` of size > 1."""
-    key = tuple(over)
-    route = groups.routes.get(key)
-    if route is None:
-        route = groups.routes[key] = _route(groups, key)
-    return route
-
-
-def _route(groups: TorchGroups, over: tuple[Group, ...]) -> list[Hop]:
-    pgs = _distinct(groups, over)
-    own = [(group.value, pg, device_for(pg), groups.size(group)) for group, pg in pgs]
-    if groups.layout and over == SPANNING_GROUPS and world_size() > 1:
-        return world_route()
-    if len(pgs) < 2 or over != SPANNING_GROUPS:
-        return own
-    span = 1
-    for group, _ in pgs:
-        span *= groups.size(group)
-    if span != world_size():
-        return own
-    limit, timeouts = timeout_of(dist.group.WORLD), [timeout_of(pg) for _, pg in pgs]
-    unknown = limit is None and all(t is None for t in timeouts)  # no backend tells: as good as any
-    no_longer = limit is not None and None not in timeouts and limit <= min(timeouts)
-    return world_route() if unknown or no_longer else own
-
 
 def share_local_error(
     err: BaseException,
@@ -151,15 +105,14 @@ def agree_call(findings: Findings, spec: CheckSpec, plan: FinalizePlan, groups: 
         if error is not None:
             raise error
         return
-    route = status_route(groups, spec.over)
-    status = status_vector(groups.rank, error=error is not None, compare=findings.compare,
-                           nonfinite=findings.nonfinite is not None or findings.nonfinite_tokens, layout=groups.layout)
-    reduced = reduce_max(status, route, groups.rank, "finalize status check")
-    settle(reduced, route, groups.rank, "finalize status check", error=error, layout_text=groups.layout_text)
-    elsewhere = flagged_rank(reduced[NONFINITE]) if reduced[NONFINITE] else None
+    reduced = status_round(
+        groups, spec.over, error=error, compare=findings.compare,
+        nonfinite=findings.nonfinite is not None or findings.nonfinite_tokens,
+        lines=lambda: signatures(plan, groups, config, num_tokens), compared=spec.compared,
+    )
     if reduced[COMPARE]:
-        compare_signatures(plan, groups, config, num_tokens, spec.compared, route)
         record.consistent, record.tokens = True, findings.tokens
+    elsewhere = flagged_rank(reduced[NONFINITE]) if reduced[NONFINITE] else None
     if findings.nonfinite is not None:
         raise NonFiniteGradError(findings.nonfinite)
     if findings.nonfinite_tokens:

@@ -16,12 +16,12 @@ import torch
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey
-from torch_impl.call.checks import check_gradients, check_num_tokens, nonfinite, nonfinite_message, uses_nccl
+from torch_impl.call.checks import check_gradients, check_num_tokens, nonfinite_message, nonfinite_tokens, uses_nccl
 from torch_impl.call.group_checks import check_layout
+from torch_impl.run.grads import read_grads
 from torch_impl.run.groups import TorchGroups
 from torch_impl.run.status import SPANNING_GROUPS, capturing
 from torch_impl.sources.config import Requested
-from torch_impl.sources.ddp_layout import nonfinite_in_buffers
 from torch_impl.sources.discover import Discovered
 
 
@@ -65,71 +65,6 @@ class PlanRecord:
     tokens: Any = None
 
 
-def _local_checks(
-    spec: CheckSpec,
-    found: Discovered,
-    groups: TorchGroups,
-    config: FinalizeConfig,
-    num_tokens: Any,
-    record: PlanRecord | None,
-) -> tuple[BaseException | None, PlanRecord | None]:
-    """The local checks of one call: gradients and layout once per binding (every step
-    with ``"every_step"``), ``num_tokens`` every step; the inputs' checks first, then the
-    groups'. The record is updated only when every check passed.
-
-    Returns:
-      (the local error or None, the plan's record).
-    """
-    fresh = record is None or config.consistency_check == "every_step" or record.found is not found
-    try:
-        if fresh:
-            device = check_gradients(found, groups, config, spec.keys)
-            nccl = record.nccl if record is not None else uses_nccl(groups)
-        else:
-            device, nccl = record.device, record.nccl
-        check_num_tokens(num_tokens, device, groups, spec.ddp, nccl)
-        if fresh and spec.requested is not None:
-            check_layout(groups, spec.requested, experts=spec.experts, collection=spec.collection, strict=config.strict_groups)
-    except Exception as err:  # noqa: BLE001 -- any local failure is held for the status round
-        return err, record
-    if record is None:
-        record = PlanRecord(device, nccl)
-    record.device, record.found = device, found
-    return None, record
-
-
-def _nonfinite_message(rank: int, found: Discovered, spec: CheckSpec) -> str | None:
-    """The error naming the gradients that hold NaN / Inf, or None when there are none:
-    those meshgrad syncs (``spec.nan_keys``), then those in the gradient buffers of a
-    Megatron DDP that would check them itself inside ``finish_grad_sync`` (its
-    ``check_for_nan_in_grad`` without ``overlap_grad_reduce``: there its check raises on
-    one rank while its peers enter the collective). With ``overlap_grad_reduce`` the DDP
-    checked each bucket when its reduction started, in backward."""
-    bad = nonfinite(found, spec.nan_keys)
-    if bad:
-        return nonfinite_message(rank, bad)
-    for ddp in spec.ddp:
-        ddp_config = getattr(ddp, "ddp_config", None)
-        if getattr(ddp_config, "check_for_nan_in_grad", False) and not getattr(ddp_config, "overlap_grad_reduce", False):
-            names = nonfinite_in_buffers(ddp)
-            if names:
-                more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-                return (
-                    f"rank {rank}: NaN or Inf in the gradient of {names[0]!r}{more} in the gradient buffer of "
-                    f"{type(ddp).__name__} (check_for_nan_in_grad); found before any collective: no gradient "
-                    "was changed"
-                )
-    return None
-
-
-def _nonfinite_tokens(num_tokens: Any) -> bool:
-    """Whether a floating ``num_tokens`` holds NaN or Inf (one host sync)."""
-    return (
-        isinstance(num_tokens, torch.Tensor) and num_tokens.is_floating_point()
-        and not bool(torch.isfinite(num_tokens).all())
-    )
-
-
 class Findings(NamedTuple):
     """What the check stage found on this rank, for the agree stage.
 
@@ -156,9 +91,12 @@ class Findings(NamedTuple):
 
 def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: FinalizeConfig,
                num_tokens: Any, record: PlanRecord | None) -> Findings:
-    """The check stage: the local checks of one call (:func:`_local_checks`), whether a
-    comparison is due and, with ``check_for_nan_in_grad``, NaN / Inf in the gradients and
-    ``num_tokens``. Raises nothing: a failure is held in the findings for the round.
+    """The check stage: the local checks of one call, the inputs' first, then the
+    groups': gradients and layout once per binding (every step with ``"every_step"``),
+    ``num_tokens`` every step and, with ``check_for_nan_in_grad``, NaN / Inf in the
+    gradients and ``num_tokens``; then whether a comparison is due. Raises nothing: a
+    failure of any type is held in the findings for the round. The plan's record is
+    updated only when every check passed.
 
     Args:
       spec: what the plan's calls check.
@@ -172,18 +110,35 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
       The :class:`Findings`.
     """
     mode, nan_check = config.consistency_check, config.check_for_nan_in_grad and spec.nan
-    error, record = _local_checks(spec, found, groups, config, num_tokens, record)
-    if (mode == "off" and not nan_check) or capturing():
-        return Findings(error, record)
-    if error is not None:
-        return Findings(error, record, round_due=True)
+    round_due = not (mode == "off" and not nan_check) and not capturing()
+    fresh = record is None or mode == "every_step" or record.found is not found
+    nonfinite, bad_tokens = None, False
+    nan_due = round_due and nan_check
+    try:
+        checked = read_grads(found.tensors, spec.keys if fresh else ())
+        nan_grads = read_grads(found.tensors, spec.nan_keys if nan_due else ())
+        if fresh:
+            device = check_gradients(checked, groups, config)
+            nccl = record.nccl if record is not None else uses_nccl(groups)
+        else:
+            device, nccl = record.device, record.nccl
+        check_num_tokens(num_tokens, device, groups, spec.ddp, nccl)
+        if nan_due:
+            nonfinite = nonfinite_message(groups.rank, nan_grads, spec.ddp)
+            bad_tokens = nonfinite_tokens(num_tokens)
+        if fresh and spec.requested is not None:
+            check_layout(groups, spec.requested, experts=spec.experts, collection=spec.collection, strict=config.strict_groups)
+    except Exception as err:  # noqa: BLE001 -- any local failure is held for the status round
+        return Findings(err, record, round_due=round_due)
+    if record is None:
+        record = PlanRecord(device, nccl)
+    record.device, record.found = device, found
+    if not round_due:
+        return Findings(None, record)
     tokens = (num_tokens.dtype, num_tokens.numel()) if isinstance(num_tokens, torch.Tensor) else None
     compare = mode != "off" and (mode == "every_step" or not record.consistent or record.tokens != tokens)
-    return Findings(
-        None, record, round_due=True, compare=compare, tokens=tokens,
-        nonfinite=_nonfinite_message(groups.rank, found, spec) if nan_check else None,
-        nonfinite_tokens=nan_check and _nonfinite_tokens(num_tokens),
-    )
+    return Findings(None, record, round_due=True, compare=compare, tokens=tokens, nonfinite=nonfinite,
+                    nonfinite_tokens=bad_tokens)
 
 
 __all__ = ["CheckSpec", "Findings", "PlanRecord", "check_call"]

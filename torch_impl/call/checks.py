@@ -19,10 +19,10 @@ import torch
 
 from meshgrad.axes import Group
 from meshgrad.config import CONSISTENCY_CHECKS, FinalizeConfig, config_get
-from meshgrad.params import ParamKey, ParamSpec
+from meshgrad.params import ParamKey
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
-from torch_impl.sources.discover import Discovered
-from torch_impl.run.grads import GradAccess, get_grad, grad_attr, is_dtensor
+from torch_impl.sources.ddp_layout import nonfinite_in_buffers
+from torch_impl.run.grads import GradRead
 from torch_impl.run.groups import TorchGroups
 from torch_impl.run.status import backend
 
@@ -108,18 +108,16 @@ def _check_disjoint(by_storage: Mapping[Any, list[tuple[torch.Tensor, str]]], ra
                     )
 
 
-def check_gradients(
-    found: Discovered, groups: TorchGroups, config: FinalizeConfig, keys: Sequence[ParamKey] | None = None
-) -> torch.device | None:
+def check_gradients(reads: Sequence[GradRead], groups: TorchGroups, config: FinalizeConfig) -> torch.device | None:
     """Every gradient finalize will touch: a dense (strided) floating tensor of its
     parameter's shape without internal overlap, all on one usable device, no two
     sharing an element.
 
     Args:
-      found: the discovered model.
+      reads: the gradients to check (:func:`~torch_impl.run.grads.read_grads`; None
+        gradients are skipped).
       groups: this rank's groups (NCCL needs CUDA tensors).
       config: the finalize config (``use_megatron_fsdp``: local shards).
-      keys: the gradients to check (default: every parameter with a gradient).
 
     Returns:
       The gradients' device (None when this rank has no gradient).
@@ -133,16 +131,11 @@ def check_gradients(
     rank, nccl = groups.rank, uses_nccl(groups)
     device: torch.device | None = None
     first = ""
-    specs = {s.key: s for s in found.params}
-    chosen: list[ParamSpec] = [s for s in found.params if s.has_grad] if keys is None else [specs[k] for k in keys if k in specs]
     by_storage: dict[tuple[Any, int], list[tuple[torch.Tensor, str]]] = {}
-    for spec in chosen:
-        param = found.tensors[spec.key]
-        grad = get_grad(param)
+    for (chunk, name), param, grad, attr, dtensor, _ in reads:
         if grad is None:
             continue
-        what = f"the gradient ({grad_attr(param)}) of {spec.name!r} (chunk {spec.chunk})"
-        dtensor = isinstance(grad, torch.Tensor) and (is_dtensor(grad) or is_dtensor(param))
+        what = f"the gradient ({attr}) of {name!r} (chunk {chunk})"
         _check_grad(grad, param, what, rank, config.use_megatron_fsdp or dtensor)
         here = grad.device
         if nccl and here.type != "cuda":
@@ -205,23 +198,56 @@ def check_num_tokens(
             )
 
 
-def nonfinite(found: Discovered, keys: Sequence[ParamKey], local_shards: bool = True) -> list[ParamKey]:
-    """The keys whose gradient holds NaN or Inf (one host sync for all of them)."""
-    grads = GradAccess(found.tensors, local_shards=local_shards)
-    tensors = [grads[k] for k in keys]
-    if not tensors:
+def nonfinite(reads: Sequence[GradRead]) -> list[ParamKey]:
+    """The keys whose gradient (its local shard) holds NaN or Inf (one host sync for all of them).
+
+    Raises:
+      ValueError: a gradient is gone since the plan was made.
+    """
+    for read in reads:
+        if read.local is None:
+            raise FinalizeInputError(f"parameter {read.key[1]!r} (chunk {read.key[0]}) lost its gradient after planning")
+    if not reads:
         return []
-    ok = torch.stack([torch.isfinite(t).all() for t in tensors])  # one device: checked
+    ok = torch.stack([torch.isfinite(r.local).all() for r in reads])  # one device: checked
     if bool(ok.all()):
         return []
-    return [k for k, good in zip(keys, ok.tolist()) if not good]
+    return [r.key for r, good in zip(reads, ok.tolist()) if not good]
 
 
-def nonfinite_message(rank: int, bad: Sequence[ParamKey]) -> str:
-    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+def nonfinite_message(rank: int, reads: Sequence[GradRead], ddp: Sequence[Any]) -> str | None:
+    """The error naming the gradients that hold NaN / Inf, or None when there are none:
+    those meshgrad syncs (``reads``), then those in the gradient buffers of a Megatron DDP
+    that would check them itself inside ``finish_grad_sync`` (its
+    ``check_for_nan_in_grad`` without ``overlap_grad_reduce``: there its check raises on
+    one rank while its peers enter the collective). With ``overlap_grad_reduce`` the DDP
+    checked each bucket when its reduction started, in backward."""
+    bad = nonfinite(reads)
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        return (
+            f"rank {rank}: NaN or Inf in the gradient of {bad[0][1]!r} (chunk {bad[0][0]}){more} "
+            "(check_for_nan_in_grad); found before any collective: no gradient was changed"
+        )
+    for obj in ddp:
+        ddp_config = getattr(obj, "ddp_config", None)
+        if getattr(ddp_config, "check_for_nan_in_grad", False) and not getattr(ddp_config, "overlap_grad_reduce", False):
+            names = nonfinite_in_buffers(obj)
+            if names:
+                more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+                return (
+                    f"rank {rank}: NaN or Inf in the gradient of {names[0]!r}{more} in the gradient buffer of "
+                    f"{type(obj).__name__} (check_for_nan_in_grad); found before any collective: no gradient "
+                    "was changed"
+                )
+    return None
+
+
+def nonfinite_tokens(num_tokens: Any) -> bool:
+    """Whether a floating ``num_tokens`` holds NaN or Inf (one host sync)."""
     return (
-        f"rank {rank}: NaN or Inf in the gradient of {bad[0][1]!r} (chunk {bad[0][0]}){more} "
-        "(check_for_nan_in_grad); found before any collective: no gradient was changed"
+        isinstance(num_tokens, torch.Tensor) and num_tokens.is_floating_point()
+        and not bool(torch.isfinite(num_tokens).all())
     )
 
 
@@ -254,5 +280,6 @@ __all__ = [
     "check_num_tokens",
     "nonfinite",
     "nonfinite_message",
+    "nonfinite_tokens",
     "uses_nccl",
 ]

@@ -1,6 +1,6 @@
-"""The group memo of a model: resolved groups per group source, the MeshGroups of each
-DeviceMesh, Megatron's ``parallel_state`` groups and a seed helper's groups (kept here,
-never on those objects)."""
+"""The group memo of a model: resolved groups per group source, Megatron's
+``parallel_state`` groups and a seed helper's groups (kept here, never on those objects;
+a DeviceMesh's groups are shared by every model: :func:`torch_impl.sources.mesh_groups.mesh_groups`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch_impl.run.groups import TorchGroups, world_size
 from torch_impl.sources.megatron import parallel_state_keyed
 from torch_impl.sources.config import Requested
 from torch_impl.call.memo import Snapshot, put
-from torch_impl.sources.mesh_groups import MeshGroups
+from torch_impl.sources.mesh_groups import mesh_groups
 
 _GROUP_NAMES = tuple(g.value for g in Group)
 
@@ -25,21 +25,12 @@ class GroupMemo:
     def __init__(self) -> None:
         self.groups: tuple[Snapshot, tuple[Any, ...], TorchGroups] | None = None  # the last resolved source
         self.explicit_groups: dict[tuple[Any, ...], tuple[dict[Group, Any], TorchGroups]] = {}
-        self.meshes: dict[int, MeshGroups] = {}  # id(DeviceMesh) -> its groups (which hold the mesh)
         self.parallel_state: tuple[tuple[Any, ...], TorchGroups] | None = None
 
     def last_resolved_groups(self, source: Any) -> TorchGroups | None:
         """The groups last resolved from ``source`` (not checked again), or None."""
         hit = self.groups
         return hit[2] if hit is not None and hit[0].source is source else None
-
-    def mesh_groups(self, mesh: Any) -> MeshGroups:
-        """The MeshGroups of a DeviceMesh, made once per mesh and kept here (nothing is
-        written on the mesh)."""
-        hit = self.meshes.get(id(mesh))
-        if hit is None or hit.mesh is not mesh:
-            hit = put(self.meshes, id(mesh), MeshGroups(mesh))
-        return hit
 
     def parallel_state_groups(self) -> TorchGroups | None:
         """Megatron's ``parallel_state`` groups, one TorchGroups while its groups stay the
@@ -55,7 +46,7 @@ class GroupMemo:
         MeshGroups, kept here)."""
         kind = source_kind(source)
         if kind == "device_mesh":
-            source = self.mesh_groups(source)
+            source = mesh_groups(source)  # one per live mesh, shared by every model
         if kind in MESH_KINDS or kind == "torch_groups":
             return resolve_groups(source, config, requested)
         key = (world_size(), config.moe_router_enable_expert_bias, config.flextron)

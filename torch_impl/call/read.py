@@ -5,13 +5,13 @@ the model's parameters, gradients, flags and routers into an immutable
 :class:`CallInputs`, memoized on the model (:mod:`torch_impl.call.model_state`) while
 the model watch sees the same objects. It is the only stage that touches user objects;
 whatever it raises, of any type, is held by the pipeline for the status round
-(:func:`torch_impl.call.pipeline.prepare`).
+(:func:`torch_impl.call.pipeline.call`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from torch import nn
@@ -29,7 +29,7 @@ from torch_impl.sources.discover import Discovered, discover, dtype_name
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """What one call asks of :func:`prepare`.
+    """What one call asks of the pipeline (:func:`torch_impl.call.pipeline.call`).
 
     Args:
       steps: the steps a seed helper runs; empty: every step (``finalize_model_grads``).
@@ -135,7 +135,11 @@ def _read_sources(chunks: list[Any], source: Any, request: Request, known: dict[
     known["config"] = config
     requested = state.config_memo.requested(known["raw"][0]) if request.finalize else Requested()
     memo = state.group_memo
-    groups = memo.resolve_groups(memo.parallel_state_groups() if source is None else source, config, requested)
+    if source is None:
+        source = memo.parallel_state_groups()
+    elif not request.finalize and isinstance(source, Mapping):  # a seed helper's own groups
+        source = memo.explicit(source)
+    groups = memo.resolve_groups(source, config, requested)
     known["groups"] = groups
     return state, config, requested, groups
 

@@ -39,7 +39,7 @@ from meshgrad.plan import (
     TokenScale,
 )
 from torch_impl.run.collectives import TORCH_DTYPES, all_reduce, reduce_scatter_into
-from torch_impl.run.errors import action_failed
+from torch_impl.run.errors import action_failed, collective_guard
 from torch_impl.run.stats import ExecStats
 from torch_impl.run.grads import GradAccess, get_grad, grad_attr, is_dtensor
 from torch_impl.run.groups import TorchGroups
@@ -257,6 +257,17 @@ def bind_action(
     if binder is None:
         raise FinalizeTypeError(f"unknown plan action {type(action).__name__}")  # pragma: no cover
     return binder(action, grads, routers, groups, stats)
+
+
+def finish_ddp_sync(ddp: Sequence[Any], force_kwarg: Sequence[bool], force: bool, groups: TorchGroups) -> None:
+    """Step 1 of the chunks a Megatron DDP syncs: each DDP's own ``finish_grad_sync``
+    (passed ``force_all_reduce`` where it takes it)."""
+    for obj, kwarg in zip(ddp, force_kwarg):
+        with collective_guard(f"dp_sync: {type(obj).__name__}.finish_grad_sync()", groups):
+            if kwarg:
+                obj.finish_grad_sync(force_all_reduce=force)
+            else:
+                obj.finish_grad_sync()
 
 
 def execute_ops(

@@ -14,8 +14,8 @@ for are in :mod:`torch_impl.call.watches` and :mod:`torch_impl.call.model_watch`
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,6 +54,41 @@ def reshard(tensor: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     for name, value in vars(reference).items():
         if not name.startswith("_"):
             setattr(out, name, value)
+    return out
+
+
+class GradRead(NamedTuple):
+    """One parameter's gradient as the check stage reads it.
+
+    Args:
+      key: the parameter's key.
+      param: the parameter.
+      grad: its gradient (``main_grad`` or ``grad``), None when it has none.
+      attr: the attribute it was read from.
+      dtensor: the gradient or the parameter is a DTensor.
+      local: the gradient's local shard (the gradient itself unless a DTensor).
+    """
+
+    key: ParamKey
+    param: torch.Tensor
+    grad: Any
+    attr: str
+    dtensor: bool
+    local: Any
+
+
+def read_grads(params: Mapping[ParamKey, torch.Tensor], keys: Iterable[ParamKey]) -> list[GradRead]:
+    """The gradients of ``keys`` (those of ``params``), read once for the checks."""
+    out = []
+    for key in keys:
+        param = params.get(key)
+        if param is None:
+            continue
+        attr = grad_attr(param)
+        grad = getattr(param, attr)
+        dtensor = grad is not None and (is_dtensor(grad) or is_dtensor(param))
+        local = grad.to_local() if dtensor and is_dtensor(grad) else grad
+        out.append(GradRead(key, param, grad, attr, dtensor, local))
     return out
 
 
@@ -100,4 +135,4 @@ class GradAccess:
         self._work.clear()
 
 
-__all__ = ["GradAccess", "get_grad", "grad_attr", "is_dtensor", "reshard", "unshard"]
+__all__ = ["GradAccess", "GradRead", "read_grads", "get_grad", "grad_attr", "is_dtensor", "reshard", "unshard"]

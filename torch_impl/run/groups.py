@@ -93,7 +93,7 @@ class TorchGroups:
     token_broadcast: tuple[ProcessGroup, int] | None = None
     layout: int = 0
     layout_text: str = ""
-    #: Status-round routes computed for these groups (torch_impl.call.agree.status_route).
+    #: Status-round routes computed for these groups (torch_impl.run.status.status_route).
     routes: dict[tuple[Group, ...], Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ queries

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from meshgrad.axes import Group
 from meshgrad.plan import ReduceOp, TokenScale
 from torch_impl.run.collectives import all_reduce
+from torch_impl.run.errors import collective_guard
 from torch_impl.run.groups import TorchGroups
 
 
@@ -37,6 +38,35 @@ def global_token_scale(num_tokens: torch.Tensor, action: TokenScale, groups: Tor
     num_tokens.detach().copy_(total)
     counted = num_tokens.detach() if num_tokens.is_floating_point() else total
     return torch.clamp(counted, min=1).reciprocal()
+
+
+def scale_by_tokens(
+    num_tokens: torch.Tensor,
+    action: TokenScale,
+    groups: TorchGroups,
+    ddp: Sequence[Any],
+    bound_scale: Callable[[torch.Tensor], None] | None,
+    plain: Sequence[torch.Tensor] = (),
+) -> None:
+    """Step 11 of a call: the global token count (:func:`global_token_scale`) and
+    ``1 / max(n, 1)`` on every gradient: each Megatron DDP's own ``scale_gradients``,
+    then the bound program's scale, else (DTensor gradients) ``plain``.
+
+    Args:
+      num_tokens: this rank's count (holds the global count afterwards).
+      action: the plan's TokenScale.
+      groups: this rank's groups.
+      ddp: the Megatron DDP objects of the chunks they sync.
+      bound_scale: the bound program's scale, or None.
+      plain: the gradients (local shards) to scale without a bound program.
+    """
+    apply = bound_scale if bound_scale is not None else bind_scale(plain)
+    what = f"token_scale: num_tokens broadcast over 'pp' and sum over {action.group.value!r}"
+    with collective_guard(what, groups):
+        scale = global_token_scale(num_tokens, action, groups)
+    for obj in ddp:
+        obj.scale_gradients(scale)
+    apply(scale)
 
 
 def scale_grads(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ finalize. Bound it with a shorter timeout of the groups the call uses.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from meshgrad.axes import Group
 from meshgrad.errors import CollectiveError, ConsistencyError, FinalizeInputError
+from torch_impl.run.groups import TorchGroups, world_size
 
 #: Positions in the status vector (MAX-reduced): ``BIG - rank`` of the lowest rank that
 #: set the flag (0: none), the layout digest and its negation (equal digests everywhere
@@ -201,6 +202,160 @@ def settle(
         )
 
 
+def timeout_of(pg: Any) -> Any:
+    """A process group's timeout (timedelta), or None when unknown."""
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # that backend is not bound
+            continue
+    return None
+
+
+def _distinct(groups: TorchGroups, over: Sequence[Group]) -> list[tuple[Group, Any]]:
+    """The process groups of ``over`` of size > 1, each process group once."""
+    out: list[tuple[Group, Any]] = []
+    for group in over:
+        pg = groups.group(group)
+        if pg is not None and all(pg is not seen for _, seen in out):
+            out.append((group, pg))
+    return out
+
+
+def status_route(groups: TorchGroups, over: Sequence[Group] = SPANNING_GROUPS) -> list[Hop]:
+    """The hops a status round MAX-reduces over, in turn (computed once per groups and
+    ``over``): the world at once for groups built from a DeviceMesh (their layout round
+    runs over the world: the same kind of round), or when the spanning groups together
+    reach every rank of it and the world's timeout is no longer than theirs (or no
+    backend tells any timeout); else the distinct groups of ``over`` of size > 1."""
+    key = tuple(over)
+    route = groups.routes.get(key)
+    if route is None:
+        route = groups.routes[key] = _route(groups, key)
+    return route
+
+
+def _route(groups: TorchGroups, over: tuple[Group, ...]) -> list[Hop]:
+    pgs = _distinct(groups, over)
+    own = [(group.value, pg, device_for(pg), groups.size(group)) for group, pg in pgs]
+    if groups.layout and over == SPANNING_GROUPS and world_size() > 1:
+        return world_route()
+    if len(pgs) < 2 or over != SPANNING_GROUPS:
+        return own
+    span = 1
+    for group, _ in pgs:
+        span *= groups.size(group)
+    if span != world_size():
+        return own
+    limit, timeouts = timeout_of(dist.group.WORLD), [timeout_of(pg) for _, pg in pgs]
+    unknown = limit is None and all(t is None for t in timeouts)  # no backend tells: as good as any
+    no_longer = limit is not None and None not in timeouts and limit <= min(timeouts)
+    return world_route() if unknown or no_longer else own
+
+
+def _digest(lines: Sequence[str]) -> int:
+    raw = hashlib.blake2b("\n".join(lines).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little", signed=True)
+
+
+def _mismatch(group: Group, ranks: Sequence[int], gathered: Sequence[Sequence[str]], rank: int) -> str:
+    """The error text for one group whose members' lines differ."""
+    variants: dict[tuple[str, ...], list[int]] = {}
+    for r, lines in zip(ranks, gathered):
+        variants.setdefault(tuple(lines), []).append(r)
+    ordered = sorted(variants.items(), key=lambda item: (-len(item[1]), item[1][0]))
+    (lines_a, ranks_a), (lines_b, ranks_b) = ordered[0], ordered[1]
+    index = next((i for i, (a, b) in enumerate(zip(lines_a, lines_b)) if a != b), min(len(lines_a), len(lines_b)))
+    line_a = lines_a[index] if index < len(lines_a) else "(nothing more)"
+    line_b = lines_b[index] if index < len(lines_b) else "(nothing more)"
+    more = f" (and {len(ordered) - 2} more variant(s))" if len(ordered) > 2 else ""
+    return (
+        f"rank {rank}: the ranks of group {group.value!r} (global ranks {list(ranks)}) would launch "
+        f"different collectives: ranks {ranks_a} vs ranks {ranks_b}{more}; first difference, line "
+        f"{index + 1}: ranks {ranks_a}: {line_a!r}; ranks {ranks_b}: {line_b!r}. Nothing was reduced"
+    )
+
+
+def _gathered(what: str, group: Group, rank: int, gather: Callable[[], Any]) -> Any:
+    """Run one all-gather of the comparison; a failure becomes a CollectiveError."""
+    try:
+        return gather()
+    except RuntimeError as err:
+        raise CollectiveError(f"rank {rank}: {what} over {group.value!r} failed: {first_line(err)} -- {_PEER_HINT}") from err
+
+
+def compare_round(
+    lines: Mapping[Group, Sequence[str]], groups: TorchGroups, compared: Sequence[Group] | None, route: Sequence[Hop]
+) -> None:
+    """The consistency comparison, when a status round asks for one: in every compared
+    group (default: every group of size > 1), its members all-gather a hash of ``lines``;
+    only where hashes differ are the full lines gathered. Then one round over ``route``,
+    so that every rank raises when any group differs.
+
+    Raises:
+      ConsistencyError: naming the group, its ranks and the first differing line (on the
+        ranks of that group), or the rank that found it (elsewhere).
+    """
+    rank, messages = groups.rank, []
+    for group in Group if compared is None else compared:
+        pg = groups.group(group)
+        if pg is None:
+            continue
+        mine = tuple(lines.get(group, ()))
+        local = torch.tensor([_digest(mine), len(mine)], dtype=torch.int64, device=device_for(pg))
+        out = [torch.empty_like(local) for _ in range(groups.size(group))]
+        _gathered("consistency check", group, rank, lambda: dist.all_gather(out, local, group=pg))
+        if len({tuple(t.tolist()) for t in out}) > 1:
+            every: list[Any] = [None] * groups.size(group)
+            _gathered("consistency check (details)", group, rank, lambda: dist.all_gather_object(every, mine, group=pg))
+            ranks = sorted(dist.get_process_group_ranks(pg), key=lambda r: dist.get_group_rank(pg, r))
+            messages.append(_mismatch(group, ranks, every, rank))
+    (mismatch,) = reduce_max([status_vector(rank, error=bool(messages))[ERROR]], route, rank, "finalize consistency status")
+    if messages:
+        raise ConsistencyError("\n".join(messages))
+    if mismatch:
+        raise ConsistencyError(
+            f"rank {rank}: rank {flagged_rank(mismatch)} found ranks of one of its groups that would launch "
+            "different collectives (its error names them); nothing was reduced"
+        )
+
+
+def status_round(
+    groups: TorchGroups,
+    over: Sequence[Group],
+    *,
+    error: BaseException | None,
+    compare: bool,
+    nonfinite: bool,
+    lines: Callable[[], Mapping[Group, Sequence[str]]],
+    compared: Sequence[Group] | None = None,
+) -> list[int]:
+    """A call's status round over the route of ``over`` (:func:`status_route`): this
+    rank's vector (:func:`status_vector`, with its DeviceMesh layout digest) MAX-reduced
+    (:func:`reduce_max`), then the same path on every rank (:func:`settle`): raise, or
+    compare (:func:`compare_round`, when any rank asked) and go on.
+
+    Args:
+      groups: this rank's groups.
+      over: the groups of the round.
+      error: this rank's held error, or None.
+      compare: a comparison is due on this rank.
+      nonfinite: this rank found NaN / Inf.
+      lines: what this rank will launch per group, called only when a comparison runs.
+      compared: the groups compared (None: every group of size > 1).
+
+    Returns:
+      The reduced vector (the flag of :data:`NONFINITE` names the lowest rank with NaN / Inf).
+    """
+    route = status_route(groups, over)
+    mine = status_vector(groups.rank, error=error is not None, compare=compare, nonfinite=nonfinite, layout=groups.layout)
+    reduced = reduce_max(mine, route, groups.rank, "finalize status check")
+    settle(reduced, route, groups.rank, "finalize status check", error=error, layout_text=groups.layout_text)
+    if reduced[COMPARE]:
+        compare_round(lines(), groups, compared, route)
+    return reduced
+
+
 def share_error(error: BaseException, route: Sequence[Hop], rank: int, what: str) -> None:
     """For a rank that failed before its own round: join the peers' round (any kind: they
     all reduce one status vector over ``route``) with ``error`` flagged; returns so that
@@ -220,23 +375,8 @@ def already_shared(err: BaseException) -> bool:
 
 
 __all__ = [
-    "SPANNING_GROUPS",
-    "capturing",
-    "AgreedInputError",
-    "already_shared",
-    "share_error",
-    "first_line",
-    "settle",
-    "BIG",
-    "STATUS_SIZE",
-    "all_reduce_max",
-    "backend",
-    "device_for",
-    "flagged_rank",
-    "gather_texts",
-    "layout_digest",
-    "layouts_differ",
-    "reduce_max",
-    "status_vector",
-    "world_route",
+    "AgreedInputError", "BIG", "SPANNING_GROUPS", "STATUS_SIZE", "all_reduce_max", "already_shared",
+    "backend", "capturing", "compare_round", "device_for", "first_line", "flagged_rank", "gather_texts",
+    "layout_digest", "layouts_differ", "reduce_max", "settle", "share_error", "status_round", "status_route",
+    "status_vector", "timeout_of", "world_route",
 ]

@@ -12,7 +12,7 @@ from typing import Any
 
 from meshgrad.config import MEGATRON_SIZE_FIELDS, FinalizeConfig
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
-from torch_impl.sources.discover import attr_or, find_attr, has_attr
+from torch_impl.sources.wrappers import attr_or, find_attr, has_attr
 from torch_impl.run.groups import world_rank
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from meshgrad.ddp_layout import Bucket, BucketParam, misaligned_cross_stage_params
-from torch_impl.sources.compiled import uncompiled_name
+from torch_impl.sources.wrappers import uncompiled_name
 
 #: One buffer's buckets and the size of the DP group it reduce-scatters over.
 BufferLayout = tuple[tuple[Bucket, ...], int]

@@ -31,7 +31,7 @@ from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
 from meshgrad.steps import may_touch
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.run.grads import get_grad
-from torch_impl.sources.compiled import uncompiled
+from torch_impl.sources.wrappers import attr_or, unwrap
 
 #: Parameter attributes copied into ParamSpec flags.
 FLAG_ATTRS = (
@@ -41,65 +41,6 @@ FLAG_ATTRS = (
     "flextron_router_pp_sync",
     "is_gtp_weight_remat",
 )
-
-
-_MODULE_GETATTR = nn.Module.__getattr__
-_NO_ATTR = object()
-
-
-def attr_or(obj: Any, name: str, default: Any = None) -> Any:
-    """``getattr(obj, name, default)``. For an ``nn.Module`` that keeps torch's
-    ``__getattr__``, a name that is neither an instance nor a class attribute is looked up
-    in its parameters, buffers and submodules, in torch's order, without calling that
-    ``__getattr__`` (which formats an error message for each miss; the wrapper chains of
-    a model are walked every step)."""
-    cls = type(obj)
-    if getattr(cls, "__getattr__", None) is _MODULE_GETATTR:
-        state = obj.__dict__
-        if name not in state and not hasattr(cls, name):
-            for store in (state["_parameters"], state["_buffers"], state["_modules"]):
-                if name in store:
-                    return store[name]
-            return default
-    return getattr(obj, name, default)
-
-
-def has_attr(obj: Any, name: str) -> bool:
-    """``hasattr(obj, name)``, a miss answered as :func:`attr_or` does."""
-    return attr_or(obj, name, _NO_ATTR) is not _NO_ATTR
-
-
-def unwrap(module: Any, attr: str = "pre_process") -> Any:
-    """Follow ``.module`` wrappers (DDP, Float16Module, ...) down to the model; a
-    ``torch.compile`` wrapper on the way is read through (:func:`uncompiled`).
-
-    Args:
-      module: a model chunk, possibly wrapped.
-      attr: stop at the first object that has this attribute.
-
-    Returns:
-      The first object in the ``.module`` chain with ``attr``, else the innermost one.
-    """
-    module = uncompiled(module)
-    seen = 0
-    while not has_attr(module, attr) and has_attr(module, "module") and seen < 64:
-        module = uncompiled(module.module)
-        seen += 1
-    return module
-
-
-def find_attr(module: Any, attr: str) -> Any:
-    """The first ``attr`` found along the ``.module`` chain of ``module`` (None if absent)."""
-    for _ in range(64):
-        module = uncompiled(module)
-        value = attr_or(module, attr, _NO_ATTR)
-        if value is not _NO_ATTR:
-            return value
-        inner = attr_or(module, "module", _NO_ATTR)
-        if inner is _NO_ATTR:
-            return None
-        module = inner
-    return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -13,7 +13,7 @@ from meshgrad.config import FinalizeConfig
 from meshgrad.errors import FinalizeTypeError
 from torch_impl.run.errors import MegatronAssertionError
 from torch_impl.run.groups import TorchGroups, world_rank, world_size
-from torch_impl.sources.mesh_groups import MeshGroups, is_device_mesh
+from torch_impl.sources.mesh_groups import MeshGroups, is_device_mesh, mesh_groups
 from torch_impl.sources.megatron import parallel_state_groups
 from torch_impl.sources.config import Requested
 from torch_impl.sources.pg_collection import collection_groups, is_process_group_collection
@@ -84,7 +84,7 @@ def resolve_groups(pg_collection: Any, config: FinalizeConfig, requested: Reques
     if kind == "torch_groups":
         return pg_collection
     if kind in MESH_KINDS:
-        groups = MeshGroups(pg_collection) if kind == "device_mesh" else pg_collection
+        groups = mesh_groups(pg_collection) if kind == "device_mesh" else pg_collection
         stages = {"embedding_stages": config.embedding_stages, "position_embedding_stages": config.position_embedding_stages}
         return groups.resolve(ep=requested.ep_size, etp=requested.etp, egtp=requested.egtp, **stages)
     if kind == "megatron_collection":

@@ -1,22 +1,26 @@
 """Named meshgrad groups from a torch ``DeviceMesh`` whose dim names are meshgrad axis
 names: :class:`MeshGroups` builds the multi-axis, expert and embedding groups with
-``dist.new_group`` once (after the ranks agree on the layout) and caches them on itself.
+``dist.new_group`` once (after the ranks agree on the layout) and caches them on itself;
+:func:`mesh_groups` keeps one per live DeviceMesh, so every model given that mesh shares
+its process groups (nothing is written on the mesh).
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from meshgrad.axes import DENSE_AXES, EXPERT_AXES, GROUP_AXES, Axis, Group, ParallelDims, stage_set
 from meshgrad.errors import FinalizeInputError
 from torch_impl.run.groups import STAGE_GROUPS, ProcessGroup, TorchGroups, world_rank, world_size
-from torch_impl.run.status import AgreedInputError, layout_digest, reduce_max, settle, share_error, status_vector, world_route
+from torch_impl.run.status import (
+    AgreedInputError, layout_digest, reduce_max, settle, share_error, status_vector, timeout_of, world_route,
+)
 
 
 def _rows(grid: np.ndarray, names: Sequence[Axis], axes: Sequence[Axis]) -> list[tuple[int, ...]]:
@@ -133,13 +137,19 @@ class MeshGroups:
 
     def __init__(self, mesh: Any) -> None:
         names, self.grid = _dense_grid(mesh)
-        self.mesh = mesh
+        self._mesh = weakref.ref(mesh)
         self.rank = world_rank()
         self.timeout = self.default_timeout()
         self._by_rows: dict[tuple[tuple[int, ...], ...], ProcessGroup | None] = _mesh_dim_groups(
             mesh, self.grid, names, self.timeout
         )
         self._resolved: dict[tuple[Any, ...], TorchGroups] = {}
+
+    @property
+    def mesh(self) -> Any:
+        """The DeviceMesh (None once it was collected; held weakly, so that
+        :func:`mesh_groups` can drop these groups with it)."""
+        return self._mesh()
 
     def dims(self, *, ep: int = 1, etp: int | None = None, egtp: int = 1) -> ParallelDims:
         """The ParallelDims of this mesh with the given expert factoring."""
@@ -258,24 +268,30 @@ class MeshGroups:
         return self._by_rows[key]
 
 
-def timeout_of(pg: Any) -> Any:
-    """A process group's timeout (timedelta), or None when unknown."""
-    for device in ("cpu", "cuda"):
-        try:
-            return pg._get_backend(torch.device(device)).options._timeout
-        except Exception:  # that backend is not bound
-            continue
-    return None
-
-
 def _canon(rows: Iterable[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted(tuple(sorted(r)) for r in rows))
 
 
+#: The MeshGroups of each live DeviceMesh, by identity: every model and call given one mesh
+#: shares its process groups (a model rebuilt over the same mesh creates none). An entry
+#: goes when its mesh is collected; nothing is written on the mesh.
+_BY_MESH: dict[int, MeshGroups] = {}
+
+
 def mesh_groups(mesh: Any) -> MeshGroups:
-    """The :class:`MeshGroups` of a DeviceMesh (a new one: keep it, or pass the mesh to
-    ``finalize_model_grads``, whose state on the model keeps one per mesh)."""
-    return mesh if isinstance(mesh, MeshGroups) else MeshGroups(mesh)
+    """The :class:`MeshGroups` of a DeviceMesh: one per live mesh, shared by every caller
+    (a MeshGroups is returned as it is).
+
+    Raises:
+      ValueError: a dim name is not a dense meshgrad axis, or is repeated.
+    """
+    if isinstance(mesh, MeshGroups):
+        return mesh
+    hit = _BY_MESH.get(id(mesh))
+    if hit is None or hit.mesh is not mesh:
+        hit = _BY_MESH[id(mesh)] = MeshGroups(mesh)
+        weakref.finalize(mesh, _BY_MESH.pop, id(mesh), None)
+    return hit
 
 
 def is_device_mesh(obj: Any) -> bool:

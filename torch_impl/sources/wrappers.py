@@ -1,0 +1,134 @@
+"""The user's objects read through their wrappers: the ``.module`` chain of a model chunk
+(Megatron's DDP, Float16Module, ...) and ``torch.compile``'s ``OptimizedModule``.
+
+* :func:`attr_or` / :func:`has_attr`: attribute reads that skip ``nn.Module``'s slow miss.
+* :func:`unwrap` / :func:`find_attr`: down the ``.module`` chain to the model, or to the
+  first object holding an attribute (a ``torch.compile`` wrapper on the way read through).
+* :func:`uncompiled`: the module a ``torch.compile(module)`` wrapper compiled, so that
+  discovery names parameters as the uncompiled model does (no ``_orig_mod.`` prefix).
+* :func:`uncompiled_name`: the same for a name read from above such a wrapper (a Megatron
+  DDP wrapping a compiled module names its parameters ``_orig_mod.*``).
+* :func:`eager_under_compile`: a decorator for the public entry points. Called while
+  dynamo traces (``torch.compile`` of a training step), the call is a graph break and runs
+  eagerly, untraced (``torch.compiler.disable``); called eagerly, it is a plain call. It
+  never imports ``torch._dynamo`` itself (about a second and a half): tracing has
+  imported it already.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def uncompiled(module: Any) -> Any:
+    """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``, nested too)
+    compiled, else ``module`` itself.
+
+    The wrapper holds that module as ``_orig_mod`` (its parameters are the same objects,
+    named with an ``_orig_mod.`` prefix) and forwards attribute reads to it. No wrapper
+    exists while ``torch._dynamo`` was never imported.
+    """
+    if "_orig_mod" not in getattr(module, "_modules", ()):  # no wrapper here: the common case, one dict look-up
+        return module
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    if wrapper is None:
+        return module
+    for _ in range(64):
+        if not isinstance(module, wrapper):
+            break
+        module = module._orig_mod
+    return module
+
+
+def uncompiled_name(name: str) -> str:
+    """A parameter name as the uncompiled model gives it: every ``_orig_mod`` component
+    (a ``torch.compile`` wrapper on the way) dropped (``module._orig_mod.w`` -> ``module.w``)."""
+    return name if "_orig_mod" not in name else ".".join(p for p in name.split(".") if p != "_orig_mod")
+
+
+def eager_under_compile(fn: F) -> F:
+    """``fn`` run eagerly when called from code that dynamo traces (a graph break around
+    the call, nothing of ``fn`` traced), a plain call otherwise.
+
+    Finalize reads Python objects (parameter ``__dict__``s, process groups, a DeviceMesh),
+    keeps state on the model and launches collectives: none of it belongs in a graph.
+    """
+
+    @functools.wraps(fn)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return entry  # type: ignore[return-value]
+
+
+_MODULE_GETATTR = nn.Module.__getattr__
+_NO_ATTR = object()
+
+
+def attr_or(obj: Any, name: str, default: Any = None) -> Any:
+    """``getattr(obj, name, default)``. For an ``nn.Module`` that keeps torch's
+    ``__getattr__``, a name that is neither an instance nor a class attribute is looked up
+    in its parameters, buffers and submodules, in torch's order, without calling that
+    ``__getattr__`` (which formats an error message for each miss; the wrapper chains of
+    a model are walked every step)."""
+    cls = type(obj)
+    if getattr(cls, "__getattr__", None) is _MODULE_GETATTR:
+        state = obj.__dict__
+        if name not in state and not hasattr(cls, name):
+            for store in (state["_parameters"], state["_buffers"], state["_modules"]):
+                if name in store:
+                    return store[name]
+            return default
+    return getattr(obj, name, default)
+
+
+def has_attr(obj: Any, name: str) -> bool:
+    """``hasattr(obj, name)``, a miss answered as :func:`attr_or` does."""
+    return attr_or(obj, name, _NO_ATTR) is not _NO_ATTR
+
+
+def unwrap(module: Any, attr: str = "pre_process") -> Any:
+    """Follow ``.module`` wrappers (DDP, Float16Module, ...) down to the model; a
+    ``torch.compile`` wrapper on the way is read through (:func:`uncompiled`).
+
+    Args:
+      module: a model chunk, possibly wrapped.
+      attr: stop at the first object that has this attribute.
+
+    Returns:
+      The first object in the ``.module`` chain with ``attr``, else the innermost one.
+    """
+    module = uncompiled(module)
+    seen = 0
+    while not has_attr(module, attr) and has_attr(module, "module") and seen < 64:
+        module = uncompiled(module.module)
+        seen += 1
+    return module
+
+
+def find_attr(module: Any, attr: str) -> Any:
+    """The first ``attr`` found along the ``.module`` chain of ``module`` (None if absent)."""
+    for _ in range(64):
+        module = uncompiled(module)
+        value = attr_or(module, attr, _NO_ATTR)
+        if value is not _NO_ATTR:
+            return value
+        inner = attr_or(module, "module", _NO_ATTR)
+        if inner is _NO_ATTR:
+            return None
+        module = inner
+    return None
+
+
+__all__ = ["attr_or", "eager_under_compile", "find_attr", "has_attr", "uncompiled", "uncompiled_name", "unwrap"]
