@@ -122,11 +122,9 @@ class MeshGroups:
     ``tp``); absent ones have size 1. Expert groups come from the same ranks in the expert
     order (``pp, edp, egtp, ep, etp``). Groups that span several mesh dims, expert groups
     and the embedding subset groups are created with ``dist.new_group`` the first time a
-    layout asks for them -- every rank must make the same calls in the same order, so
-    call :meth:`resolve` collectively -- and cached on this object. Before creating any,
-    the ranks agree on the layout (expert sizes, embedding stages) over the default
-    group; the groups get the default group's timeout (``init_process_group(timeout=)``),
-    not torch's 30-minute default.
+    layout asks for them (call :meth:`resolve` collectively) and cached on this object,
+    after the ranks agree on the layout over the default group; they get the default
+    group's timeout (``init_process_group(timeout=)``), not torch's 30-minute default.
 
     Args:
       mesh: the DeviceMesh.
@@ -147,8 +145,7 @@ class MeshGroups:
 
     @property
     def mesh(self) -> Any:
-        """The DeviceMesh (None once it was collected; held weakly, so that
-        :func:`mesh_groups` can drop these groups with it)."""
+        """The DeviceMesh, held weakly (None once collected)."""
         return self._mesh()
 
     def dims(self, *, ep: int = 1, etp: int | None = None, egtp: int = 1) -> ParallelDims:
