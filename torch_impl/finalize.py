@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from meshgrad.axes import Group
-from meshgrad.config import FinalizeConfig
 from meshgrad.plan import Step
 from torch_impl.call.pipeline import call
 from torch_impl.call.read import Request, as_chunks
@@ -37,7 +36,7 @@ from torch_impl.run.grads import grad_attr, is_dtensor, reshard, unshard
 from torch_impl.run.groups import group_ranks, world_rank
 from torch_impl.sources.helper_groups import helper_group
 from torch_impl.sources.wrappers import eager_under_compile
-from torch_impl.sources.config import chunk_configs, resolve_config
+from torch_impl.sources.config import resolve_config
 
 ProcessGroup = Any
 
@@ -200,11 +199,8 @@ def _allreduce_replicated_grads_over_gtp_remat_group(
     """Complete the gtp_remat / egtp_remat reduction of replicated (not
     ``is_gtp_weight_remat``) params: SUM with per-token loss, else AVG; one collective per
     group over the promoted dtype. No-op when both groups are None or of size 1."""
-    chunks = as_chunks(model)
-    raw, ddp_config = chunk_configs(chunks)
-    config = None if raw is not None or ddp_config is not None else FinalizeConfig()  # None: the chunks'
-    request = Request(steps=(Step.GTP,), config=config, per_token_loss=bool(calculate_per_token_loss))
-    run_helper(chunks, {Group.GTP: gtp_remat_group, Group.EGTP: egtp_remat_group}, request)
+    request = Request(steps=(Step.GTP,), config_default=True, per_token_loss=bool(calculate_per_token_loss))
+    run_helper(model, {Group.GTP: gtp_remat_group, Group.EGTP: egtp_remat_group}, request)
 
 
 def _get_shared_word_embedding_weight(model_module: nn.Module, config: Any) -> nn.Parameter | None:

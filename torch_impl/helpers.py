@@ -1,6 +1,7 @@
 """Megatron's helper functions (the ``_allreduce_*`` / ``_update_*`` ones) over the call
-pipeline: a helper's steps run over its own groups (:func:`run_helper`), and the embedding helpers' chunk and stage rule
-(:func:`embedding_grad`)."""
+pipeline: a helper's steps run over its own groups (:func:`run_helper`); the embedding
+helpers' groups and request (:func:`embedding_grad`: the read stage picks the chunk and
+its weight, :func:`torch_impl.sources.discover.embedding_weight`)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,12 @@ import torch.distributed as dist
 from torch import nn
 
 from meshgrad.axes import Group
-from meshgrad.errors import FinalizeInputError
 from meshgrad.params import Role
-from meshgrad.plan import Step, embedding_chunk
+from meshgrad.plan import Step
 from torch_impl.call.pipeline import call
-from torch_impl.call.read import Request, as_chunks
-from torch_impl.sources.wrappers import unwrap
+from torch_impl.call.read import Request
+from torch_impl.sources.discover import EmbeddingRead
 from torch_impl.run.groups import TorchGroups, world_rank
-from torch_impl.call.model_state import ModelState
 
 ProcessGroup = Any
 
@@ -42,29 +41,16 @@ def embedding_grad(
     has_mtp: bool,
 ) -> None:
     """:func:`torch_impl.finalize._allreduce_embedding_grad` with the MTP chunk rule decided by the caller
-    (Megatron's position-embedding helper never applies it)."""
-    chunks = as_chunks(model)
+    (Megatron's position-embedding helper never applies it): members of an embedding group
+    of size > 1 run the helper's step; the read stage picks the chunk and its weight."""
     members = dist.get_process_group_ranks(embd_group) if embd_group is not None else ()
     if len(members) <= 1 or world_rank() not in members:
         return
-    state = ModelState.of(chunks)
     # Without a pp group Megatron treats the rank as the first stage; the embedding
     # group's members then stand in for the stages.
-    groups = state.group_memo.explicit({Group.EMBD: embd_group, Group.POS_EMBD: embd_group, Group.PP: pp_group or embd_group})
-    if groups.stages.get(Group.EMBD) is None:
-        return
-    stage, pp = (groups.pp_stage, groups.pp_size) if pp_group is not None else (0, 1)
-    index = embedding_chunk(stage, pp, len(chunks), has_mtp)
-    weight = weight_getter(unwrap(chunks[index]))
-    if weight is None and not skip_if_none:
-        raise FinalizeInputError(f"rank {groups.rank}: pp stage {stage}: chunk {index} has no embedding weight to reduce")
+    groups = {Group.EMBD: embd_group, Group.POS_EMBD: embd_group, Group.PP: pp_group or embd_group}
     role, step = (
         (Role.WORD_EMBEDDING, Step.WORD_EMBEDDING) if skip_if_none else (Role.POSITION_EMBEDDING, Step.POS_EMBEDDING)
     )
-    request = Request(
-        steps=(step,),
-        config=config,
-        found=state.embedding(chunks, index, weight, role),
-        over=(Group.EMBD, Group.POS_EMBD),
-    )
-    run_helper(chunks, groups, request)
+    read = EmbeddingRead(role, weight_getter, required=not skip_if_none, has_mtp=has_mtp, pp_given=pp_group is not None)
+    run_helper(model, groups, Request(steps=(step,), config=config, embedding=read, over=(Group.EMBD, Group.POS_EMBD)))

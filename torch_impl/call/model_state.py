@@ -18,9 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from meshgrad.config import FinalizeConfig
-from meshgrad.params import Role
 from torch_impl.call.config_memo import ConfigMemo
-from torch_impl.sources.discover import Discovered, candidate_keys, chunk_facts, discover, one_weight, watched_keys
+from torch_impl.sources.discover import (
+    Discovered, EmbeddingRead, candidate_keys, chunk_facts, discover, embedding_weight, one_weight, watched_keys,
+)
 from torch_impl.run.stats import ExecStats
 from torch_impl.run.grads import get_grad, is_dtensor
 from torch_impl.call.group_memo import GroupMemo
@@ -186,16 +187,23 @@ class ModelState:
             return None
         return self.plan_memo.bind(bound, found, groups, config)
 
-    def embedding(self, chunks: Sequence[Any], index: int, weight: Any, role: Role) -> Discovered:
-        """An embedding helper's own discovery of its one weight (of chunk ``index``),
-        kept while the weight, its gradient tensor and ``requires_grad`` stay the same."""
+    def embedding(self, chunks: Sequence[Any], groups: TorchGroups, read: EmbeddingRead) -> Discovered:
+        """An embedding helper's own discovery of its one weight, from the chunk Megatron's
+        rule picks at this rank's pp stage; kept while the weight, its gradient tensor and
+        ``requires_grad`` stay the same.
+
+        Raises:
+          ValueError: the weight is required and the chunk has none.
+        """
+        stage, pp = (groups.pp_stage, groups.pp_size) if read.pp_given else (0, 1)
+        index, weight = embedding_weight(chunks, stage, pp, read, groups.rank)
         grad = get_grad(weight) if weight is not None else None
         trained = bool(getattr(weight, "requires_grad", False))
-        key = (role, id(weight), index)
+        key = (read.role, id(weight), index)
         hit = self.embeddings.get(key)
         if hit is not None and hit[0] is weight and hit[1] is grad and hit[2] == trained:
             return hit[3]
-        found = one_weight(chunks, index, weight, role)
+        found = one_weight(chunks, index, weight, read.role)
         return put(self.embeddings, key, (weight, grad, trained, found))[3]
 
 

@@ -35,9 +35,9 @@ def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallI
     try:
         inputs = read(model, source, request, known)
         bound, record = plan(inputs, request, source)
-        known["shared"] = True  # from here on, the checks' own status round shares errors
         spec = bound.checks if bound.checks is not None else CheckSpec(keys=())
         findings = check_call(spec, inputs.found, inputs.groups, inputs.config, request.num_tokens, record)
+        known["shared"] = True  # from here on, the status round itself carries every error
         agree_call(findings, spec, bound.plan, inputs.groups, inputs.config, request.num_tokens)
     except BaseException as err:  # any type (KeyboardInterrupt too) is held for the status round
         if not known.get("shared") and not already_shared(err):

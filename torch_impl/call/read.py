@@ -24,7 +24,7 @@ from meshgrad.steps import ROUTER_ONLY_STEPS
 from torch_impl.call.model_state import ModelState, Reads
 from torch_impl.run.groups import TorchGroups, world_rank
 from torch_impl.sources.config import Requested, chunk_configs
-from torch_impl.sources.discover import Discovered, discover, dtype_name
+from torch_impl.sources.discover import Discovered, EmbeddingRead, discover, dtype_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,20 +37,24 @@ class Request:
         the chunks' ``config``), merged with the chunks' ``ddp_config`` unless
         ``merge_ddp_config`` is False.
       merge_ddp_config: merge the chunks' ``ddp_config`` into ``config``.
+      config_default: chunks without a config or DDP config are read with
+        FinalizeConfig's defaults (Megatron's GTP helper), not refused.
       per_token_loss: the GTP helper's ``calculate_per_token_loss`` argument (None: none).
       num_tokens: the call's ``num_tokens`` (checked every step).
       force_all_reduce: all-reduce instead of the distributed optimizer's reduce-scatter.
-      found: a helper's own discovery (the embedding helpers' one weight).
+      embedding: what an embedding helper reads (its one weight) instead of the model's
+        discovery.
       over: the groups a helper communicates over: its status round and comparison.
     """
 
     steps: tuple[Step, ...] = ()
     config: Any = None
     merge_ddp_config: bool = True
+    config_default: bool = False
     per_token_loss: bool | None = None
     num_tokens: Any = None
     force_all_reduce: bool = False
-    found: Discovered | None = None
+    embedding: EmbeddingRead | None = None
     over: tuple[Group, ...] = ()
 
     @property
@@ -104,6 +108,8 @@ def _config(state: ModelState, chunks: Sequence[Any], request: Request) -> tuple
     raw, ddp_config = chunk_configs(chunks)
     if request.config is not None:
         raw = request.config
+    elif raw is None and ddp_config is None and request.config_default:
+        raw = FinalizeConfig()
     if not request.merge_ddp_config:
         ddp_config = None
     config = state.config_memo.config(raw, ddp_config)
@@ -156,8 +162,9 @@ def read(model: Any, source: Any, request: Request, known: dict[str, Any]) -> Ca
     """
     chunks = as_chunks(model)
     state, config, requested, groups = _read_sources(chunks, source, request, known)
-    if request.found is not None:
-        token, found, ddp = (request.found.params, request.found.routers), request.found, (None,) * len(chunks)
+    if request.embedding is not None:
+        found = state.embedding(chunks, groups, request.embedding)
+        token, ddp = (found.params, found.routers), (None,) * len(chunks)
     else:
         gtp = groups.size(Group.GTP) > 1 or groups.size(Group.EGTP) > 1
         token, found, ddp = state.discovered(chunks, config, complete=gtp, reads=request.reads)

@@ -20,14 +20,15 @@ Conventions read (all optional):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
+from meshgrad.plan import embedding_chunk
 from meshgrad.steps import may_touch
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.run.grads import get_grad
@@ -278,6 +279,38 @@ def touched(
 def _trained_expert(param: torch.Tensor, class_flags: Mapping[str, Any]) -> bool:
     """An expert parameter (``allreduce`` false) that trains and has a gradient."""
     return not _flag(vars(param), class_flags, "allreduce") and bool(param.requires_grad) and get_grad(param) is not None
+
+
+class EmbeddingRead(NamedTuple):
+    """What an embedding helper reads, done by the read stage.
+
+    Args:
+      role: the weight's role (word or position embedding).
+      getter: returns the weight of an unwrapped chunk, or None.
+      required: a missing weight is an error (else nothing is reduced).
+      has_mtp: the MTP chunk rule applies (Megatron's word-embedding helper).
+      pp_given: the helper was given a pp group (None: the rank counts as the first stage).
+    """
+
+    role: Role
+    getter: Callable[[Any], Any]
+    required: bool
+    has_mtp: bool
+    pp_given: bool
+
+
+def embedding_weight(model: Sequence[Any], stage: int, pp: int, read: EmbeddingRead, rank: int) -> tuple[int, Any]:
+    """(the chunk Megatron's rule picks at this pp stage, the weight ``read.getter`` gives
+    for it).
+
+    Raises:
+      ValueError: the weight is required and the chunk has none.
+    """
+    index = embedding_chunk(stage, pp, len(model), read.has_mtp)
+    weight = read.getter(unwrap(model[index]))
+    if weight is None and read.required:
+        raise FinalizeInputError(f"rank {rank}: pp stage {stage}: chunk {index} has no embedding weight to reduce")
+    return index, weight
 
 
 def one_weight(model: Sequence[Any], index: int, weight: torch.Tensor | None, role: Role) -> Discovered:
