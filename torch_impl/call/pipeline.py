@@ -84,14 +84,14 @@ def call(model: Any, source: Any, request: Request = Request(), fence: Callable[
         program = state.program(bound, found, groups, config)
         if program is not None:
             program.run()
-            scale, plain = program.scale, ()
-        else:  # DTensor gradients: each action bound as it runs, the scale on local shards
+        else:  # DTensor gradients: each action bound as it runs
             execute_local(bound.plan.actions, GradAccess(found.tensors, config.use_megatron_fsdp),
                           found.router_modules, groups, stats=state.stats)
-            local = GradAccess(found.tensors, local_shards=True)
-            scale, plain = None, [local[k] for k in bound.plain_scale_keys]
-        if request.num_tokens is not None:
-            scale_by_tokens(request.num_tokens, bound.plan.token_scale, groups, bound.ddp, scale, plain)
+        if request.num_tokens is not None:  # without a program, the scale goes to the local shards
+            local = GradAccess(found.tensors, local_shards=True) if program is None else {}
+            plain = [local[k] for k in bound.plain_scale_keys] if program is None else ()
+            scale_by_tokens(request.num_tokens, bound.plan.token_scale, groups, bound.ddp,
+                            program.scale if program is not None else None, plain)
 
 
 def prepare_layout(model: Any, source: Any, force_all_reduce: bool) -> tuple[BoundPlan, CallInputs]:
