@@ -306,10 +306,10 @@ def compare_round(
         out = [torch.empty_like(local) for _ in range(groups.size(group))]
         _gathered("consistency check", group, rank, lambda: dist.all_gather(out, local, group=pg))
         if len({tuple(t.tolist()) for t in out}) > 1:
-            every: list[Any] = [None] * groups.size(group)
-            _gathered("consistency check (details)", group, rank, lambda: dist.all_gather_object(every, mine, group=pg))
-            ranks = sorted(dist.get_process_group_ranks(pg), key=lambda r: dist.get_group_rank(pg, r))
-            messages.append(_mismatch(group, ranks, every, rank))
+            every: list[Any] = [None] * groups.size(group)  # (global rank, lines) of each member
+            _gathered("consistency check (details)", group, rank,
+                      lambda: dist.all_gather_object(every, (rank, mine), group=pg))
+            messages.append(_mismatch(group, [r for r, _ in every], [lines for _, lines in every], rank))
     (mismatch,) = reduce_max([status_vector(rank, error=bool(messages))[ERROR]], route, rank, "finalize consistency status")
     if messages:
         raise ConsistencyError("\n".join(messages))
