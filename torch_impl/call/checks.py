@@ -215,6 +215,10 @@ def nonfinite(reads: Sequence[GradRead]) -> list[ParamKey]:
     return [r.key for r, good in zip(reads, ok.tolist()) if not good]
 
 
+def _and_more(items: Sequence[Any]) -> str:
+    return f" and {len(items) - 1} more" if len(items) > 1 else ""
+
+
 def nonfinite_message(rank: int, reads: Sequence[GradRead], ddp: Sequence[Any]) -> str | None:
     """The error naming the gradients that hold NaN / Inf, or None when there are none:
     those meshgrad syncs (``reads``), then those in the gradient buffers of a Megatron DDP
@@ -224,9 +228,8 @@ def nonfinite_message(rank: int, reads: Sequence[GradRead], ddp: Sequence[Any]) 
     checked each bucket when its reduction started, in backward."""
     bad = nonfinite(reads)
     if bad:
-        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
         return (
-            f"rank {rank}: NaN or Inf in the gradient of {bad[0][1]!r} (chunk {bad[0][0]}){more} "
+            f"rank {rank}: NaN or Inf in the gradient of {bad[0][1]!r} (chunk {bad[0][0]}){_and_more(bad)} "
             "(check_for_nan_in_grad); found before any collective: no gradient was changed"
         )
     for obj in ddp:
@@ -234,9 +237,8 @@ def nonfinite_message(rank: int, reads: Sequence[GradRead], ddp: Sequence[Any]) 
         if getattr(ddp_config, "check_for_nan_in_grad", False) and not getattr(ddp_config, "overlap_grad_reduce", False):
             names = nonfinite_in_buffers(obj)
             if names:
-                more = f" and {len(names) - 1} more" if len(names) > 1 else ""
                 return (
-                    f"rank {rank}: NaN or Inf in the gradient of {names[0]!r}{more} in the gradient buffer of "
+                    f"rank {rank}: NaN or Inf in the gradient of {names[0]!r}{_and_more(names)} in the gradient buffer of "
                     f"{type(obj).__name__} (check_for_nan_in_grad); found before any collective: no gradient "
                     "was changed"
                 )

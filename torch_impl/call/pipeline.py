@@ -23,7 +23,7 @@ from torch_impl.call.read import CallInputs, Request, read, read_layout
 from torch_impl.run.errors import ranked
 from torch_impl.run.execute import execute_local, finish_ddp_sync
 from torch_impl.run.grads import GradAccess
-from torch_impl.run.scaling import scale_by_tokens
+from torch_impl.run.scaling import bind_scale, scale_by_tokens
 from torch_impl.run.status import already_shared
 from torch_impl.sources.megatron import gtp_fence
 
@@ -87,11 +87,13 @@ def call(model: Any, source: Any, request: Request = Request(), fence: Callable[
         else:  # DTensor gradients: each action bound as it runs
             execute_local(bound.plan.actions, GradAccess(found.tensors, config.use_megatron_fsdp),
                           found.router_modules, groups, stats=state.stats)
-        if request.num_tokens is not None:  # without a program, the scale goes to the local shards
-            local = GradAccess(found.tensors, local_shards=True) if program is None else {}
-            plain = [local[k] for k in bound.plain_scale_keys] if program is None else ()
-            scale_by_tokens(request.num_tokens, bound.plan.token_scale, groups, bound.ddp,
-                            program.scale if program is not None else None, plain)
+        if request.num_tokens is not None:
+            if program is not None:
+                apply = program.scale
+            else:  # DTensor gradients: the scale goes to their local shards
+                local = GradAccess(found.tensors, local_shards=True)
+                apply = bind_scale([local[k] for k in bound.plain_scale_keys])
+            scale_by_tokens(request.num_tokens, bound.plan.token_scale, groups, bound.ddp, apply)
 
 
 def prepare_layout(model: Any, source: Any, force_all_reduce: bool) -> tuple[BoundPlan, CallInputs]:

@@ -86,7 +86,7 @@ def read_grads(params: Mapping[ParamKey, torch.Tensor], keys: Iterable[ParamKey]
             continue
         attr = grad_attr(param)
         grad = getattr(param, attr)
-        dtensor = grad is not None and (is_dtensor(grad) or is_dtensor(param))
+        dtensor = isinstance(grad, torch.Tensor) and (is_dtensor(grad) or is_dtensor(param))
         local = grad.to_local() if dtensor and is_dtensor(grad) else grad
         out.append(GradRead(key, param, grad, attr, dtensor, local))
     return out

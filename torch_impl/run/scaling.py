@@ -45,22 +45,19 @@ def scale_by_tokens(
     action: TokenScale,
     groups: TorchGroups,
     ddp: Sequence[Any],
-    bound_scale: Callable[[torch.Tensor], None] | None,
-    plain: Sequence[torch.Tensor] = (),
+    apply: Callable[[torch.Tensor], None],
 ) -> None:
     """Step 11 of a call: the global token count (:func:`global_token_scale`) and
-    ``1 / max(n, 1)`` on every gradient: each Megatron DDP's own ``scale_gradients``,
-    then the bound program's scale, else (DTensor gradients) ``plain``.
+    ``1 / max(n, 1)`` on every gradient: each Megatron DDP's own ``scale_gradients``, then
+    ``apply`` (the bound program's scale, or :func:`bind_scale` of the other gradients).
 
     Args:
       num_tokens: this rank's count (holds the global count afterwards).
       action: the plan's TokenScale.
       groups: this rank's groups.
       ddp: the Megatron DDP objects of the chunks they sync.
-      bound_scale: the bound program's scale, or None.
-      plain: the gradients (local shards) to scale without a bound program.
+      apply: multiplies the gradients meshgrad scales by the factor.
     """
-    apply = bound_scale if bound_scale is not None else bind_scale(plain)
     what = f"token_scale: num_tokens broadcast over 'pp' and sum over {action.group.value!r}"
     with collective_guard(what, groups):
         scale = global_token_scale(num_tokens, action, groups)

@@ -136,10 +136,7 @@ def reduce_max(values: Sequence[int], route: Sequence[Hop], rank: int, what: str
         try:
             all_reduce_max(value, pg)
         except RuntimeError as err:
-            first = (str(err).strip().splitlines() or [""])[0]
-            raise CollectiveError(
-                f"rank {rank}: {what} over {name!r} failed: {type(err).__name__}: {first} -- {_PEER_HINT}"
-            ) from err
+            raise round_failed(rank, what, name, err) from err
     return value.tolist()
 
 
@@ -152,7 +149,7 @@ def gather_texts(text: str | None, route: Sequence[Hop], rank: int, what: str) -
         try:
             dist.all_gather_object(out, known, group=pg)
         except RuntimeError as err:
-            raise CollectiveError(f"rank {rank}: {what} (error report) over {name!r} failed: {err} -- {_PEER_HINT}") from err
+            raise round_failed(rank, f"{what} (error report)", name, err) from err
         for item in out:
             known.update(item or {})
     return known
@@ -161,6 +158,11 @@ def gather_texts(text: str | None, route: Sequence[Hop], rank: int, what: str) -
 def first_line(err: BaseException) -> str:
     """``TypeName: first line of the message`` (what is shared with other ranks)."""
     return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+
+
+def round_failed(rank: int, what: str, over: str, err: BaseException) -> CollectiveError:
+    """The error of a round's collective that raised ``err`` (a peer may be gone)."""
+    return CollectiveError(f"rank {rank}: {what} over {over!r} failed: {first_line(err)} -- {_PEER_HINT}")
 
 
 def settle(
@@ -281,7 +283,7 @@ def _gathered(what: str, group: Group, rank: int, gather: Callable[[], Any]) -> 
     try:
         return gather()
     except RuntimeError as err:
-        raise CollectiveError(f"rank {rank}: {what} over {group.value!r} failed: {first_line(err)} -- {_PEER_HINT}") from err
+        raise round_failed(rank, what, group.value, err) from err
 
 
 def compare_round(
