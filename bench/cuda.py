@@ -153,8 +153,24 @@ def run_world_of_one(
     if fmg is not None:
         mc = [MiniDDP(chunk(), one, device=device, lazy=False)]
         cands["megatron"] = lambda: fmg.finalize_model_grads(mc, tokens.clone(), mpgc)
+    floor_tokens = tokens.clone()
+
+    def floor() -> None:  # what any finalize must do here: the count's all-reduce and the scale
+        floor_tokens.copy_(tokens)
+        dist.all_reduce(floor_tokens, group=one)
+        torch._foreach_mul_(list(bufs.buffers), 1.0 / floor_tokens)
+
+    cands["floor"] = floor
+    cands.update(status_round_rows(device))
     result: dict[str, Any] = {"layout": dataclasses.asdict(layout), "backend": backend, "device": device}
     result["time"] = interleaved(cands, rounds=rounds, batch=20, sync=sync)
+    t = {name: row["median"] for name, row in result["time"].items()}
+    result["ratios"] = {
+        "meshgrad buffers / floor": t["meshgrad buffers"] / t["floor"],
+        "status round / tiny all-reduce": t["status round"] / t["tiny all-reduce"],
+        "status round / meshgrad buffers finalize": t["status round"] / t["meshgrad buffers"],
+        **({"meshgrad buffers / megatron": t["meshgrad buffers"] / t["megatron"]} if "megatron" in t else {}),
+    }
     result["bytes_copied_meshgrad_buffers"] = execution_stats(own).bytes_copied
     result["eager values_ok"] = eager_check(cands["meshgrad buffers"], list(bufs.buffers), tokens, device)
     tokens.fill_(4)
@@ -167,6 +183,27 @@ def run_world_of_one(
             cands["megatron"], [b for b, _ in mc[0].grad_buffers], tokens, 0.25, device, rounds
         )
     return result
+
+
+def status_round_rows(device: str) -> dict[str, Any]:
+    """Two rows that price the status round on this backend: the round itself as a call
+    runs it (its vector to the device, one SUM all-reduce over the world, one read back:
+    the step's one host sync), and the bare latency of a tiny all-reduce of the same
+    vector followed by a synchronize."""
+    from torch_impl.run import status
+
+    route = status.world_route()
+    vector = torch.zeros(status.STATUS_SIZE, dtype=torch.int64, device=route[0][2])
+
+    def tiny() -> None:
+        dist.all_reduce(vector)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def round_() -> None:
+        status.reduce_status(status.call_vector(0, error=False, compare=False, nonfinite=False), route, 0, "bench")
+
+    return {"status round": round_, "tiny all-reduce": tiny}
 
 
 def run_fake(device: str, rounds: int, layout: Layout = FAKE) -> dict[str, Any]:

@@ -8,8 +8,11 @@
 #      (TP=8, PP=2, DP=2 layouts), gradients on the GPU: local overhead per step and per
 #      finalize, collectives and bytes copied per call.
 #   2. python -m bench.cuda --backend nccl       a world of one rank on NCCL: finalize
-#      with num_tokens, then the whole finalize captured in a CUDA graph and replayed
+#      with num_tokens against megatron-core and the floor (the count's all-reduce and the
+#      scale), the status round priced against a bare tiny all-reduce + synchronize (its
+#      share of a finalize), then the whole finalize captured in a CUDA graph and replayed
 #      (no host sync inside), checked by value; megatron-core tried under capture too.
+#      Run at three sizes (24 layers x hidden 1024, 2048; 12 layers x 4096).
 #   3. python -m bench.cuda --backend fake       the same capture / replay / check for
 #      the multi-rank layout under the fake backend.
 #   4. python -m bench.full_graph                with megatron-core: megatron's own
@@ -27,6 +30,7 @@
 #   --quick      fewer rounds, the 24-layer layouts only
 #   --cpu-smoke  no GPU needed: every step on the CPU with tiny layouts (tests this script;
 #                steps 4-5 take the capture path with the torch.cuda graph calls stood in)
+# Every step's JSON and the log are merged into one file at the end: $OUT/gpu_report.json.
 # Environment: OUT (results folder; default bench/results), PYTHON (default python3),
 #   STEP_TIMEOUT (seconds per step, default 900).
 # Exit status: 0 when every step succeeded, 1 when one failed, 2 when no GPU is usable.
@@ -44,7 +48,7 @@ for arg in "$@"; do
   case "$arg" in
     --quick) QUICK=(--quick) ;;
     --cpu-smoke) SMOKE=1; QUICK=(--quick) ;;
-    -h|--help) sed -n '2,33p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,37p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "bench/gpu.sh: unknown argument: $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -105,6 +109,12 @@ run "1/5 side by side, fake backend, gradients on $DEVICE" \
   "$PY" -m bench --device "$DEVICE" --no-gloo "${QUICK[@]}" "${SIDE[@]}" --json "$RESULTS/gpu_side_by_side.json"
 run "2/5 world of one (${WORLD1[1]}), CUDA graph capture" \
   "$PY" -m bench.cuda "${WORLD1[@]}" "${QUICK[@]}" --json "$RESULTS/gpu_world_of_one.json"
+if [[ $SMOKE -eq 0 ]]; then
+  run "2b/5 world of one (nccl), hidden 2048" \
+    "$PY" -m bench.cuda "${WORLD1[@]}" --quick --hidden 2048 --json "$RESULTS/gpu_world_of_one_h2048.json"
+  run "2c/5 world of one (nccl), 12 layers x hidden 4096" \
+    "$PY" -m bench.cuda "${WORLD1[@]}" --quick --layers 12 --hidden 4096 --json "$RESULTS/gpu_world_of_one_h4096.json"
+fi
 run "3/5 fake multi-rank layout, CUDA graph capture" \
   "$PY" -m bench.cuda "${FAKE[@]}" "${QUICK[@]}" --json "$RESULTS/gpu_fake_graph.json"
 run "4/5 whole training step in one CUDA graph: megatron's FullCudaGraphWrapper (fallback: hand-rolled), torch_impl finalize" \
@@ -113,7 +123,22 @@ run "5/5 whole training step in one CUDA graph: hand-rolled torch.cuda.graph cap
   "$PY" -m bench.full_graph "${GRAPH[@]}" --impl hand --json "$RESULTS/gpu_full_step_graph_hand.json"
 
 say "summary"
-echo "results: $RESULTS/gpu_side_by_side.json gpu_world_of_one.json gpu_fake_graph.json gpu_full_step_graph.json gpu_full_step_graph_hand.json"
+"$PY" - "$RESULTS" "${failed[@]}" <<'EOF' || true
+import glob, json, os, sys
+results, failed = sys.argv[1], sys.argv[2:]
+report = {"failed steps": failed, "steps": {}}
+for path in sorted(glob.glob(os.path.join(results, "gpu_*.json"))):
+    if os.path.basename(path) == "gpu_report.json":
+        continue
+    with open(path) as f:
+        try:
+            report["steps"][os.path.basename(path)] = json.load(f)
+        except ValueError as err:
+            report["steps"][os.path.basename(path)] = {"error": f"unreadable: {err}"}
+with open(os.path.join(results, "gpu_report.json"), "w") as f:
+    json.dump(report, f, indent=2, default=str)
+print(f"one file: {os.path.join(results, 'gpu_report.json')} ({len(report['steps'])} steps)")
+EOF
 if [[ ${#failed[@]} -gt 0 ]]; then
   echo "failed steps: ${failed[*]}" >&2
   exit 1

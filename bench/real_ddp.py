@@ -7,7 +7,9 @@ The other benchmark rows use ``bench.ddp.MiniDDP``, a stand-in with Megatron DDP
 finalize-facing surface (see bench/README.md for which rows and why). This script measures
 what the real DDP runs: an MLP of ``--layers`` x ``--hidden`` in megatron-core's DDP on every
 rank of a gloo world with Megatron's ``parallel_state`` (dp = world), per-token loss,
-``overlap_grad_reduce`` off and on. Four twin DDPs per setting (same seed):
+in four settings: ``overlap_grad_reduce`` off and on, the distributed optimizer (the DDP
+reduce-scatters), and bfloat16 parameters with ``grad_reduce_in_fp32``. Four twin DDPs per
+setting (same seed):
 
 * ``megatron-core``: ``megatron.core.distributed.finalize_model_grads([ddp], num_tokens=n)``;
 * ``torch_impl``: ``torch_impl.finalize_model_grads([ddp], num_tokens=n)`` (planning once,
@@ -42,9 +44,16 @@ from typing import Any
 from bench.goals import goal
 
 NAMES = ("megatron-core", "torch_impl", "torch_impl no round", "floor")
-MODES = {"no overlap": False, "overlap_grad_reduce": True}
-#: torch_impl / floor and torch_impl / megatron-core (as the gloo world of 4: within 1.2x).
-GOALS = {"floor": 1.2, "megatron-core": 1.2}
+#: Each setting: the DDP config's fields set, and whether the model is in bfloat16.
+MODES: dict[str, dict[str, bool]] = {
+    "no overlap": {},
+    "overlap_grad_reduce": {"overlap_grad_reduce": True},
+    "distributed optimizer": {"use_distributed_optimizer": True},
+    "bf16, fp32 reduce": {"grad_reduce_in_fp32": True, "bf16": True},
+}
+#: torch_impl / floor and torch_impl / megatron-core: the full contract (status round on)
+#: at megatron-core's speed.
+GOALS = {"floor": 1.2, "megatron-core": 1.05}
 
 
 def megatron_missing() -> str | None:
@@ -89,15 +98,18 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
     dp_group = ps.get_data_parallel_group()
     hidden = payload["hidden"]
 
-    def build(overlap: bool, round_off: bool) -> Any:
+    def build(mode: dict[str, bool], round_off: bool) -> Any:
         torch.manual_seed(0)
-        layers = [nn.Linear(hidden, hidden) for _ in range(payload["layers"])]
+        dtype = torch.bfloat16 if mode.get("bf16") else torch.float32
+        layers = [nn.Linear(hidden, hidden, dtype=dtype) for _ in range(payload["layers"])]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, calculate_per_token_loss=True)
+            cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, calculate_per_token_loss=True,
+                                    bf16=bool(mode.get("bf16")), params_dtype=dtype)
             if round_off:
                 cfg.consistency_check = "off"  # read by torch_impl from the model's config
-            ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=1 << 18)
+            fields = {k: v for k, v in mode.items() if k != "bf16"}
+            ddp_cfg = DistributedDataParallelConfig(bucket_size=1 << 18, **fields)
             return DistributedDataParallel(cfg, ddp_cfg, nn.Sequential(*layers))
 
     def floor_finalize(model: list[Any], num_tokens: Any) -> None:
@@ -110,11 +122,13 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         "megatron-core": megatron_finalize, "torch_impl": torch_impl.finalize_model_grads,
         "torch_impl no round": torch_impl.finalize_model_grads, "floor": floor_finalize,
     }
-    x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(rank))
+    x32 = torch.randn(4, hidden, generator=torch.Generator().manual_seed(rank))
     one = torch.tensor(1)
     out: dict[str, Any] = {}
-    for key, overlap in MODES.items():
-        models = {name: build(overlap, name == "torch_impl no round") for name in NAMES}
+    for key, mode in MODES.items():
+        overlap = bool(mode.get("overlap_grad_reduce"))
+        x = x32.to(torch.bfloat16) if mode.get("bf16") else x32
+        models = {name: build(mode, name == "torch_impl no round") for name in NAMES}
 
         def backward(name: str) -> None:
             models[name].zero_grad_buffer()

@@ -288,18 +288,21 @@ def case_check_collectives_per_mode(rank: int, world: int) -> dict[str, list[int
     """The checks' collectives (status rounds, the comparison's all-gathers) over two
     steps, per consistency_check mode, and the data collectives of the second step."""
     from bench.counting import CollectiveCounter
-    from torch_impl.run import status as consensus  # the status round's one reduction
+    from torch_impl.run import status as consensus  # the rounds' reductions (status SUM, follow-up MAX)
 
     groups = timed_collection(DP_TP)
     rounds: list[int] = []
-    original = consensus.all_reduce_max
+    originals = {name: getattr(consensus, name) for name in ("all_reduce_status", "all_reduce_max")}
 
-    def counting(*args: Any) -> None:
-        rounds.append(1)
-        original(*args)
+    def counting(original: Any) -> Any:
+        def counted(*args: Any) -> None:
+            rounds.append(1)
+            original(*args)
+        return counted
 
     out: dict[str, list[int]] = {}
-    consensus.all_reduce_max = counting
+    for name, original in originals.items():
+        setattr(consensus, name, counting(original))
     try:
         for mode in ("off", "once", "every_step"):
             model = setup_model(DP_TP, rank, {"consistency_check": mode})
@@ -311,7 +314,8 @@ def case_check_collectives_per_mode(rank: int, world: int) -> dict[str, list[int
                 counts.append(counter.checks + len(rounds) - start)
             out[mode] = counts + [counter.total]
     finally:
-        consensus.all_reduce_max = original
+        for name, original in originals.items():
+            setattr(consensus, name, original)
     return out
 
 

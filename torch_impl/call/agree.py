@@ -2,7 +2,7 @@
 
 ``config.consistency_check`` (``"off"`` | ``"once"`` per plan, the default |
 ``"every_step"``). Each call runs one **status round** (:func:`agree_call` over
-:func:`torch_impl.run.status.status_round`: a few integers MAX-reduced by one all-reduce
+:func:`torch_impl.run.status.status_round`: a few integers SUM-reduced by one all-reduce
 over the world, or over the call's spanning groups in turn -- tp, dp_cp, gtp and pp for
 ``finalize_model_grads``, the helper's own groups for a seed helper) saying whether any
 rank failed a local check (:mod:`torch_impl.call.check`), needs a comparison (a new plan,
@@ -38,7 +38,8 @@ from torch_impl.run.status import (
     NONFINITE,
     SPANNING_GROUPS,
     capturing,
-    flagged_rank,
+    fused_tokens,
+    lowest_flagged,
     share_error,
     status_round,
     status_route,
@@ -82,16 +83,24 @@ def share_local_error(
 
 
 def agree_call(findings: Findings, spec: CheckSpec, plan: FinalizePlan, groups: TorchGroups,
-               config: FinalizeConfig, num_tokens: Any) -> None:
+               config: FinalizeConfig, num_tokens: Any) -> Any:
     """The agree stage: one status round per call, after the local checks.
 
     Unless no round is due (:attr:`Findings.round_due`: ``consistency_check="off"`` without
-    the NaN check, or a CUDA graph capture), one status round (MAX of [local error,
+    the NaN check, or a CUDA graph capture), one status round (SUM of [local error,
     comparison due, NaN found, layout digest] over ``spec.over``) tells every rank whether
     any rank failed, needs a consistency comparison (a new plan, another kind of
     num_tokens, or ``"every_step"``) or found NaN / Inf; every rank then takes the same
     path: raise, compare signatures (and agree on the outcome), or go on. A change on one
     rank only is thus compared on every rank.
+
+    When the round's route is the token count's own group (:func:`fused_tokens`: pure
+    data parallelism, for one), the round also carries ``num_tokens`` (SUM), and the run
+    stage uses its result instead of a collective of its own.
+
+    Returns:
+      The global token count (a 0-d int64 tensor on the round's device) when the round
+      carried it, else None.
 
     Raises:
       TypeError / ValueError: this rank's local check failed (its own error, after the round).
@@ -104,15 +113,19 @@ def agree_call(findings: Findings, spec: CheckSpec, plan: FinalizePlan, groups: 
     if not findings.round_due:
         if error is not None:
             raise error
-        return
-    reduced = status_round(
-        groups, spec.over, error=error, compare=findings.compare,
-        nonfinite=findings.nonfinite is not None or findings.nonfinite_tokens,
-        lines=lambda: signatures(plan, groups, config, num_tokens), compared=spec.compared,
+        return None
+    group = plan.token_scale.group if plan.token_scale is not None and spec.over == SPANNING_GROUPS else None
+    tokens = fused_tokens(groups, spec.over, group, num_tokens) if error is None else None
+    nonfinite = findings.nonfinite is not None or findings.nonfinite_tokens
+    reduced, total = status_round(
+        groups, spec.over, error=error, compare=findings.compare, nonfinite=nonfinite,
+        lines=lambda: signatures(plan, groups, config, num_tokens), compared=spec.compared, tokens=tokens,
     )
     if reduced[COMPARE]:
         record.consistent, record.tokens = True, findings.tokens
-    elsewhere = flagged_rank(reduced[NONFINITE]) if reduced[NONFINITE] else None
+    elsewhere = None
+    if reduced[NONFINITE]:  # every rank counted it: every rank asks who
+        elsewhere = lowest_flagged(nonfinite, status_route(groups, spec.over), groups.rank, "finalize NaN check")
     if findings.nonfinite is not None:
         raise NonFiniteGradError(findings.nonfinite)
     if findings.nonfinite_tokens:
@@ -126,6 +139,7 @@ def agree_call(findings: Findings, spec: CheckSpec, plan: FinalizePlan, groups: 
             "(check_for_nan_in_grad; its error names the parameter); found before any collective: no gradient was "
             "changed"
         )
+    return total
 
 
 __all__ = [

@@ -16,7 +16,9 @@ import torch
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey
-from torch_impl.call.checks import check_gradients, check_num_tokens, nonfinite_message, nonfinite_tokens, uses_nccl
+from torch_impl.call.checks import (
+    check_gradients, check_num_tokens, nonfinite_message, nonfinite_tokens, scan_spans, uses_nccl,
+)
 from torch_impl.call.group_checks import check_layout
 from torch_impl.run.grads import read_grads
 from torch_impl.run.groups import TorchGroups
@@ -56,13 +58,16 @@ class CheckSpec:
 class PlanRecord:
     """What the once-per-plan checks found (kept by the model state, one per plan): the
     gradients' device, whether the groups use NCCL, the discovery they checked, whether
-    the consistency check passed and for which num_tokens (dtype, numel)."""
+    the consistency check passed and for which num_tokens (dtype, numel, device), and the
+    spans of the NaN / Inf scan (:func:`~torch_impl.call.checks.scan_spans`; None: read
+    the gradients each step)."""
 
     device: torch.device | None
     nccl: bool
     found: Any = None
     consistent: bool = False
     tokens: Any = None
+    nan_spans: Any = None
 
 
 class Findings(NamedTuple):
@@ -114,17 +119,18 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
     fresh = record is None or mode == "every_step" or record.found is not found
     nonfinite, bad_tokens = None, False
     nan_due = round_due and nan_check
+    spans = None if fresh else record.nan_spans
     try:
         checked = read_grads(found.tensors, spec.keys if fresh else ())
-        nan_grads = read_grads(found.tensors, spec.nan_keys if nan_due else ())
         if fresh:
             device = check_gradients(checked, groups, config)
             nccl = record.nccl if record is not None else uses_nccl(groups)
+            spans = scan_spans(read_grads(found.tensors, spec.nan_keys)) if nan_check else None
         else:
             device, nccl = record.device, record.nccl
         check_num_tokens(num_tokens, device, groups, spec.ddp, nccl)
-        if nan_due:
-            nonfinite = nonfinite_message(groups.rank, nan_grads, spec.ddp)
+        if nan_due:  # one fused scan of the kept spans; the gradients are read to name a find
+            nonfinite = nonfinite_message(groups.rank, lambda: read_grads(found.tensors, spec.nan_keys), spec.ddp, spans)
             bad_tokens = nonfinite_tokens(num_tokens)
         if fresh and spec.requested is not None:
             check_layout(groups, spec.requested, experts=spec.experts, collection=spec.collection, strict=config.strict_groups)
@@ -133,9 +139,12 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
     if record is None:
         record = PlanRecord(device, nccl)
     record.device, record.found = device, found
+    if fresh:
+        record.nan_spans = spans
     if not round_due:
         return Findings(None, record)
-    tokens = (num_tokens.dtype, num_tokens.numel()) if isinstance(num_tokens, torch.Tensor) else None
+    # The kind of num_tokens (a change is compared: it decides the token collectives).
+    tokens = (num_tokens.dtype, num_tokens.numel(), num_tokens.device) if isinstance(num_tokens, torch.Tensor) else None
     compare = mode != "off" and (mode == "every_step" or not record.consistent or record.tokens != tokens)
     return Findings(None, record, round_due=True, compare=compare, tokens=tokens, nonfinite=nonfinite,
                     nonfinite_tokens=bad_tokens)

@@ -11,7 +11,7 @@ together live in :mod:`torch_impl.call.agree`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,8 @@ from meshgrad.config import CONSISTENCY_CHECKS, FinalizeConfig, config_get
 from meshgrad.params import ParamKey
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.sources.ddp_layout import nonfinite_in_buffers
-from torch_impl.run.grads import GradRead
+from torch_impl.run.grads import GradRead, all_finite
+from torch_impl.run.scaling import coalesce
 from torch_impl.run.groups import TorchGroups
 from torch_impl.run.status import backend
 
@@ -209,24 +210,46 @@ def nonfinite(reads: Sequence[GradRead]) -> list[ParamKey]:
             raise FinalizeInputError(f"parameter {read.key[1]!r} (chunk {read.key[0]}) lost its gradient after planning")
     if not reads:
         return []
+    spans = scan_spans(reads)
+    if spans is not None and all_finite(spans):
+        return []
     ok = torch.stack([torch.isfinite(r.local).all() for r in reads])  # one device: checked
     if bool(ok.all()):
         return []
     return [r.key for r, good in zip(reads, ok.tolist()) if not good]
 
 
+def scan_spans(reads: Sequence[GradRead]) -> tuple[torch.Tensor, ...] | None:
+    """The gradients of ``reads`` as the fewest non-empty tensors for the fused NaN / Inf
+    scan (:func:`all_finite`): gradients back to back in one buffer become one span.
+    None when a gradient is missing or a DTensor (its local shard is read each step)."""
+    if any(r.local is None or r.dtensor for r in reads):
+        return None
+    return tuple(t for t in coalesce([r.local for r in reads]) if t.numel())
+
+
 def _and_more(items: Sequence[Any]) -> str:
     return f" and {len(items) - 1} more" if len(items) > 1 else ""
 
 
-def nonfinite_message(rank: int, reads: Sequence[GradRead], ddp: Sequence[Any]) -> str | None:
+def nonfinite_message(
+    rank: int, reads: Sequence[GradRead] | Callable[[], Sequence[GradRead]], ddp: Sequence[Any],
+    spans: Sequence[torch.Tensor] | None = None,
+) -> str | None:
     """The error naming the gradients that hold NaN / Inf, or None when there are none:
     those meshgrad syncs (``reads``), then those in the gradient buffers of a Megatron DDP
     that would check them itself inside ``finish_grad_sync`` (its
     ``check_for_nan_in_grad`` without ``overlap_grad_reduce``: there its check raises on
     one rank while its peers enter the collective). With ``overlap_grad_reduce`` the DDP
-    checked each bucket when its reduction started, in backward."""
-    bad = nonfinite(reads)
+    checked each bucket when its reduction started, in backward.
+
+    With ``spans`` (the plan's gradients as :func:`scan_spans` made them, kept while the
+    model watch sees the same gradients), a healthy step is one fused scan; ``reads``
+    (or a callable giving them) is read only to name what was found."""
+    if spans is not None and all_finite(spans):
+        bad: list[ParamKey] = []
+    else:
+        bad = nonfinite(reads() if callable(reads) else reads)
     if bad:
         return (
             f"rank {rank}: NaN or Inf in the gradient of {bad[0][1]!r} (chunk {bad[0][0]}){_and_more(bad)} "

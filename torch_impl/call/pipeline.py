@@ -28,9 +28,10 @@ from torch_impl.run.status import already_shared
 from torch_impl.sources.megatron import gtp_fence
 
 
-def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallInputs]:
+def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallInputs, Any]:
     """The read, plan, check and agree stages; an error raised before the status round,
-    of any type, is shared with the other ranks through that round (then re-raised)."""
+    of any type, is shared with the other ranks through that round (then re-raised).
+    Returns the plan, the inputs and the global token count when the round carried it."""
     known: dict[str, Any] = {}
     try:
         inputs = read(model, source, request, known)
@@ -38,7 +39,7 @@ def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallI
         spec = bound.checks if bound.checks is not None else CheckSpec(keys=())
         findings = check_call(spec, inputs.found, inputs.groups, inputs.config, request.num_tokens, record)
         known["shared"] = True  # from here on, the status round itself carries every error
-        agree_call(findings, spec, bound.plan, inputs.groups, inputs.config, request.num_tokens)
+        total = agree_call(findings, spec, bound.plan, inputs.groups, inputs.config, request.num_tokens)
     except BaseException as err:  # any type (KeyboardInterrupt too) is held for the status round
         if not known.get("shared") and not already_shared(err):
             extra = {"over": request.over} if not request.finalize else {}
@@ -46,7 +47,7 @@ def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallI
             share_local_error(err, known.get("groups"), known.get("config"), source=source, raw=raw, **extra)
         raise
     inputs.state.plan_memo.keep_record(bound, findings.record)
-    return bound, inputs
+    return bound, inputs, total
 
 
 def call(model: Any, source: Any, request: Request = Request(), fence: Callable[[], None] | None = None) -> None:
@@ -70,7 +71,7 @@ def call(model: Any, source: Any, request: Request = Request(), fence: Callable[
         or a failed collective.
     """
     with ranked():
-        bound, inputs = _agreed(model, source, request)
+        bound, inputs, total = _agreed(model, source, request)
     state, groups, found, config = inputs.state, inputs.groups, inputs.found, inputs.config
     if not request.finalize and not bound.plan.actions:
         return
@@ -93,7 +94,7 @@ def call(model: Any, source: Any, request: Request = Request(), fence: Callable[
             else:  # DTensor gradients: the scale goes to their local shards
                 local = GradAccess(found.tensors, local_shards=True)
                 apply = bind_scale([local[k] for k in bound.plain_scale_keys])
-            scale_by_tokens(request.num_tokens, bound.plan.token_scale, groups, bound.ddp, apply)
+            scale_by_tokens(request.num_tokens, bound.plan.token_scale, groups, bound.ddp, apply, total)
 
 
 def prepare_layout(model: Any, source: Any, force_all_reduce: bool) -> tuple[BoundPlan, CallInputs]:

@@ -13,6 +13,7 @@ from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from meshgrad.plan import FinalizePlan
 from torch_impl.run.groups import TorchGroups
+from torch_impl.run.status import SPANNING_GROUPS, fused_tokens
 
 
 def signatures(
@@ -37,7 +38,9 @@ def signatures(
         own = f" ({str(num_tokens.dtype).removeprefix('torch.')})" if num_tokens.is_floating_point() else ""
         what = f"num_tokens {wide}[{num_tokens.numel()}]{own}"
         extra.setdefault(Group.PP, []).append(f"token_scale broadcast {what} from the last stage")
-        extra.setdefault(plan.token_scale.group, []).append(f"token_scale sum {what}")
+        fused = fused_tokens(groups, SPANNING_GROUPS, plan.token_scale.group, num_tokens) is not None
+        where = " in the status round" if fused else ""  # every rank must carry it alike
+        extra.setdefault(plan.token_scale.group, []).append(f"token_scale sum {what}{where}")
     out: dict[Group, tuple[str, ...]] = {}
     for group in Group:
         if groups.group(group) is None:

@@ -57,6 +57,19 @@ def reshard(tensor: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` (non-empty) is finite: one fused max-norm per
+    device (NaN and Inf propagate through it, it cannot overflow, and it allocates one
+    scalar per tensor, not a mask of its size), one host sync."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    return all(
+        bool(torch.isfinite(torch.stack(torch._foreach_norm(group, float("inf")))).all())
+        for group in by_device.values()
+    )
+
+
 class GradRead(NamedTuple):
     """One parameter's gradient as the check stage reads it.
 
@@ -135,4 +148,4 @@ class GradAccess:
         self._work.clear()
 
 
-__all__ = ["GradAccess", "GradRead", "read_grads", "get_grad", "grad_attr", "is_dtensor", "reshard", "unshard"]
+__all__ = ["GradAccess", "GradRead", "all_finite", "read_grads", "get_grad", "grad_attr", "is_dtensor", "reshard", "unshard"]

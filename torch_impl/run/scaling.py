@@ -16,9 +16,13 @@ from torch_impl.run.errors import collective_guard
 from torch_impl.run.groups import TorchGroups
 
 
-def global_token_scale(num_tokens: torch.Tensor, action: TokenScale, groups: TorchGroups) -> torch.Tensor:
+def global_token_scale(
+    num_tokens: torch.Tensor, action: TokenScale, groups: TorchGroups, reduced: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-token scaling: broadcast num_tokens from the last pp stage, SUM it over the
     planned group, and return the factor that divides every gradient (no host sync).
+    ``reduced``: the SUM already computed by the call's status round
+    (:func:`torch_impl.run.status.fused_tokens`), used instead of the collectives.
 
     The count is reduced in int64 (float64 for floating input), so int8..int32 counts do
     not overflow, and written back into ``num_tokens``, which holds the global count
@@ -27,6 +31,10 @@ def global_token_scale(num_tokens: torch.Tensor, action: TokenScale, groups: Tor
     float dtype (float32) for integer counts, with ``num_tokens``' shape.
     """
     wide = torch.float64 if num_tokens.is_floating_point() else torch.int64
+    if reduced is not None:
+        total = reduced.to(device=num_tokens.device, dtype=wide).reshape(num_tokens.shape)
+        num_tokens.detach().copy_(total)
+        return torch.clamp(total, min=1).reciprocal()
     total = num_tokens.detach().to(wide, copy=True)
     pp = groups.group(Group.PP)
     if groups.token_broadcast is not None:
@@ -46,6 +54,7 @@ def scale_by_tokens(
     groups: TorchGroups,
     ddp: Sequence[Any],
     apply: Callable[[torch.Tensor], None],
+    reduced: torch.Tensor | None = None,
 ) -> None:
     """Step 11 of a call: the global token count (:func:`global_token_scale`) and
     ``1 / max(n, 1)`` on every gradient: each Megatron DDP's own ``scale_gradients``, then
@@ -57,10 +66,11 @@ def scale_by_tokens(
       groups: this rank's groups.
       ddp: the Megatron DDP objects of the chunks they sync.
       apply: multiplies the gradients meshgrad scales by the factor.
+      reduced: the global count when the status round carried it (no collective here).
     """
     what = f"token_scale: num_tokens broadcast over 'pp' and sum over {action.group.value!r}"
     with collective_guard(what, groups):
-        scale = global_token_scale(num_tokens, action, groups)
+        scale = global_token_scale(num_tokens, action, groups, reduced)
     for obj in ddp:
         obj.scale_gradients(scale)
     apply(scale)

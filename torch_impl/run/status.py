@@ -1,28 +1,38 @@
 """The status round: the one kind of cross-rank round a call runs before data moves.
 
-Every rank of a call MAX-all-reduces one vector of :data:`STATUS_SIZE` int64 over the
-same route (the world, or the call's spanning groups in turn): whether any rank failed
-while reading or checking its inputs, needs a comparison of signatures, found NaN / Inf,
-and the digest of its DeviceMesh group layout with the kind of round it is in. The
-layout agreement of a DeviceMesh (:class:`~torch_impl.sources.mesh_groups.MeshGroups`) is this same
-round, so no rank can wait in one kind of round while its peers are in another: a
+Every rank of a call SUM-all-reduces one vector of :data:`STATUS_SIZE` int64 over the
+same route (the world, or the call's spanning groups in turn): how many ranks the round
+reached, how many failed while reading or checking their inputs, need a comparison of
+signatures or found NaN / Inf, the digest of each rank's DeviceMesh group layout (four
+16-bit parts, each with its square: equal digests everywhere iff ``n * sum(d*d) ==
+sum(d)**2`` for every part) with the kind of round it is in, and -- where the route is
+the token count's own group -- the ``num_tokens`` of the call (:func:`fused_tokens`), so
+a healthy per-token step spends no collective of its own on the count. The layout
+agreement of a DeviceMesh (:class:`~torch_impl.sources.mesh_groups.MeshGroups`) is this
+same round, so no rank can wait in one kind of round while its peers are in another: a
 layout changed on one rank, or a rank resolving a new layout while its peers check a
 cached one, shows as differing digests or kinds in the reduced vector, and every rank
 raises. Error texts then travel by :func:`gather_texts` over the same route.
 
+Host syncs: one per round, reading the reduced vector back (:func:`read_back`); the
+vector goes to the route's device without one (a non-blocking copy), and the token count
+stays on the device. Under a CUDA graph capture no round runs (:func:`capturing`).
+
 How long a rank can wait: the round's collective waits at most the process group's
 timeout (``init_process_group(timeout=)``; torch's default is 30 minutes for gloo and
 10 for NCCL), then raises the :class:`~meshgrad.errors.CollectiveError` of
-:func:`reduce_max`, which names the round and says that a peer may not have entered
+:func:`reduce_status`, which names the round and says that a peer may not have entered
 finalize. Bound it with a shorter timeout of the groups the call uses.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -30,11 +40,14 @@ from meshgrad.axes import Group
 from meshgrad.errors import CollectiveError, ConsistencyError, FinalizeInputError
 from torch_impl.run.groups import TorchGroups, world_size
 
-#: Positions in the status vector (MAX-reduced): ``BIG - rank`` of the lowest rank that
-#: set the flag (0: none), the layout digest and its negation (equal digests everywhere
-#: iff ``max == -max(-d)``), the round kind (1: a layout round) and its negation.
-ERROR, COMPARE, NONFINITE, LAYOUT, NEG_LAYOUT, KIND, NEG_KIND = range(7)
-STATUS_SIZE = 7
+#: Positions in the status vector (SUM-reduced): the ranks reached (each rank adds 1), the
+#: ranks that failed, ask for a comparison, found NaN / Inf or are in a layout round, the
+#: layout digest as :data:`LAYOUT_PARTS` pairs (part, part squared), and the token count.
+REACHED, ERROR, COMPARE, NONFINITE, KIND = range(5)
+LAYOUT_PARTS = 4
+LAYOUT = 5
+TOKENS = LAYOUT + 2 * LAYOUT_PARTS
+STATUS_SIZE = TOKENS + 1
 BIG = 1 << 40
 
 #: One hop of a route: (a name for errors, the process group, the device of its
@@ -62,7 +75,6 @@ _PEER_HINT = (
 
 
 def status_vector(
-    rank: int,
     *,
     error: bool = False,
     compare: bool = False,
@@ -70,20 +82,37 @@ def status_vector(
     layout: int = 0,
     layout_round: bool = False,
 ) -> list[int]:
-    """This rank's status vector (flags as ``BIG - rank`` so MAX picks the lowest rank)."""
-    me = BIG - rank
-    kind = int(layout_round)
-    return [me if error else 0, me if compare else 0, me if nonfinite else 0, layout, -layout, kind, -kind]
+    """This rank's status vector (flags as counts; the layout digest in 16-bit parts, each
+    with its square; the token slot 0: :func:`reduce_status` fills it)."""
+    parts = [(layout >> (16 * i)) & 0xFFFF for i in range(LAYOUT_PARTS)]
+    digest = [x for part in parts for x in (part, part * part)]
+    return [1, int(error), int(compare), int(nonfinite), int(layout_round), *digest, 0]
 
 
-def flagged_rank(value: int) -> int:
-    """The rank a reduced flag names."""
-    return BIG - value
+@functools.lru_cache(maxsize=64)
+def _healthy(layout: int) -> np.ndarray:
+    """The status vector of a healthy call with this layout digest (a pure function of
+    it, computed once per digest; copied per call)."""
+    return np.array(status_vector(layout=layout), dtype=np.int64)
+
+
+def call_vector(layout: int, *, error: bool, compare: bool, nonfinite: bool) -> np.ndarray:
+    """A call's status vector (:func:`status_vector`), from the healthy one of its layout."""
+    vector = _healthy(layout).copy()
+    vector[ERROR], vector[COMPARE], vector[NONFINITE] = error, compare, nonfinite
+    return vector
 
 
 def layouts_differ(reduced: Sequence[int]) -> bool:
-    """Whether the ranks' layout digests or round kinds differ (after the reduction)."""
-    return reduced[LAYOUT] != -reduced[NEG_LAYOUT] or reduced[KIND] != -reduced[NEG_KIND]
+    """Whether the ranks' layout digests or round kinds differ (after the reduction): with
+    ``n`` ranks reached, every part ``d`` is the same on all of them iff ``n * sum(d*d) ==
+    sum(d)**2`` (Cauchy-Schwarz; a route that reaches some ranks more than once weighs
+    every slot alike, so the test holds), and the kinds iff their sum is 0 or ``n``."""
+    n = reduced[REACHED]
+    if reduced[KIND] not in (0, n):
+        return True
+    pairs = range(LAYOUT, TOKENS, 2)
+    return any(n * reduced[i + 1] != reduced[i] * reduced[i] for i in pairs)
 
 
 def layout_digest(key: Any) -> int:
@@ -113,13 +142,71 @@ def world_route() -> list[Hop]:
     return [("the world", world, device_for(world), dist.get_world_size())]
 
 
-def all_reduce_max(value: torch.Tensor, pg: Any) -> None:
-    """MAX-all-reduce ``value`` in place over ``pg``, through the process group itself: the
+def _all_reduce(value: torch.Tensor, pg: Any, op: Any) -> None:
+    """All-reduce ``value`` in place over ``pg``, through the process group itself: the
     rounds stay apart from the ``torch.distributed`` calls that move data (which tests and
     benchmarks count) and skip their Python layer (a few microseconds a step)."""
     options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MAX
+    options.reduceOp = op
     pg.allreduce([value], options).wait()
+
+
+def all_reduce_status(value: torch.Tensor, pg: Any) -> None:
+    """SUM-all-reduce a status vector in place over ``pg`` (the status round's one reduction)."""
+    _all_reduce(value, pg, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(value: torch.Tensor, pg: Any) -> None:
+    """MAX-all-reduce ``value`` in place over ``pg`` (the rounds that only run after a
+    status round found something: a comparison's outcome, the rank that found NaN)."""
+    _all_reduce(value, pg, dist.ReduceOp.MAX)
+
+
+def read_back(value: torch.Tensor) -> list[int]:
+    """The reduced vector on the host: a round's one host sync (on a GPU it waits for the
+    work queued before it, as any read of a device value does)."""
+    return value.tolist()
+
+
+def _reduce(values: Sequence[int] | np.ndarray, route: Sequence[Hop], rank: int, what: str,
+            reduce: Callable[[torch.Tensor, Any], None], tokens: torch.Tensor | None = None,
+            ) -> tuple[list[int], torch.Tensor]:
+    value = torch.from_numpy(np.array(values, dtype=np.int64))  # a copy of the caller's values
+    device = route[0][2]
+    if device.type != "cpu":
+        value = value.to(device, non_blocking=True)
+    if tokens is not None:  # on its device: no host sync
+        value[TOKENS].copy_(tokens.detach().reshape(()))
+    for name, pg, _, _ in route:
+        try:
+            reduce(value, pg)
+        except RuntimeError as err:
+            raise round_failed(rank, what, name, err) from err
+    return read_back(value), value
+
+
+def reduce_status(values: Sequence[int] | np.ndarray, route: Sequence[Hop], rank: int, what: str,
+                  tokens: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
+    """SUM-reduce a status vector over every hop of ``route`` in turn.
+
+    Args:
+      values: this rank's :func:`status_vector`.
+      route: the round's route.
+      rank: this rank (for errors).
+      what: the round's name (for errors).
+      tokens: this rank's ``num_tokens`` for the token slot (:func:`fused_tokens`), or None.
+
+    Returns:
+      (the reduced vector on the host, the reduced token count as a 0-d int64 tensor on
+      the route's device -- None when ``tokens`` is None or the route is empty).
+
+    Raises:
+      CollectiveError: a hop failed (timeout): names ``what``, the hop and this rank.
+    """
+    if not route:
+        return list(values), None
+    reduced, value = _reduce(values, route, rank, what, all_reduce_status, tokens)
+    return reduced, (value[TOKENS] if tokens is not None else None)
 
 
 def reduce_max(values: Sequence[int], route: Sequence[Hop], rank: int, what: str) -> list[int]:
@@ -131,13 +218,14 @@ def reduce_max(values: Sequence[int], route: Sequence[Hop], rank: int, what: str
     """
     if not route:
         return list(values)
-    value = torch.tensor(list(values), dtype=torch.int64, device=route[0][2])
-    for name, pg, _, _ in route:
-        try:
-            all_reduce_max(value, pg)
-        except RuntimeError as err:
-            raise round_failed(rank, what, name, err) from err
-    return value.tolist()
+    return _reduce(values, route, rank, what, all_reduce_max)[0]
+
+
+def lowest_flagged(flagged: bool, route: Sequence[Hop], rank: int, what: str) -> int:
+    """The lowest rank of the route that raised a flag (one MAX round, run by every rank
+    once a status round counted the flag), or -1 when none did."""
+    (value,) = reduce_max([BIG - rank if flagged else 0], route, rank, what)
+    return BIG - value if value else -1
 
 
 def gather_texts(text: str | None, route: Sequence[Hop], rank: int, what: str) -> dict[int, str]:
@@ -186,7 +274,7 @@ def settle(
         texts = gather_texts(first_line(error) if error is not None else None, route, rank, what)
         if error is not None:
             raise error
-        who = flagged_rank(reduced[ERROR])
+        who = min(texts) if texts else -1
         raise ConsistencyError(
             f"rank {rank}: rank {who} failed its own checks: {texts.get(who, '(no message)')}; "
             "found before any collective: nothing was reduced or changed"
@@ -312,14 +400,38 @@ def compare_round(
             _gathered("consistency check (details)", group, rank,
                       lambda: dist.all_gather_object(every, (rank, mine), group=pg))
             messages.append(_mismatch(group, [r for r, _ in every], [lines for _, lines in every], rank))
-    (mismatch,) = reduce_max([status_vector(rank, error=bool(messages))[ERROR]], route, rank, "finalize consistency status")
+    mismatch = lowest_flagged(bool(messages), route, rank, "finalize consistency status")
     if messages:
         raise ConsistencyError("\n".join(messages))
-    if mismatch:
+    if mismatch >= 0:
         raise ConsistencyError(
-            f"rank {rank}: rank {flagged_rank(mismatch)} found ranks of one of its groups that would launch "
+            f"rank {rank}: rank {mismatch} found ranks of one of its groups that would launch "
             "different collectives (its error names them); nothing was reduced"
         )
+
+
+def fused_tokens(groups: TorchGroups, over: Sequence[Group], group: Group | None, num_tokens: Any) -> torch.Tensor | None:
+    """``num_tokens`` when the call's status round can carry its count, else None.
+
+    It can when the round's route is one hop over exactly the ranks of the token group
+    ``group`` (the world being that group, for instance: pure data parallelism), no pp
+    broadcast comes first, and the count is one integer on the route's device: the SUM the
+    round computes is then the count Megatron all-reduces, bit for bit. Every rank decides
+    alike: the route and groups are the layout's, and the kind of ``num_tokens`` (dtype,
+    numel, device type) is compared across ranks whenever it changes.
+    """
+    if group is None or not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
+        return None
+    if num_tokens.is_floating_point() or num_tokens.is_complex() or num_tokens.dtype == torch.bool:
+        return None
+    if groups.group(Group.PP) is not None or groups.token_broadcast is not None:
+        return None
+    route = status_route(groups, over)
+    token_pg = groups.group(group)
+    if len(route) != 1 or token_pg is None or num_tokens.device != route[0][2]:
+        return None
+    _, pg, _, size = route[0]
+    return num_tokens if pg is token_pg or groups.size(group) == size == world_size() else None
 
 
 def status_round(
@@ -331,11 +443,13 @@ def status_round(
     nonfinite: bool,
     lines: Callable[[], Mapping[Group, Sequence[str]]],
     compared: Sequence[Group] | None = None,
-) -> list[int]:
+    tokens: torch.Tensor | None = None,
+) -> tuple[list[int], torch.Tensor | None]:
     """A call's status round over the route of ``over`` (:func:`status_route`): this
-    rank's vector (:func:`status_vector`, with its DeviceMesh layout digest) MAX-reduced
-    (:func:`reduce_max`), then the same path on every rank (:func:`settle`): raise, or
-    compare (:func:`compare_round`, when any rank asked) and go on.
+    rank's vector (:func:`status_vector`, with its DeviceMesh layout digest, and
+    ``tokens`` in the token slot) SUM-reduced (:func:`reduce_status`), then the same path
+    on every rank (:func:`settle`): raise, or compare (:func:`compare_round`, when any
+    rank asked) and go on.
 
     Args:
       groups: this rank's groups.
@@ -345,24 +459,26 @@ def status_round(
       nonfinite: this rank found NaN / Inf.
       lines: what this rank will launch per group, called only when a comparison runs.
       compared: the groups compared (None: every group of size > 1).
+      tokens: the call's ``num_tokens`` when the round carries its count
+        (:func:`fused_tokens`), else None.
 
     Returns:
-      The reduced vector (the flag of :data:`NONFINITE` names the lowest rank with NaN / Inf).
+      (the reduced vector, the global token count on the route's device or None).
     """
     route = status_route(groups, over)
-    mine = status_vector(groups.rank, error=error is not None, compare=compare, nonfinite=nonfinite, layout=groups.layout)
-    reduced = reduce_max(mine, route, groups.rank, "finalize status check")
+    mine = call_vector(groups.layout, error=error is not None, compare=compare, nonfinite=nonfinite)
+    reduced, total = reduce_status(mine, route, groups.rank, "finalize status check", tokens)
     settle(reduced, route, groups.rank, "finalize status check", error=error, layout_text=groups.layout_text)
     if reduced[COMPARE]:
         compare_round(lines(), groups, compared, route)
-    return reduced
+    return reduced, total
 
 
 def share_error(error: BaseException, route: Sequence[Hop], rank: int, what: str) -> None:
     """For a rank that failed before its own round: join the peers' round (any kind: they
     all reduce one status vector over ``route``) with ``error`` flagged; returns so that
     the caller raises ``error`` itself."""
-    reduced = reduce_max(status_vector(rank, error=True), route, rank, what)
+    reduced, _ = reduce_status(status_vector(error=True), route, rank, what)
     try:
         settle(reduced, route, rank, what, error=error)
     except BaseException as raised:  # noqa: BLE001 -- the caller raises its own error
@@ -377,8 +493,9 @@ def already_shared(err: BaseException) -> bool:
 
 
 __all__ = [
-    "AgreedInputError", "BIG", "SPANNING_GROUPS", "STATUS_SIZE", "all_reduce_max", "already_shared",
-    "backend", "capturing", "compare_round", "device_for", "first_line", "flagged_rank", "gather_texts",
-    "layout_digest", "layouts_differ", "reduce_max", "settle", "share_error", "status_round", "status_route",
-    "status_vector", "timeout_of", "world_route",
+    "AgreedInputError", "BIG", "SPANNING_GROUPS", "STATUS_SIZE", "all_reduce_max", "all_reduce_status",
+    "already_shared", "backend", "call_vector", "capturing", "compare_round", "device_for", "first_line", "fused_tokens",
+    "gather_texts", "layout_digest", "layouts_differ", "lowest_flagged", "read_back", "reduce_max",
+    "reduce_status", "settle", "share_error", "status_round", "status_route", "status_vector", "timeout_of",
+    "world_route",
 ]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from meshgrad.ddp_layout import Bucket, BucketParam, misaligned_cross_stage_params
+from torch_impl.run.grads import all_finite
 from torch_impl.sources.wrappers import uncompiled_name
 
 #: One buffer's buckets and the size of the DP group it reduce-scatters over.
@@ -70,8 +71,8 @@ def ddp_layouts(ddp: Any) -> tuple[BufferLayout, ...]:
 
 def nonfinite_in_buffers(ddp: Any) -> list[str]:
     """The parameters of a Megatron DDP whose gradient (in its gradient buffers) holds NaN
-    or Inf, read only: one ``isfinite`` per buffer and one host sync; each parameter's
-    range (``param_index_map``) is read only when its buffer holds one.
+    or Inf, read only: one fused max-norm over its non-empty buffers and one host sync;
+    each parameter's range (``param_index_map``) is read only when a buffer holds one.
 
     Args:
       ddp: a Megatron ``DistributedDataParallel`` chunk.
@@ -82,9 +83,9 @@ def nonfinite_in_buffers(ddp: Any) -> list[str]:
     buffers = [b for b in gradient_buffers(ddp) if getattr(b, "grad_data", None) is not None]
     if not buffers:
         return []
-    finite = torch.stack([torch.isfinite(b.grad_data).all() for b in buffers]).tolist()
-    if all(finite):
+    if all_finite(b.grad_data for b in buffers if b.grad_data.numel()):
         return []
+    finite = torch.stack([torch.isfinite(b.grad_data).all() for b in buffers]).tolist()
     names = _param_names(ddp)
     bad: list[str] = []
     for buffer, ok in zip(buffers, finite):

@@ -19,7 +19,7 @@ from meshgrad.axes import DENSE_AXES, EXPERT_AXES, GROUP_AXES, Axis, Group, Para
 from meshgrad.errors import FinalizeInputError
 from torch_impl.run.groups import STAGE_GROUPS, ProcessGroup, TorchGroups, world_rank, world_size
 from torch_impl.run.status import (
-    AgreedInputError, layout_digest, reduce_max, settle, share_error, status_vector, timeout_of, world_route,
+    AgreedInputError, layout_digest, reduce_status, settle, share_error, status_vector, timeout_of, world_route,
 )
 
 
@@ -213,8 +213,8 @@ class MeshGroups:
         if world_size() <= 1:
             return
         route = world_route()
-        mine = status_vector(self.rank, layout=layout_digest(key), layout_round=True)
-        reduced = reduce_max(mine, route, self.rank, "DeviceMesh group layout agreement")
+        mine = status_vector(layout=layout_digest(key), layout_round=True)
+        reduced, _ = reduce_status(mine, route, self.rank, "DeviceMesh group layout agreement")
         settle(reduced, route, self.rank, "DeviceMesh group layout agreement", layout_text=self.describe(key))
 
     def join_failure(self, error: BaseException) -> None:
