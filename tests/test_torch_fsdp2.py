@@ -15,6 +15,7 @@ dp_cp group, a mesh whose dim names it cannot map).
 from __future__ import annotations
 
 import os
+import types
 from typing import Any
 
 import numpy as np
@@ -262,6 +263,55 @@ def _reference_hsdp() -> dict[str, np.ndarray]:
     return {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
 
 
+def _run_cp_flattened(rank: int) -> dict[str, Any]:
+    """dp_shard x cp = 2 x 2, FSDP2 over torchtitan's flattened ``dp_shard_cp``: that is
+    finalize's dp_cp group, so a mean loss's gradient is FSDP2's average as it is."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from meshgrad import FinalizeConfig
+    from torch_impl import finalize_model_grads
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    torch.manual_seed(4)
+    model = torch.nn.Linear(H, 2, dtype=torch.float64)
+    fully_shard(model, mesh=shard_cp)
+    model.config = FinalizeConfig()
+    x = _batch().reshape(B * S, H)[rank * S:(rank + 1) * S]
+    model(x).pow(2).mean().backward()
+    finalize_model_grads([model], pg_collection=mesh)
+    return _full_grads(model)
+
+
+def _run_experts(rank: int) -> dict[str, Any]:
+    """torchtitan's EP mesh (dp_shard_mod_ep x dp_shard_in_ep = 2 x 2, ep = 2): the dense
+    layer sharded over both dims, the expert layer (``allreduce=False``) over
+    dp_shard_mod_ep (finalize's expt_dp) with torchtitan's divide factor (the dp size):
+    Megatron's rule, the sum over expt_dp divided by dp_cp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from torch_impl import finalize_model_grads
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard_mod_ep", "dp_shard_in_ep"))
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(H, H, dtype=torch.float64), torch.nn.Linear(H, H, dtype=torch.float64))
+    plain = torch.nn.Sequential(torch.nn.Linear(H, H, dtype=torch.float64), torch.nn.Linear(H, H, dtype=torch.float64))
+    plain.load_state_dict(model.state_dict())
+    x = _batch().reshape(B * S, H)[rank * S:(rank + 1) * S]
+    plain(x).pow(2).mean().backward()  # this rank's own gradients, unreduced
+    fully_shard(model[1], mesh=mesh["dp_shard_mod_ep"])
+    model[1].set_gradient_divide_factor(WORLD)
+    fully_shard(model, mesh=mesh["dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp_shard_all"))
+    for p in model[1].parameters():
+        p.allreduce = False  # Megatron's expert flag, set after fully_shard replaced the parameters
+    model(x).pow(2).mean().backward()
+    model.config = types.SimpleNamespace(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    finalize_model_grads([model], pg_collection=mesh)
+    return {"got": _full_grads(model), "local": {n: p.grad.numpy().copy() for n, p in plain.named_parameters()}}
+
+
 def _refused_meshes(rank: int) -> list[str]:
     """Meshes whose dim names finalize cannot map, and an FSDP2 mesh that is not dp_cp."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -306,6 +356,8 @@ def case_world(rank: int, world: int) -> dict[str, Any]:
         "refused_divide": _refused_divide(rank, mesh),
         "pp_tied": _run_pp(rank),
         "hsdp": _run_hsdp(rank),
+        "cp_flattened": _run_cp_flattened(rank),
+        "experts": _run_experts(rank),
         "refused_meshes": _refused_meshes(rank),
     }
 
@@ -372,6 +424,26 @@ def test_torchtitan_hsdp_mesh_read_without_renaming() -> None:
         assert got["dp_cp"] == [0, 1, 2, 3] and tuple(got["dims"]) == (1, 4, 1, 1, 1)
         for name, value in want.items():
             _close(got["grads"][name], value, f"rank {rank} {name}")
+
+
+def test_fsdp2_over_flattened_dp_shard_cp_is_the_dp_cp_group() -> None:
+    torch.manual_seed(4)
+    model = torch.nn.Linear(H, 2, dtype=torch.float64)
+    model(_batch().reshape(B * S, H)).pow(2).mean().backward()  # the mean over every rank's tokens
+    for rank, result in enumerate(_results()):
+        for name, param in model.named_parameters():
+            _close(result["cp_flattened"][name], param.grad.numpy(), f"rank {rank} {name}")
+
+
+def test_fsdp2_experts_on_torchtitan_ep_mesh_follow_megatrons_rule() -> None:
+    results = _results()
+    edp = {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}
+    for rank, result in enumerate(results):
+        for name, got in result["experts"]["got"].items():
+            members = range(WORLD) if name.startswith("0.") else edp[rank]
+            total = sum(results[r]["experts"]["local"][name] for r in members)
+            want = total / len(members) if name.startswith("0.") else total / WORLD
+            _close(got, want, f"rank {rank} {name}")
 
 
 def test_unmappable_meshes_refused_with_the_mapping() -> None:
