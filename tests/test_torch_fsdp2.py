@@ -252,8 +252,9 @@ def _run_hsdp(rank: int) -> dict[str, Any]:
     from torch_impl.run.groups import group_ranks
 
     groups = mesh_groups(mesh).resolve()
+    flat = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard_cp", "tp"))  # cp folded into dp
     return {"grads": _full_grads(model), "dp_cp": group_ranks(groups.group(Group.DP_CP)),
-            "dims": mesh_groups(mesh).grid.shape}
+            "dims": mesh_groups(mesh).grid.shape, "flat": mesh_groups(flat).grid.tolist()}
 
 
 def _reference_hsdp() -> dict[str, np.ndarray]:
@@ -321,7 +322,7 @@ def _refused_meshes(rank: int) -> list[str]:
     from torch_impl import finalize_model_grads
 
     out = []
-    for names in (("dp_shard_cp", "tp"), ("dp_replicate", "ep"), ("dp", "dp_shard")):
+    for names in (("dp_shard_cp", "cp"), ("dp_replicate", "ep"), ("dp", "dp_shard")):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
         model = torch.nn.Linear(2, 2)
         model.config = FinalizeConfig()
@@ -422,6 +423,7 @@ def test_torchtitan_hsdp_mesh_read_without_renaming() -> None:
     for rank, result in enumerate(_results()):
         got = result["hsdp"]
         assert got["dp_cp"] == [0, 1, 2, 3] and tuple(got["dims"]) == (1, 4, 1, 1, 1)
+        assert got["flat"] == [[[[[0, 1]]], [[[2, 3]]]]]  # (pp, dp, cp, gtp, tp) = (1, 2, 1, 1, 2)
         for name, value in want.items():
             _close(got["grads"][name], value, f"rank {rank} {name}")
 
@@ -449,7 +451,8 @@ def test_fsdp2_experts_on_torchtitan_ep_mesh_follow_megatrons_rule() -> None:
 def test_unmappable_meshes_refused_with_the_mapping() -> None:
     for rank, result in enumerate(_results()):
         shard_cp, ep, mixed, wrong_fsdp = result["refused_meshes"]
-        for message, bad in ((shard_cp, "dp_shard_cp"), (ep, "'ep'"), (mixed, "mixed")):
+        for message, bad in ((shard_cp, "'dp_shard_cp' and 'cp' overlap"), (ep, "'ep' is an expert dim"),
+                             (mixed, "'dp' and 'dp_shard' overlap")):
             assert f"rank {rank}" in message and bad in message, message
             assert "dp_replicate x dp_shard" in message and "-> dp" in message, message
         assert f"rank {rank}" in wrong_fsdp and "FSDP2 reduced the gradient over ranks" in wrong_fsdp, wrong_fsdp

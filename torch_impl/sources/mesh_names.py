@@ -4,9 +4,10 @@
 torchtitan builds its world mesh with dims ``pp, dp_replicate, dp_shard, cp, tp`` (those of
 size > 1), or with EP ``pp, dp_replicate, dp_shard_mod_ep, dp_shard_in_ep, cp, tp``; its
 data-parallel dims together are meshgrad's ``dp`` (torchtitan flattens them into ``dp``
-too), so ``dp_cp`` = dp x cp as in Megatron. Flattened dims (``dp``, ``dp_shard_cp``,
-``dp_cp``, ``ep``) are not dims of that mesh; a mesh whose dims cannot be split into
-meshgrad's axes is refused with the mapping (:func:`mapping_text`).
+too), so ``dp_cp`` = dp x cp as in Megatron. A mesh of its flattened dims
+(``dp_replicate, dp_shard_cp, tp``) is read with cp folded into dp: every group that spans
+cp spans dp too. Expert dims (``ep``) and dims that overlap are refused with the mapping
+(:func:`mapping_text`).
 """
 
 from __future__ import annotations
@@ -16,16 +17,24 @@ from collections.abc import Sequence
 from meshgrad.axes import DENSE_AXES, Axis
 from meshgrad.errors import FinalizeInputError
 
-#: torchtitan's data-parallel dims, outermost first: together they are meshgrad's ``dp``.
-TORCHTITAN_DP = ("dp_replicate", "dp_shard", "dp_shard_mod_ep", "dp_shard_in_ep")
+#: torchtitan's data-parallel dims, outermost first: together they are meshgrad's ``dp``. Its
+#: flattened ``dp_shard_cp`` / ``dp_cp`` are read as dp with cp folded in (every group that
+#: spans cp spans dp too, so the groups are the same).
+TORCHTITAN_DP = ("dp_replicate", "dp_cp", "dp_shard", "dp_shard_cp", "dp_shard_mod_ep", "dp_shard_in_ep")
 
 #: Every dim name read, and the meshgrad axis it is (part of).
 DIM_AXES: dict[str, Axis] = {**{a.value: a for a in DENSE_AXES}, **{name: Axis.DP for name in TORCHTITAN_DP}}
 
-#: Names a mesh may carry that are flattened or expert dims, and why they cannot be read.
+#: The data-parallel pieces each name covers (replicate, the two EP parts of shard, cp):
+#: two dims that cover one piece both cannot be read.
+_PIECES = {
+    "dp": {"rep", "mod", "in"}, "dp_replicate": {"rep"}, "dp_shard": {"mod", "in"},
+    "dp_shard_mod_ep": {"mod"}, "dp_shard_in_ep": {"in"}, "dp_shard_cp": {"mod", "in", "cp"},
+    "dp_cp": {"rep", "mod", "in", "cp"}, "cp": {"cp"},
+}
+
+#: Names a mesh may carry that are expert dims, and why they cannot be read.
 _EXPLAINED = {
-    "dp_shard_cp": "dp_shard x cp flattened (it hides cp)",
-    "dp_cp": "dp x cp flattened (it hides cp)",
     "ep": "an expert dim: EP borrows data-parallel (and cp / tp) ranks; set config.expert_model_parallel_size",
     "etp": "an expert dim: set config.expert_tensor_parallel_size",
     "edp": "an expert dim: it follows from the dense dims and the config's expert sizes",
@@ -36,9 +45,9 @@ def mapping_text() -> str:
     """The dim-name mapping, in words (part of every refusal)."""
     return (
         "meshgrad reads pp -> pp, dp_replicate x dp_shard (or dp_replicate x dp_shard_mod_ep x "
-        "dp_shard_in_ep) -> dp, cp -> cp, tp -> tp (torchtitan's names), or its own pp, dp, cp, gtp, "
-        "tp; dp_cp = dp x cp. Pass the mesh those dims were built on (torchtitan: the world mesh, "
-        "not a flattened or expert submesh)"
+        "dp_shard_in_ep) -> dp, cp -> cp, tp -> tp (torchtitan's names; a flattened dp_shard_cp or dp_cp "
+        "is dp with cp folded in), or its own pp, dp, cp, gtp, tp; dp_cp = dp x cp. Pass the mesh those "
+        "dims were built on (torchtitan: the world mesh, not an expert mesh)"
     )
 
 
@@ -63,10 +72,11 @@ def dense_dims(names: Sequence[str], rank: int) -> dict[Axis, tuple[int, ...]]:
             problems.append(f"{name!r} is {why}")
     if len(set(names)) != len(names):
         problems.append("a name is repeated")
-    if "dp" in names and any(n in TORCHTITAN_DP for n in names):
-        problems.append("'dp' is mixed with torchtitan's data-parallel dims")
-    if "dp_shard" in names and any(n in ("dp_shard_mod_ep", "dp_shard_in_ep") for n in names):
-        problems.append("'dp_shard' is mixed with its EP split (dp_shard_mod_ep, dp_shard_in_ep)")
+    known = [n for n in dict.fromkeys(names) if n in _PIECES]
+    for i, first in enumerate(known):
+        for second in known[i + 1:]:
+            if _PIECES[first] & _PIECES[second]:
+                problems.append(f"{first!r} and {second!r} overlap (both cover the same data-parallel ranks)")
     if problems:
         raise FinalizeInputError(
             f"rank {rank}: DeviceMesh dim names {list(names)} cannot be read: {'; '.join(problems)}. "
