@@ -286,7 +286,9 @@ def plan_finalize(
         sizes = GroupSizes.from_dims(sizes, config)
     synced = synced or {}
     if delegated:
-        rest = plan_finalize(params, config, sizes, routers, dp_sync=False, merge=merge, stage=stage, synced=synced)
+        rest = plan_finalize(
+            params, config, sizes, routers, dp_sync=False, merge=merge, stage=stage, synced=synced
+        )
         own = [p for p in params if p.chunk not in delegated and Step.DP_SYNC not in synced.get(p.key, ())]
         sync = plan_finalize(own, config, sizes, force_all_reduce=force_all_reduce, merge=merge) if own and dp_sync else None
         first = sync.for_step(Step.DP_SYNC) if sync is not None else ()

@@ -78,7 +78,8 @@ def _finalize_plan(
     """``finalize_model_grads``' plan, after checking the groups it needs (decided by
     :func:`meshgrad.requirements.group_requirements`)."""
     synced = synced_steps(found.params, found.tensors, found.fsdp, groups, config)
-    bound = build_plan(found, config, groups.group_sizes(config), ddp, request.force_all_reduce, groups.pp_stage, synced)
+    sizes = groups.group_sizes(config)
+    bound = build_plan(found, config, sizes, ddp, request.force_all_reduce, groups.pp_stage, synced)
     needs = group_requirements(
         bound.plan,
         num_tokens=request.num_tokens is not None,

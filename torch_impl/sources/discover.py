@@ -253,9 +253,8 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
             if spec is not None:
                 routers.append(spec)
                 router_modules[spec.key] = sub
-    return Discovered(
-        tuple(params), tuple(routers), tensors, router_modules, tuple(chunks), not left_out, experts, fsdp_groups(chunks)
-    )
+    found = (tuple(params), tuple(routers), tensors, router_modules, tuple(chunks))
+    return Discovered(*found, not left_out, experts, fsdp_groups(chunks))
 
 
 def _flag(attrs: Mapping[str, Any], class_flags: Mapping[str, Any], name: str) -> Any:

@@ -1,8 +1,9 @@
 """Named meshgrad groups from a torch ``DeviceMesh`` whose dim names are meshgrad axis
-names or torchtitan's (:mod:`torch_impl.sources.mesh_names`): :class:`MeshGroups` builds the multi-axis, expert and embedding groups with
-``dist.new_group`` once (after the ranks agree on the layout) and caches them on itself;
-:func:`mesh_groups` keeps one per live DeviceMesh, so every model given that mesh shares
-its process groups (nothing is written on the mesh).
+names or torchtitan's (:mod:`torch_impl.sources.mesh_names`): :class:`MeshGroups` builds
+the multi-axis, expert and embedding groups with ``dist.new_group`` once (after the ranks
+agree on the layout) and caches them on itself; :func:`mesh_groups` keeps one per live
+DeviceMesh, so every model given that mesh shares its process groups (nothing is written
+on the mesh).
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def _dense_grid(mesh: Any) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
     return names, raw, np.transpose(raw, order).reshape(shape)
 
 
-def _mesh_dim_groups(mesh: Any, raw: np.ndarray, names: Sequence[str], timeout: Any) -> dict[tuple[tuple[int, ...], ...], ProcessGroup | None]:
+def _mesh_dim_groups(
+    mesh: Any, raw: np.ndarray, names: Sequence[str], timeout: Any
+) -> dict[tuple[tuple[int, ...], ...], ProcessGroup | None]:
     """The mesh dims' own groups that meshgrad can use, by their canonical rows.
 
     A mesh dim's group (torch makes it with its 30-minute default) is used only when its
