@@ -143,19 +143,20 @@ def _run_tp_sp(rank: int, mesh: Any, per_token: bool, divide: float | None) -> d
             "num_tokens": None if num_tokens is None else int(num_tokens.item())}
 
 
-def _refused_divide(rank: int, mesh: Any) -> dict[str, Any]:
-    """Per-token loss with FSDP2's default (averaging) reduction: refused, nothing changed."""
+def _refused_divide(rank: int, mesh: Any, only_rank: int | None = None) -> dict[str, Any]:
+    """Per-token loss with FSDP2's default (averaging) reduction (on ``only_rank`` alone, or
+    on every rank): refused on every rank, nothing changed."""
     from torch_impl import finalize_model_grads
 
-    model = _tp_sp_model(mesh, True, None)
+    model = _tp_sp_model(mesh, True, None if only_rank in (None, rank) else 1.0)
     dp, tp = mesh["dp_shard"].get_local_rank(), mesh["tp"].get_local_rank()
     model(_batch()[dp * B // 2:(dp + 1) * B // 2, tp * S // 2:(tp + 1) * S // 2]).pow(2).sum().backward()
     before = _full_grads(model)
     try:
         finalize_model_grads([model], num_tokens=torch.tensor([B // 2 * S]), pg_collection=mesh)
         message = "no error"
-    except ValueError as err:
-        message = str(err)
+    except (ValueError, RuntimeError) as err:
+        message = f"{type(err).__name__}: {err}"
     after = _full_grads(model)
     return {"message": message, "unchanged": all(np.array_equal(before[k], after[k]) for k in before)}
 
@@ -355,6 +356,7 @@ def case_world(rank: int, world: int) -> dict[str, Any]:
         "tp_sp_per_token": _run_tp_sp(rank, mesh, True, 1.0),
         "tp_sp_mean": _run_tp_sp(rank, mesh, False, None),
         "refused_divide": _refused_divide(rank, mesh),
+        "refused_divide_rank2": _refused_divide(rank, mesh, only_rank=2),
         "pp_tied": _run_pp(rank),
         "hsdp": _run_hsdp(rank),
         "cp_flattened": _run_cp_flattened(rank),
@@ -408,6 +410,17 @@ def test_fsdp2_divide_factor_mismatch_refused_on_every_rank_unchanged() -> None:
         assert f"rank {rank}" in got["message"] and "set_gradient_divide_factor(1)" in got["message"], got["message"]
         assert "divided the summed gradient by 2" in got["message"]
         assert got["unchanged"]
+
+
+def test_fsdp2_divide_factor_mismatch_on_one_rank_raises_on_every_rank() -> None:
+    for rank, result in enumerate(_results()):
+        got = result["refused_divide_rank2"]
+        if rank == 2:
+            assert got["message"].startswith("FinalizeInputError: rank 2:"), got["message"]
+            assert "set_gradient_divide_factor(1)" in got["message"], got["message"]
+        else:
+            assert got["message"].startswith("ConsistencyError") and "rank 2" in got["message"], got["message"]
+        assert got["unchanged"], rank
 
 
 def test_fsdp2_pipeline_tied_embedding_summed_across_stages() -> None:
