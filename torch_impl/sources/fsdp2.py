@@ -67,15 +67,19 @@ class FsdpReduction(NamedTuple):
 
 
 def fsdp_groups(chunks: Sequence[nn.Module]) -> tuple[FsdpGroup, ...]:
-    """Every FSDP2 parameter group in the (unwrapped) chunks; none without FSDP2 loaded."""
-    module = sys.modules.get("torch.distributed.fsdp")
-    cls = getattr(module, "FSDPModule", None) if module is not None else None
-    if cls is None:
+    """Every FSDP2 parameter group in the (unwrapped) chunks; none without FSDP2 loaded (no
+    FSDP module exists before its package is imported: torch 2.6+ ``torch.distributed.fsdp``,
+    2.5 ``torch.distributed._composable.fsdp``)."""
+    classes = tuple(
+        cls for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+        if (cls := getattr(sys.modules.get(name), "FSDPModule", None)) is not None
+    )
+    if not classes:
         return ()
     out = []
     for index, chunk in enumerate(chunks):
         for name, sub in chunk.named_modules():
-            if isinstance(sub, cls):
+            if isinstance(sub, classes):
                 state = sub._get_fsdp_state()
                 groups = getattr(state, "_fsdp_param_groups", None)
                 if groups is None:  # torch < 2.6: one group per state
