@@ -211,6 +211,7 @@ def _planned_actions(
     force_all_reduce: bool,
     dp_sync: bool,
     stage: int | None,
+    synced: Mapping[ParamKey, frozenset[Step]],
 ) -> list[Action]:
     """Every step's actions, in step order (before fusion and layout)."""
     pp = sizes.pp
@@ -220,7 +221,7 @@ def _planned_actions(
     if pp > 1 and config.flextron:
         actions += planners.pp_replicated(Step.ROUTER, params, "flextron_router_pp_sync")
     if sizes[Group.TP] > 1:
-        actions += planners.non_tp(params, config)
+        actions += planners.non_tp(_not_synced(params, synced, Step.NON_TP), config)
     actions += planners.gtp(params, config, sizes[Group.GTP], sizes[Group.EGTP])
     stage_sets = {Group.EMBD: sizes.embd_stages, Group.POS_EMBD: sizes.pos_embd_stages}
     for step, group, role in EMBEDDING_STEPS:
@@ -229,7 +230,17 @@ def _planned_actions(
     if not dp_sync:
         return actions
     own = planners.cross_stage_keys(actions)
-    return planners.dp_sync(params, config, sizes[Group.DP_CP], sizes[Group.EDP], force_all_reduce, own) + actions
+    dense = _not_synced(params, synced, Step.DP_SYNC)
+    return planners.dp_sync(dense, config, sizes[Group.DP_CP], sizes[Group.EDP], force_all_reduce, own) + actions
+
+
+def _not_synced(
+    params: tuple[ParamSpec, ...], synced: Mapping[ParamKey, frozenset[Step]], step: Step
+) -> tuple[ParamSpec, ...]:
+    """The parameters whose ``step`` the framework has not already done (``synced``)."""
+    if not synced:
+        return params
+    return tuple(p for p in params if step not in synced.get(p.key, ()))
 
 
 def plan_finalize(
@@ -243,6 +254,7 @@ def plan_finalize(
     merge: bool = True,
     stage: int | None = None,
     delegated: frozenset[int] = frozenset(),
+    synced: Mapping[ParamKey, frozenset[Step]] | None = None,
 ) -> FinalizePlan:
     """Plan one finalize call (docs/semantics.md, every step, in order).
 
@@ -260,6 +272,9 @@ def plan_finalize(
       delegated: chunks whose own DDP (a Megatron DDP wrapper) runs the DP sync and the
         token scaling. The DP sync of the other chunks is planned over their parameters
         alone and runs first.
+      synced: per parameter, the steps its framework already did (torch's FSDP2:
+        ``dp_sync``, and ``non_tp`` for a DTensor gradient over tp); those steps leave it
+        out, every other step (and the token scale) keeps it.
 
     Returns:
       A FinalizePlan; its ``token_scale`` is used only when num_tokens is given.
@@ -269,16 +284,19 @@ def plan_finalize(
     """
     if isinstance(sizes, ParallelDims):
         sizes = GroupSizes.from_dims(sizes, config)
+    synced = synced or {}
     if delegated:
-        rest = plan_finalize(params, config, sizes, routers, dp_sync=False, merge=merge, stage=stage)
-        own = [p for p in params if p.chunk not in delegated]
+        rest = plan_finalize(
+            params, config, sizes, routers, dp_sync=False, merge=merge, stage=stage, synced=synced
+        )
+        own = [p for p in params if p.chunk not in delegated and Step.DP_SYNC not in synced.get(p.key, ())]
         sync = plan_finalize(own, config, sizes, force_all_reduce=force_all_reduce, merge=merge) if own and dp_sync else None
         first = sync.for_step(Step.DP_SYNC) if sync is not None else ()
         return dataclasses.replace(rest, actions=first + rest.actions, delegated=frozenset(delegated))
     params = tuple(params)
     routers = tuple(routers)
     planners.check_unique(params, routers)
-    actions = _planned_actions(params, config, sizes, routers, force_all_reduce, dp_sync, stage)
+    actions = _planned_actions(params, config, sizes, routers, force_all_reduce, dp_sync, stage, synced)
     final = merge_reductions(actions) if merge else tuple(actions)
     layout, final = buffer_layout(final, params)
     return FinalizePlan(final, config, sizes, params, routers, planners.token_scale(params), layout)

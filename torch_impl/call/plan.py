@@ -8,13 +8,14 @@ bound to the chunks' DDP objects, memoized by everything that can change it
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from meshgrad.helpers import plan_helper
-from meshgrad.plan import GroupSizes, plan_finalize
+from meshgrad.params import ParamKey
+from meshgrad.plan import GroupSizes, Step, plan_finalize
 from meshgrad.requirements import group_requirements
 from torch_impl.call.check import CheckSpec, PlanRecord
 from torch_impl.call.notices import warn_plan
@@ -23,6 +24,7 @@ from torch_impl.call.read import CallInputs, Request
 from torch_impl.run.groups import TorchGroups
 from torch_impl.sources.config import Requested, accepts
 from torch_impl.sources.discover import Discovered
+from torch_impl.sources.fsdp2 import fingerprint as fsdp_fingerprint, synced_steps
 from torch_impl.sources.group_sources import LISTED_KINDS, MEGATRON_KINDS, source_kind
 
 
@@ -31,7 +33,7 @@ def plan(inputs: CallInputs, request: Request, source: Any) -> tuple[BoundPlan, 
     what its once-per-plan checks found on an earlier call (None on its first)."""
     state, config, groups, found, ddp = inputs.state, inputs.config, inputs.groups, inputs.found, inputs.ddp
     key = (request.steps, inputs.token, config, groups, inputs.requested, request.force_all_reduce,
-           request.num_tokens is not None, tuple(map(id, ddp)))
+           request.num_tokens is not None, tuple(map(id, ddp)), fsdp_fingerprint(found.fsdp))
     if request.finalize:
         return state.plan_memo.plan(
             key, lambda: _finalize_plan(found, config, groups, inputs.requested, ddp, request, source)
@@ -46,12 +48,16 @@ def build_plan(
     ddp: Sequence[Any],
     force_all_reduce: bool,
     stage: int | None = None,
+    synced: Mapping[ParamKey, frozenset[Step]] | None = None,
 ) -> BoundPlan:
     """The plan of every step, bound to the chunks' DDP objects: a chunk with one
-    (``ddp[i]``) is delegated to it (its ``finish_grad_sync`` and ``scale_gradients``)."""
+    (``ddp[i]``) is delegated to it (its ``finish_grad_sync`` and ``scale_gradients``);
+    ``synced``: per parameter, the steps torch's FSDP2 already did
+    (:func:`torch_impl.sources.fsdp2.synced_steps`)."""
     delegated = frozenset(i for i, obj in enumerate(ddp) if obj is not None)
     plan = plan_finalize(
-        found.params, config, sizes, found.routers, force_all_reduce=force_all_reduce, stage=stage, delegated=delegated
+        found.params, config, sizes, found.routers, force_all_reduce=force_all_reduce, stage=stage,
+        delegated=delegated, synced=synced,
     )
     objects: list[Any] = []
     for obj in ddp:
@@ -71,7 +77,9 @@ def _finalize_plan(
 ) -> BoundPlan:
     """``finalize_model_grads``' plan, after checking the groups it needs (decided by
     :func:`meshgrad.requirements.group_requirements`)."""
-    bound = build_plan(found, config, groups.group_sizes(config), ddp, request.force_all_reduce, groups.pp_stage)
+    synced = synced_steps(found.params, found.tensors, found.fsdp, groups, config)
+    sizes = groups.group_sizes(config)
+    bound = build_plan(found, config, sizes, ddp, request.force_all_reduce, groups.pp_stage, synced)
     needs = group_requirements(
         bound.plan,
         num_tokens=request.num_tokens is not None,

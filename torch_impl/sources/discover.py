@@ -32,6 +32,7 @@ from meshgrad.plan import embedding_chunk
 from meshgrad.steps import may_touch
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.run.grads import get_grad
+from torch_impl.sources.fsdp2 import FsdpGroup, fsdp_groups
 from torch_impl.sources.wrappers import attr_or, unwrap
 
 #: Parameter attributes copied into ParamSpec flags.
@@ -165,6 +166,7 @@ class Discovered:
       complete: every parameter has a spec (False: the Megatron-DDP chunks' parameters
         that no step of meshgrad touches were left out, :func:`discover`).
       untouched_experts: some left-out parameter is a trained expert parameter.
+      fsdp: the FSDP2 parameter groups of the chunks (:func:`torch_impl.sources.fsdp2.fsdp_groups`).
     """
 
     params: tuple[ParamSpec, ...]
@@ -174,6 +176,7 @@ class Discovered:
     chunks: tuple[Any, ...]
     complete: bool = True
     untouched_experts: bool = False
+    fsdp: tuple[FsdpGroup, ...] = ()
 
     def fingerprint(self) -> tuple[Any, ...]:
         """What may change between steps and changes the plan: requires_grad, gradient
@@ -250,7 +253,8 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
             if spec is not None:
                 routers.append(spec)
                 router_modules[spec.key] = sub
-    return Discovered(tuple(params), tuple(routers), tensors, router_modules, tuple(chunks), not left_out, experts)
+    found = (tuple(params), tuple(routers), tensors, router_modules, tuple(chunks))
+    return Discovered(*found, not left_out, experts, fsdp_groups(chunks))
 
 
 def _flag(attrs: Mapping[str, Any], class_flags: Mapping[str, Any], name: str) -> Any:

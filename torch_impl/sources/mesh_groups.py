@@ -1,8 +1,9 @@
 """Named meshgrad groups from a torch ``DeviceMesh`` whose dim names are meshgrad axis
-names: :class:`MeshGroups` builds the multi-axis, expert and embedding groups with
-``dist.new_group`` once (after the ranks agree on the layout) and caches them on itself;
-:func:`mesh_groups` keeps one per live DeviceMesh, so every model given that mesh shares
-its process groups (nothing is written on the mesh).
+names or torchtitan's (:mod:`torch_impl.sources.mesh_names`): :class:`MeshGroups` builds
+the multi-axis, expert and embedding groups with ``dist.new_group`` once (after the ranks
+agree on the layout) and caches them on itself; :func:`mesh_groups` keeps one per live
+DeviceMesh, so every model given that mesh shares its process groups (nothing is written
+on the mesh).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import torch.distributed as dist
 
 from meshgrad.axes import DENSE_AXES, EXPERT_AXES, GROUP_AXES, Axis, Group, ParallelDims, stage_set
 from meshgrad.errors import FinalizeInputError
+from torch_impl.sources.mesh_names import dense_dims, mapping_text
 from torch_impl.run.groups import STAGE_GROUPS, ProcessGroup, TorchGroups, world_rank, world_size
 from torch_impl.run.status import (
     AgreedInputError, layout_digest, reduce_status, settle, share_error, status_vector, timeout_of, world_route,
 )
 
 
-def _rows(grid: np.ndarray, names: Sequence[Axis], axes: Sequence[Axis]) -> list[tuple[int, ...]]:
+def _rows(grid: np.ndarray, names: Sequence[Any], axes: Sequence[Any]) -> list[tuple[int, ...]]:
     """Every instance of the group varying ``axes`` of ``grid`` (dims named ``names``)."""
     varying = [names.index(a) for a in axes]
     fixed = [i for i in range(grid.ndim) if i not in varying]
@@ -32,36 +34,34 @@ def _rows(grid: np.ndarray, names: Sequence[Axis], axes: Sequence[Axis]) -> list
     return [tuple(int(r) for r in row) for row in moved.reshape(-1, width)]
 
 
-def _dense_grid(mesh: Any) -> tuple[tuple[str, ...], np.ndarray]:
-    """A DeviceMesh's dim names and its global ranks as a grid over every dense axis, in
-    meshgrad's order (absent axes have size 1).
+def _dense_grid(mesh: Any) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+    """A DeviceMesh's dim names, its global ranks as laid out, and the same ranks as a
+    grid over every dense axis in meshgrad's order (absent axes have size 1; torchtitan's
+    data-parallel dims make up ``dp``: :mod:`torch_impl.sources.mesh_names`).
 
     Args:
       mesh: the DeviceMesh.
 
     Returns:
-      (dim names, rank grid).
+      (dim names, the mesh's rank grid, the dense rank grid).
 
     Raises:
-      ValueError: a dim name is not a dense meshgrad axis, or is repeated.
+      ValueError: a dim name meshgrad does not read, or a repeated one (with the mapping).
     """
     names = tuple(mesh.mesh_dim_names or ())
-    dense = {a.value for a in DENSE_AXES}
-    bad = [n for n in names if n not in dense]
-    if bad or len(set(names)) != len(names) or len(names) != mesh.ndim:
+    if len(names) != mesh.ndim:
         raise FinalizeInputError(
-            f"rank {world_rank()}: DeviceMesh dim names {list(names)} must be distinct "
-            f"dense meshgrad axis names from {sorted(dense)}"
+            f"rank {world_rank()}: a DeviceMesh without dim names cannot be read. {mapping_text()}"
         )
-    grid = np.asarray(mesh.mesh.cpu().numpy())
-    order = [names.index(a.value) for a in DENSE_AXES if a.value in names]
-    grid = np.transpose(grid, order)
-    shape = [mesh.size(names.index(a.value)) if a.value in names else 1 for a in DENSE_AXES]
-    return names, grid.reshape(shape)
+    dims = dense_dims(names, world_rank())
+    raw = np.asarray(mesh.mesh.cpu().numpy())
+    order = [i for a in DENSE_AXES for i in dims.get(a, ())]
+    shape = [int(np.prod([raw.shape[i] for i in dims.get(a, ())], dtype=np.int64)) for a in DENSE_AXES]
+    return names, raw, np.transpose(raw, order).reshape(shape)
 
 
 def _mesh_dim_groups(
-    mesh: Any, grid: np.ndarray, names: Sequence[str], timeout: Any
+    mesh: Any, raw: np.ndarray, names: Sequence[str], timeout: Any
 ) -> dict[tuple[tuple[int, ...], ...], ProcessGroup | None]:
     """The mesh dims' own groups that meshgrad can use, by their canonical rows.
 
@@ -71,7 +71,7 @@ def _mesh_dim_groups(
 
     Args:
       mesh: the DeviceMesh.
-      grid: its rank grid over the dense axes (:func:`_dense_grid`).
+      raw: its rank grid, as laid out.
       names: its dim names.
       timeout: the default group's timeout, or None when unknown.
 
@@ -80,7 +80,7 @@ def _mesh_dim_groups(
     """
     out: dict[tuple[tuple[int, ...], ...], ProcessGroup | None] = {}
     for name in names:
-        rows = _rows(grid, DENSE_AXES, (Axis(name),))
+        rows = _rows(raw, names, (name,))
         if len(rows[0]) > 1:
             pg = mesh.get_group(name)
             if timeout is None or timeout_of(pg) in (None, timeout):
@@ -119,7 +119,8 @@ class MeshGroups:
     """Process groups of a torch ``DeviceMesh`` with meshgrad dim names, built once.
 
     The mesh's dims must be named after dense axes (``pp``, ``dp``, ``cp``, ``gtp``,
-    ``tp``); absent ones have size 1. Expert groups come from the same ranks in the expert
+    ``tp``) or torchtitan's (``dp_replicate`` x ``dp_shard`` make up ``dp``:
+    :mod:`torch_impl.sources.mesh_names`); absent ones have size 1. Expert groups come from the same ranks in the expert
     order (``pp, edp, egtp, ep, etp``). Groups that span several mesh dims, expert groups
     and the embedding subset groups are created with ``dist.new_group`` the first time a
     layout asks for them (call :meth:`resolve` collectively) and cached on this object,
@@ -130,16 +131,16 @@ class MeshGroups:
       mesh: the DeviceMesh.
 
     Raises:
-      ValueError: a dim name is not a dense meshgrad axis, or is repeated.
+      ValueError: a dim name meshgrad does not read, or a repeated one (with the mapping).
     """
 
     def __init__(self, mesh: Any) -> None:
-        names, self.grid = _dense_grid(mesh)
+        names, raw, self.grid = _dense_grid(mesh)
         self._mesh = weakref.ref(mesh)
         self.rank = world_rank()
         self.timeout = self.default_timeout()
         self._by_rows: dict[tuple[tuple[int, ...], ...], ProcessGroup | None] = _mesh_dim_groups(
-            mesh, self.grid, names, self.timeout
+            mesh, raw, names, self.timeout
         )
         self._resolved: dict[tuple[Any, ...], TorchGroups] = {}
 
@@ -280,7 +281,7 @@ def mesh_groups(mesh: Any) -> MeshGroups:
     (a MeshGroups is returned as it is).
 
     Raises:
-      ValueError: a dim name is not a dense meshgrad axis, or is repeated.
+      ValueError: a dim name meshgrad does not read, or a repeated one (with the mapping).
     """
     if isinstance(mesh, MeshGroups):
         return mesh
