@@ -100,7 +100,7 @@ class Launch:
     def line(self) -> str:
         tail = "  (overlapped with backward)" if self.overlapped else ""
         return (f"{self.step:<22} {self.kind:<14} {self.op:<4} {self.group:<16} "
-                f"{"x".join(self.axes):<14} {self.size:>6} {self.dtype:<9} {self.numel:>14,} "
+                f"{'x'.join(self.axes):<14} {self.size:>6} {self.dtype:<9} {self.numel:>14,} "
                 f"{_human(self.nbytes):>10}{tail}")
 
 
