@@ -1,0 +1,253 @@
+"""``explain`` against the collectives torch_impl really launches, on one gloo world of 8.
+
+Each case builds every rank's model chunks from the same preset or JSON description that
+``explain`` plans (at toy sizes: real ``nn.Module`` trees with Megatron's names and flags),
+runs torch_impl's ``finalize_model_grads`` twice (the second call is the steady-state step)
+and records, per rank and in order, each torch.distributed collective (the bench's
+:class:`bench.counting.CollectiveCounter`: collective, group members, dtype, elements) and
+each status-round all-reduce. The test compares that sequence with
+:meth:`meshgrad.explain.Explanation.rank_launches` for the rank, and checks the values of
+the replicated gradients (equal over their group, as finalize must leave them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+from typing import Any
+
+import pytest
+
+from meshgrad.config import FinalizeConfig
+from meshgrad.explain import Explanation, Layout, explain, model_stages
+from meshgrad.params import Role
+from meshgrad.presets import PRESETS
+from parity_tests.torch_world import case_values, run_cases
+
+WORLD = 8
+
+_TINY = PRESETS["tiny"]
+_DENSE = dataclasses.replace(_TINY, name="tiny-dense", experts=0, tied=False, max_positions=0, expert_bias=False)
+_JSON = json.dumps([
+    {"name": "embedding.word_embeddings.weight", "shape": [8, 4], "role": "word_embedding", "stages": "first"},
+    {"name": "ln.weight", "shape": [4], "sequence_parallel": True},
+    {"name": "ln2.weight", "shape": [4], "dtype": "bfloat16", "sequence_parallel": True},
+    {"name": "fc.weight", "shape": [4, 6]},
+    {"name": "fc2.weight", "shape": [6, 4], "dtype": "bfloat16"},
+    {"name": "head.scale", "shape": [3], "average_gradients_across_tp_domain": True, "stages": "last"},
+    {"name": "output_layer.weight", "shape": [8, 4], "role": "word_embedding", "stages": "last"},
+])
+
+#: name -> (model, layout, config fields): pp, dp, tp, cp, ep, vpp, distributed optimizer,
+#: per-token loss, tied embeddings, learned positions, bf16 gradients reduced in fp32, AVG.
+CASES_SPEC: dict[str, tuple[Any, Layout, dict[str, Any]]] = {
+    "tied_pp2_tp2_ep2_distopt_tokens": (
+        _TINY, Layout(pp=2, dp=2, tp=2, ep=2),
+        dict(sequence_parallel=True, qk_layernorm=True, moe_router_enable_expert_bias=True,
+             calculate_per_token_loss=True, use_distributed_optimizer=True),
+    ),
+    "dense_dp8_mean": (_DENSE, Layout(dp=8), dict(share_embeddings_and_output_weights=False)),
+    "vpp2_positions_tp2_tokens": (
+        dataclasses.replace(_TINY, layers=8, experts=0, expert_bias=False), Layout(pp=2, vpp=2, tp=2, dp=2),
+        dict(sequence_parallel=True, qk_layernorm=True, calculate_per_token_loss=True),
+    ),
+    "moe_dp4_ep4_etp1_bf16_fp32": (
+        dataclasses.replace(_TINY, grad_dtype="bfloat16", tied=False, max_positions=0), Layout(dp=4, tp=2, ep=4, etp=1),
+        dict(sequence_parallel=True, qk_layernorm=True, use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+             moe_router_enable_expert_bias=True, share_embeddings_and_output_weights=False),
+    ),
+    "cp2_avg_in_collective": (
+        _DENSE, Layout(cp=2, tp=2, dp=2),
+        dict(sequence_parallel=True, average_in_collective=True, share_embeddings_and_output_weights=False),
+    ),
+    "json_pp2_mixed_dtypes": (_JSON, Layout(pp=2, tp=2, dp=2), dict(sequence_parallel=True)),
+}
+
+
+def _explained(name: str) -> Explanation:
+    model, layout, fields = CASES_SPEC[name]
+    label = model.name if hasattr(model, "name") else "json"
+    return explain(model_stages(model, layout), layout, FinalizeConfig(**fields), model=label)
+
+
+# --------------------------------------------------------------------------- on each rank
+
+
+def _groups(dims: Any, config: FinalizeConfig) -> Any:
+    """A ProcessGroupCollection-like namespace: every named group of ``dims`` (new_group on
+    every rank, the same order everywhere)."""
+    import torch.distributed as dist
+
+    from meshgrad.axes import Group, stage_set
+
+    embd = stage_set(config.embedding_stages, dims.pp, "first_last")
+    pos = stage_set(config.position_embedding_stages, dims.pp, "first")
+    rank = dist.get_rank()
+    fields: dict[str, Any] = {}
+    for group in Group:
+        stages = embd if group is Group.EMBD else pos if group is Group.POS_EMBD else None
+        mine = None
+        for ranks in dims.all_groups(group, stages):
+            if len(ranks) > 1:
+                pg = dist.new_group(ranks)
+                mine = pg if rank in ranks else mine
+        fields[group.value] = mine
+    return types.SimpleNamespace(**fields)
+
+
+def _chunks(stage_model: Any, config: FinalizeConfig, rank: int) -> list[Any]:
+    """Real modules holding the stage's parameters (flags as Megatron sets them) and
+    routers, with integer-valued gradients."""
+    import torch
+    from torch import nn
+
+    from parity_tests.torch_world import _child, _model_classes
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    chunk_class = _model_classes()["Chunk"]
+    count = 1 + max([p.chunk for p in stage_model.params] + [r.chunk for r in stage_model.routers], default=0)
+    chunks = []
+    for c in range(count):
+        specs = [p for p in stage_model.params if p.chunk == c]
+        word = next((p.name for p in specs if p.role is Role.WORD_EMBEDDING), None)
+        pos = next((p.name for p in specs if p.role is Role.POSITION_EMBEDDING), None)
+        chunk = chunk_class(word, pos)
+        chunk.share_embeddings_and_output_weights = config.share_embeddings_and_output_weights
+        chunk.config = config
+        for router in (r for r in stage_model.routers if r.chunk == c):
+            module = _child(chunk, router.name)
+            module.register_buffer("local_tokens_per_expert", torch.arange(router.num_experts, dtype=torch.float32))
+            if router.has_expert_bias:
+                module.register_buffer("expert_bias", torch.zeros(router.num_experts))
+        for index, spec in enumerate(specs):
+            parent, _, leaf = spec.name.rpartition(".")
+            param = nn.Parameter(torch.zeros(spec.shape, dtype=dtypes[spec.dtype]))
+            for flag in ("sequence_parallel", "average_gradients_across_tp_domain", "is_gtp_weight_remat"):
+                if getattr(spec, flag):
+                    setattr(param, flag, True)
+            if spec.expert:
+                param.allreduce = False
+            _child(chunk, parent).register_parameter(leaf, param)
+            values = (torch.arange(param.numel()) % 5 + rank + index % 3).reshape(spec.shape)
+            param.grad = values.to(param.dtype)
+        chunks.append(chunk)
+    return chunks
+
+
+def _run(name: str, rank: int) -> dict[str, Any]:
+    import torch
+
+    import torch_impl.run.status as status
+    from bench.counting import CollectiveCounter
+    from meshgrad.axes import Axis
+    from torch_impl import finalize_model_grads
+
+    import time
+
+    model, layout, fields = CASES_SPEC[name]
+    config = FinalizeConfig(**fields)
+    dims = layout.dims
+    t0 = time.perf_counter()
+    groups = _groups(dims, config)
+    t1 = time.perf_counter()
+    stage = dims.coords(rank)[Axis.PP]
+    chunks = _chunks(model_stages(model, layout)(stage), config, rank)
+    rounds: list[tuple[str, tuple[int, ...], str, int]] = []
+    original = status.all_reduce_max
+
+    def recorded(value: Any, pg: Any) -> None:
+        import torch.distributed as dist
+
+        rounds.append(("status", tuple(dist.get_process_group_ranks(pg)), str(value.dtype).removeprefix("torch."),
+                       value.numel()))
+        original(value, pg)
+
+    status.all_reduce_max = recorded
+    try:
+        def step() -> None:
+            # Tokens differ by data-parallel rank only (tp / pp peers see the same batch).
+            tokens = torch.tensor([dims.coords(rank)[Axis.DP] + 3]) if config.calculate_per_token_loss else None
+            finalize_model_grads(chunks, num_tokens=tokens, pg_collection=groups)
+
+        step()  # the first call plans and compares (its all-gathers are the checks')
+        t2 = time.perf_counter()
+        rounds.clear()
+        with CollectiveCounter(log=True) as counter:
+            step()
+    finally:
+        status.all_reduce_max = original
+    grads = {f"{c}:{n}": p.grad.float().tolist() for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    times = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+    return {"rounds": rounds, "launched": counter.records, "grads": grads, "seconds": times}
+
+
+def _case(name: str) -> Any:
+    def case(rank: int, world_size: int) -> dict[str, Any]:
+        return _run(name, rank)
+
+    case.__name__ = f"case_{name}"
+    return case
+
+
+for _name in CASES_SPEC:
+    globals()[f"case_{_name}"] = _case(_name)
+
+CASES = [f"case_{n}" for n in CASES_SPEC]
+
+# --------------------------------------------------------------------------- the test
+
+_KIND = {"all_reduce": "all_reduce", "broadcast": "broadcast", "reduce_scatter_single": "reduce_scatter",
+         "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter"}
+_WORLD: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[str, Any]:
+    if "v" not in _WORLD:
+        _WORLD["v"] = run_cases(__name__, CASES, WORLD, timeout=240)
+    return _WORLD["v"]
+
+
+@pytest.mark.parametrize("name", list(CASES_SPEC))
+def test_explain_lists_what_torch_launches(world: dict[str, Any], name: str) -> None:
+    from bench.counting import CHECK_COLLECTIVES
+
+    per_rank = case_values(world, f"case_{name}")
+    explained = _explained(name)
+    launched_any = False
+    for rank, got in enumerate(per_rank):
+        expected = [(l.kind, members, l.dtype, l.numel) for l, members in explained.rank_launches(rank)]
+        rounds = [("all_reduce", m, d, n) for _, m, d, n in got["rounds"]]
+        data = [(_KIND[c], m, d, n) for c, m, d, n in got["launched"] if c not in CHECK_COLLECTIVES]
+        assert rounds + data == expected, f"{name}: rank {rank} ({explained.class_of(rank).name})"
+        launched_any = launched_any or bool(data)
+    assert launched_any
+
+
+@pytest.mark.parametrize("name", list(CASES_SPEC))
+def test_replicated_gradients_agree_over_their_groups(world: dict[str, Any], name: str) -> None:
+    """After finalize (integer data: bit-exact), a sequence-parallel gradient is equal on
+    every member of its tp group (the non-TP all-reduce covers the whole tensor), and a tied
+    embedding on both embedding stages; the data differ by rank before."""
+    from meshgrad.axes import Group
+
+    per_rank = case_values(world, f"case_{name}")
+    explained = _explained(name)
+    dims, config = explained.layout.dims, explained.config
+    tied = ("word_embeddings.weight", "output_layer.weight")
+    checked = 0
+    for rank, got in enumerate(per_rank):
+        for spec in explained.class_of(rank).plan.params:
+            mine = got["grads"][f"{spec.chunk}:{spec.name}"]
+            if spec.sequence_parallel and config.sequence_parallel and dims.tp > 1:
+                for peer in dims.group_ranks(Group.TP, rank):
+                    assert per_rank[peer]["grads"][f"{spec.chunk}:{spec.name}"] == mine, f"{spec.name}: {rank} vs {peer}"
+                    checked += 1
+            if spec.role is Role.WORD_EMBEDDING and dims.pp > 1 and config.share_embeddings_and_output_weights:
+                for peer in dims.group_ranks(Group.EMBD, rank, (0, dims.pp - 1)):
+                    theirs = [v for k, v in per_rank[peer]["grads"].items() if k.endswith(tied) and len(v) == len(mine)]
+                    assert mine in theirs, f"{spec.name}: rank {rank} vs {peer}"
+                    checked += 1
+    assert checked or not (config.sequence_parallel and dims.tp > 1)
+
