@@ -115,8 +115,10 @@ class StageModel:
 
 
 def _div(value: int, by: int, what: str) -> int:
+    """``value // by``; ``what`` names them, ``"heads / tp"``."""
     if value % by:
-        raise FinalizeInputError(f"model: {what} = {value} is not divisible by {by}")
+        top, bottom = what.split(" / ")
+        raise FinalizeInputError(f"model: {top} = {value} is not divisible by {bottom} = {by}")
     return value // by
 
 
@@ -177,7 +179,7 @@ def preset_stage(m: ModelPreset, *, pp: int, stage: int, vpp: int = 1, tp: int =
       FinalizeInputError: a size does not divide (layers by pp * vpp, heads by tp, ...).
     """
     etp = tp if etp is None else etp
-    per_chunk = _div(m.layers, pp * vpp, "layers / (pp * vpp)")
+    per_chunk = _div(m.layers, pp * vpp, "layers / pp x vpp")
     rows = padded_vocab(m.vocab, tp) // tp
     params: list[ParamSpec] = []
     routers: list[RouterSpec] = []
