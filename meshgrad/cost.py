@@ -191,8 +191,8 @@ def backward_seconds(active_params: int, tokens_per_replica: int, model_parallel
 
 
 def fit_link(rows: Sequence[tuple[str, int, int, float]], name: str = "fitted") -> tuple[LinkClass, float]:
-    """Least-squares fit of one link class (all ranks on one node, ring algorithms) to
-    measured ``(kind, ranks, bytes, seconds)`` rows.
+    """Least-squares fit (of relative errors) of one link class (all ranks on one node,
+    ring algorithms) to measured ``(kind, ranks, bytes, seconds)`` rows.
 
     Returns:
       ``(link, launch_s)``: per-step latency and bandwidth, and the fixed cost per collective
@@ -204,7 +204,9 @@ def fit_link(rows: Sequence[tuple[str, int, int, float]], name: str = "fitted") 
         volume = {"all_reduce": 2 * (p - 1) / p, "reduce_scatter": (p - 1) / p, "broadcast": 1.0}[kind]
         a.append([1.0, steps, volume * nbytes])
         y.append(seconds)
-    coef, *_ = np.linalg.lstsq(np.asarray(a), np.asarray(y), rcond=None)
+    # Relative errors: each row weighs alike, small messages as much as large ones.
+    weights = 1.0 / np.asarray(y)
+    coef, *_ = np.linalg.lstsq(np.asarray(a) * weights[:, None], np.ones(len(y)), rcond=None)
     launch, alpha, inv_beta = (max(float(c), 1e-12) for c in coef)
     return LinkClass(name, alpha_s=alpha, beta_bytes_s=1.0 / inv_beta, source="fitted to measured times"), launch
 

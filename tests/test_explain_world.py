@@ -74,72 +74,12 @@ def _explained(name: str) -> Explanation:
 # --------------------------------------------------------------------------- on each rank
 
 
-def _groups(dims: Any, config: FinalizeConfig) -> Any:
-    """A ProcessGroupCollection-like namespace: every named group of ``dims`` (new_group on
-    every rank, the same order everywhere)."""
-    import torch.distributed as dist
-
-    from meshgrad.axes import Group, stage_set
-
-    embd = stage_set(config.embedding_stages, dims.pp, "first_last")
-    pos = stage_set(config.position_embedding_stages, dims.pp, "first")
-    rank = dist.get_rank()
-    fields: dict[str, Any] = {}
-    for group in Group:
-        stages = embd if group is Group.EMBD else pos if group is Group.POS_EMBD else None
-        mine = None
-        for ranks in dims.all_groups(group, stages):
-            if len(ranks) > 1:
-                pg = dist.new_group(ranks)
-                mine = pg if rank in ranks else mine
-        fields[group.value] = mine
-    return types.SimpleNamespace(**fields)
-
-
-def _chunks(stage_model: Any, config: FinalizeConfig, rank: int) -> list[Any]:
-    """Real modules holding the stage's parameters (flags as Megatron sets them) and
-    routers, with integer-valued gradients."""
-    import torch
-    from torch import nn
-
-    from parity_tests.torch_world import _child, _model_classes
-
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    chunk_class = _model_classes()["Chunk"]
-    count = 1 + max([p.chunk for p in stage_model.params] + [r.chunk for r in stage_model.routers], default=0)
-    chunks = []
-    for c in range(count):
-        specs = [p for p in stage_model.params if p.chunk == c]
-        word = next((p.name for p in specs if p.role is Role.WORD_EMBEDDING), None)
-        pos = next((p.name for p in specs if p.role is Role.POSITION_EMBEDDING), None)
-        chunk = chunk_class(word, pos)
-        chunk.share_embeddings_and_output_weights = config.share_embeddings_and_output_weights
-        chunk.config = config
-        for router in (r for r in stage_model.routers if r.chunk == c):
-            module = _child(chunk, router.name)
-            module.register_buffer("local_tokens_per_expert", torch.arange(router.num_experts, dtype=torch.float32))
-            if router.has_expert_bias:
-                module.register_buffer("expert_bias", torch.zeros(router.num_experts))
-        for index, spec in enumerate(specs):
-            parent, _, leaf = spec.name.rpartition(".")
-            param = nn.Parameter(torch.zeros(spec.shape, dtype=dtypes[spec.dtype]))
-            for flag in ("sequence_parallel", "average_gradients_across_tp_domain", "is_gtp_weight_remat"):
-                if getattr(spec, flag):
-                    setattr(param, flag, True)
-            if spec.expert:
-                param.allreduce = False
-            _child(chunk, parent).register_parameter(leaf, param)
-            values = (torch.arange(param.numel()) % 5 + rank + index % 3).reshape(spec.shape)
-            param.grad = values.to(param.dtype)
-        chunks.append(chunk)
-    return chunks
-
-
 def _run(name: str, rank: int) -> dict[str, Any]:
     import torch
 
     import torch_impl.run.status as status
     from bench.counting import CollectiveCounter
+    from bench.explain_world import build_chunks, named_groups
     from meshgrad.axes import Axis
     from torch_impl import finalize_model_grads
 
@@ -149,10 +89,10 @@ def _run(name: str, rank: int) -> dict[str, Any]:
     config = FinalizeConfig(**fields)
     dims = layout.dims
     t0 = time.perf_counter()
-    groups = _groups(dims, config)
+    groups = named_groups(dims, config)
     t1 = time.perf_counter()
     stage = dims.coords(rank)[Axis.PP]
-    chunks = _chunks(model_stages(model, layout)(stage), config, rank)
+    chunks = build_chunks(model_stages(model, layout)(stage), config, rank)
     rounds: list[tuple[str, tuple[int, ...], str, int]] = []
     original = status.all_reduce_max
 
