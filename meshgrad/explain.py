@@ -366,7 +366,10 @@ def model_stages(model: ModelPreset | str | Sequence[Any] | Mapping[str, Any], l
 
 
 def _class_key(model: StageModel, stage: int, sizes: GroupSizes) -> tuple[Any, ...]:
-    return (model.params, model.routers, stage in sizes.embd_stages, stage in sizes.pos_embd_stages)
+    """What makes two stages plan and launch alike: the same parameters and routers, the
+    same embedding-group memberships, and whether it is stage 0 (Megatron's DDP buckets
+    there alone)."""
+    return (model.params, model.routers, stage in sizes.embd_stages, stage in sizes.pos_embd_stages, stage == 0)
 
 
 def explain(
