@@ -53,11 +53,14 @@ def _collectives(rank: int, world: int, payload: Any, sink: Any) -> None:
             data = torch.ones(numel)
             out = torch.empty(numel // world)
 
+            # reduce_scatter_single is the newer name of reduce_scatter_tensor (as torch_impl calls it).
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
             def op() -> None:
                 if kind == "all_reduce":
                     dist.all_reduce(data)
                 else:
-                    dist.reduce_scatter_tensor(out, data)
+                    scatter(out, data)
 
             for _ in range(2):
                 op()
@@ -121,8 +124,15 @@ def measure(reps: int = 15, finalize_reps: int = 9) -> dict[str, Any]:
     rows.sort()
     link, launch = fit_link(rows, "gloo (this machine)")
     model = CostModel(intra=link, inter=link, launch_s=launch, gpus_per_node=max(WORLDS), algorithm="ring")
+    # One link class per world size too: how much of the spread is the processes sharing
+    # this machine's cores (a ring step waits for the scheduler), which one alpha cannot hold.
+    own = {}
+    for world in WORLDS:
+        link_w, launch_w = fit_link([r for r in rows if r[1] == world], f"gloo, {world} ranks")
+        own[world] = CostModel(intra=link_w, inter=link_w, launch_s=launch_w, gpus_per_node=world, algorithm="ring")
     table = [
-        {"kind": k, "ranks": p, "bytes": b, "measured_s": s, "predicted_s": model.seconds(k, p, 1, b)}
+        {"kind": k, "ranks": p, "bytes": b, "measured_s": s, "predicted_s": model.seconds(k, p, 1, b),
+         "predicted_own_world_s": own[p].seconds(k, p, 1, b)}
         for k, p, b, s in rows
     ]
     out: dict[str, Any] = {"link": dataclasses.asdict(link), "launch_s": launch, "rows": table}
@@ -160,10 +170,12 @@ def format_rows(result: dict[str, Any]) -> str:
     link = result["link"]
     lines = [f"  fitted 'gloo (this machine)': launch {1e6 * result['launch_s']:.1f} us, "
              f"{1e6 * link['alpha_s']:.1f} us per step, {link['beta_bytes_s'] / 1e9:.2f} GB/s",
-             f"  {'collective':<16}{'ranks':>6}{'bytes':>10}{'measured us':>14}{'predicted us':>14}{'pred/meas':>11}"]
+             f"  {'collective':<16}{'ranks':>6}{'bytes':>10}{'measured us':>14}{'predicted us':>14}{'pred/meas':>11}"
+             f"{'pred/meas (fit per world)':>27}"]
     for r in result["rows"]:
         lines.append(f"  {r['kind']:<16}{r['ranks']:>6}{r['bytes']:>10}{1e6 * r['measured_s']:>14.1f}"
-                     f"{1e6 * r['predicted_s']:>14.1f}{r['predicted_s'] / r['measured_s']:>11.2f}")
+                     f"{1e6 * r['predicted_s']:>14.1f}{r['predicted_s'] / r['measured_s']:>11.2f}"
+                     f"{r['predicted_own_world_s'] / r['measured_s']:>27.2f}")
     fin = result.get("finalize")
     if fin:
         lines.append(f"  finalize {fin['model']} on {fin['layout']} ({fin['collectives']} collectives per rank): "

@@ -325,3 +325,20 @@ def test_group_axes_of_each_listed_collective_match_the_named_group() -> None:
         for item in c.meshgrad[1:]:
             assert item.axes == tuple(a.value for a in GROUP_AXES[Group(item.group)])
             assert np.prod([getattr(explained.layout.dims, a) for a in item.axes]) >= item.size
+
+
+def test_docs_explain_snippet_runs_as_written() -> None:
+    """docs/explain.md's python block: three classes of the 70B preset, their costs, rank
+    5000's tp group."""
+    import re
+
+    text = (ROOT / "docs" / "explain.md").read_text()
+    (code,) = re.findall(r"<!-- docs-test: python -->\n```python\n(.*?)^```", text, re.S | re.M)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=checkout_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split()[:4] for line in lines[:3]] == [
+        ["pp", "stage", "0", "2048"], ["pp", "stages", "1-6", "12288"], ["pp", "stage", "7", "2048"]]
+    assert "step='non_tp', kind='all_reduce', op='sum', group='tp', axes=('tp',), size=8" in lines[3]
+    assert "(5000, 5001, 5002, 5003, 5004, 5005, 5006, 5007)" in lines[3]
