@@ -139,9 +139,11 @@ def measure(reps: int = 15, finalize_reps: int = 9) -> dict[str, Any]:
     if finalize_measured is not None:
         explained = finalize_explanation()
         costs = [class_cost(c, explained, model) for c in explained.classes]
+        costs_8 = [class_cost(c, explained, own[8]) for c in explained.classes]
         out["finalize"] = {
             "model": FINALIZE_MODEL.name, "layout": FINALIZE_LAYOUT.text(), "measured_s": finalize_measured,
             "predicted_s": max(c.seconds for c in costs), "status_predicted_s": max(c.status_seconds for c in costs),
+            "predicted_world_fit_s": max(c.seconds for c in costs_8),
             "collectives": len(explained.classes[0].meshgrad),
         }
     return out
@@ -180,7 +182,8 @@ def format_rows(result: dict[str, Any]) -> str:
     if fin:
         lines.append(f"  finalize {fin['model']} on {fin['layout']} ({fin['collectives']} collectives per rank): "
                      f"measured {1e3 * fin['measured_s']:.2f} ms, predicted {1e3 * fin['predicted_s']:.2f} ms "
-                     f"(communication only; status round {1e6 * fin['status_predicted_s']:.0f} us)")
+                     f"(the 8-rank fit: {1e3 * fin['predicted_world_fit_s']:.2f} ms; communication only; "
+                     f"status round {1e6 * fin['status_predicted_s']:.0f} us)")
     for r in result.get("planning", []):
         lines.append(f"  plan gpt-70b at {r['world']:>6} ranks ({r['layout']}): {1e3 * r['seconds']:.1f} ms, "
                      f"peak {r['peak_bytes'] / 2**20:.2f} MiB, {r['classes']} rank classes")
