@@ -23,7 +23,7 @@ import tracemalloc
 from typing import Any
 
 from meshgrad.config import FinalizeConfig
-from meshgrad.cost import CostModel, LinkClass, class_cost, fit_link
+from meshgrad.cost import CostModel, class_cost, fit_link
 from meshgrad.explain import Explanation, Layout, explain, model_stages
 from meshgrad.presets import PRESETS
 
@@ -207,4 +207,4 @@ def at_scale_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [goal(f"plan gpt-70b at {worst['world']} ranks: seconds <= 1", worst["seconds"], 1.0)]
 
 
-__all__ = ["LinkClass", "at_scale_goals", "finalize_explanation", "format_rows", "measure", "planning_scale", "run"]
+__all__ = ["at_scale_goals", "finalize_explanation", "format_rows", "measure", "planning_scale", "run"]

@@ -314,7 +314,7 @@ class Explanation:
         return {
             "model": self.model,
             "layout": {**dataclasses.asdict(self.layout), "world": self.layout.world},
-            "config": {k: v for k, v in dataclasses.asdict(self.config).items() if not isinstance(v, tuple) or v},
+            "config": dataclasses.asdict(self.config),
             "overlap_grad_reduce": self.overlap,
             "num_tokens": self.num_tokens,
             "classes": [

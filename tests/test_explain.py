@@ -342,3 +342,21 @@ def test_docs_explain_snippet_runs_as_written() -> None:
         ["pp", "stage", "0", "2048"], ["pp", "stages", "1-6", "12288"], ["pp", "stage", "7", "2048"]]
     assert "step='non_tp', kind='all_reduce', op='sum', group='tp', axes=('tp',), size=8" in lines[3]
     assert "(5000, 5001, 5002, 5003, 5004, 5005, 5006, 5007)" in lines[3]
+
+
+def test_bench_rows_print_the_fit_and_the_planning_scale() -> None:
+    """bench.at_scale's printed rows (a synthetic measurement: the world runs in python -m
+    bench) and its goal: planning 70B at 16k ranks under a second."""
+    from bench.at_scale import at_scale_goals, format_rows, planning_scale
+
+    planning = planning_scale((1024, 16384))
+    assert [(r["world"], r["classes"], r["params_per_rank"]) for r in planning] == [(1024, 3, 61), (16384, 3, 61)]
+    assert planning[1]["peak_bytes"] < 8 * 2**20
+    (goal,) = at_scale_goals({"planning": planning})
+    assert goal["ok"] and goal["limit"] == 1.0
+    row = {"kind": "all_reduce", "ranks": 2, "bytes": 256, "measured_s": 2e-4, "predicted_s": 1e-4,
+           "predicted_own_world_s": 3e-4}
+    text = format_rows({"link": {"alpha_s": 5e-5, "beta_bytes_s": 1e9}, "launch_s": 1e-5, "rows": [row],
+                        "planning": planning})
+    assert "launch 10.0 us, 50.0 us per step, 1.00 GB/s" in text
+    assert "all_reduce           2       256         200.0         100.0       0.50" in text and text.count("3 rank classes") == 2

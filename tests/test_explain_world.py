@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 from typing import Any
 
 import pytest
