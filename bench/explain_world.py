@@ -33,6 +33,14 @@ def named_groups(dims: Any, config: FinalizeConfig) -> Any:
     return types.SimpleNamespace(**fields)
 
 
+def device_mesh(dims: Any) -> Any:
+    """A torch DeviceMesh over the dense axes of ``dims`` larger than 1 (``pp, dp, cp, gtp, tp``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    named = [(a, getattr(dims, a)) for a in ("pp", "dp", "cp", "gtp", "tp") if getattr(dims, a) > 1] or [("dp", 1)]
+    return init_device_mesh("cpu", tuple(n for _, n in named), mesh_dim_names=tuple(a for a, _ in named))
+
+
 def build_chunks(stage_model: Any, config: FinalizeConfig, rank: int) -> list[Any]:
     """Real modules holding the stage's parameters (flags as Megatron sets them) and
     routers, with integer-valued gradients."""
@@ -66,6 +74,9 @@ def build_chunks(stage_model: Any, config: FinalizeConfig, rank: int) -> list[An
             if spec.expert:
                 param.allreduce = False
             _child(chunk, parent).register_parameter(leaf, param)
+            if not spec.has_grad:  # frozen: no gradient, as a requires_grad=False parameter
+                param.requires_grad_(False)
+                continue
             values = (torch.arange(param.numel()) % 5 + rank + index % 3).reshape(spec.shape)
             param.grad = values.to(param.dtype)
         chunks.append(chunk)

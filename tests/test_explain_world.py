@@ -7,7 +7,11 @@ and records, per rank and in order, each torch.distributed collective (the bench
 :class:`bench.counting.CollectiveCounter`: collective, group members, dtype, elements) and
 each status-round all-reduce. The test compares that sequence with
 :meth:`meshgrad.explain.Explanation.rank_launches` for the rank, and checks the values of
-the replicated gradients (equal over their group, as finalize must leave them).
+the replicated gradients (equal over their group, as finalize must leave them). Nine
+layouts: pp 1-4, vpp, dp, cp, tp, gtp, ep with etp 1 and 2, the distributed optimizer,
+per-token loss, tied embeddings, bf16 gradients reduced in fp32, AVG in the collective, a
+JSON model with mixed dtypes and a frozen parameter; groups from a DeviceMesh or from a
+ProcessGroupCollection-like namespace.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ _JSON = json.dumps([
     {"name": "ln2.weight", "shape": [4], "dtype": "bfloat16", "sequence_parallel": True},
     {"name": "fc.weight", "shape": [4, 6]},
     {"name": "fc2.weight", "shape": [6, 4], "dtype": "bfloat16"},
+    {"name": "frozen.weight", "shape": [5], "has_grad": False, "sequence_parallel": True},
     {"name": "head.scale", "shape": [3], "average_gradients_across_tp_domain": True, "stages": "last"},
     {"name": "output_layer.weight", "shape": [8, 4], "role": "word_embedding", "stages": "last"},
 ])
@@ -61,7 +66,21 @@ CASES_SPEC: dict[str, tuple[Any, Layout, dict[str, Any]]] = {
         dict(sequence_parallel=True, average_in_collective=True, share_embeddings_and_output_weights=False),
     ),
     "json_pp2_mixed_dtypes": (_JSON, Layout(pp=2, tp=2, dp=2), dict(sequence_parallel=True)),
+    "pp4_tied_middle_stages_tokens": (
+        dataclasses.replace(_DENSE, layers=8, tied=True), Layout(pp=4, dp=2),
+        dict(calculate_per_token_loss=True, use_distributed_optimizer=True),
+    ),
+    "gtp2_tp2_dp2": (_DENSE, Layout(dp=2, gtp=2, tp=2), dict(sequence_parallel=True, share_embeddings_and_output_weights=False)),
+    "moe_etp2_edp2_tokens_pp1": (
+        dataclasses.replace(_TINY, tied=False, max_positions=0), Layout(dp=4, tp=2, ep=2, etp=2),
+        dict(sequence_parallel=True, qk_layernorm=True, calculate_per_token_loss=True, use_distributed_optimizer=True,
+             moe_router_enable_expert_bias=True, share_embeddings_and_output_weights=False),
+    ),
 }
+
+#: Cases whose groups come from a torch DeviceMesh (dims pp, dp, cp, gtp, tp); the others
+#: from a ProcessGroupCollection-like namespace of every named group.
+MESH_CASES = frozenset({"dense_dp8_mean", "vpp2_positions_tp2_tokens", "gtp2_tp2_dp2"})
 
 
 def _explained(name: str) -> Explanation:
@@ -78,7 +97,7 @@ def _run(name: str, rank: int) -> dict[str, Any]:
 
     import torch_impl.run.status as status
     from bench.counting import CollectiveCounter
-    from bench.explain_world import build_chunks, named_groups
+    from bench.explain_world import build_chunks, device_mesh, named_groups
     from meshgrad.axes import Axis
     from torch_impl import finalize_model_grads
 
@@ -88,7 +107,7 @@ def _run(name: str, rank: int) -> dict[str, Any]:
     config = FinalizeConfig(**fields)
     dims = layout.dims
     t0 = time.perf_counter()
-    groups = named_groups(dims, config)
+    groups = device_mesh(dims) if name in MESH_CASES else named_groups(dims, config)
     t1 = time.perf_counter()
     stage = dims.coords(rank)[Axis.PP]
     chunks = build_chunks(model_stages(model, layout)(stage), config, rank)
@@ -116,7 +135,8 @@ def _run(name: str, rank: int) -> dict[str, Any]:
             step()
     finally:
         status.all_reduce_max = original
-    grads = {f"{c}:{n}": p.grad.float().tolist() for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    grads = {f"{c}:{n}": p.grad.float().tolist() for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()
+             if p.grad is not None}
     times = (t1 - t0, t2 - t1, time.perf_counter() - t2)
     return {"rounds": rounds, "launched": counter.records, "grads": grads, "seconds": times}
 
@@ -178,6 +198,8 @@ def test_replicated_gradients_agree_over_their_groups(world: dict[str, Any], nam
     checked = 0
     for rank, got in enumerate(per_rank):
         for spec in explained.class_of(rank).plan.params:
+            if not spec.has_grad:
+                continue
             mine = got["grads"][f"{spec.chunk}:{spec.name}"]
             if spec.sequence_parallel and config.sequence_parallel and dims.tp > 1:
                 for peer in dims.group_ranks(Group.TP, rank):
