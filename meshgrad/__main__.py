@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     flags.add_argument("--per-token-loss", action="store_true", help="calculate_per_token_loss (num_tokens given)")
     flags.add_argument("--sp", "--sequence-parallel", dest="sp", action="store_true", help="sequence parallelism")
     flags.add_argument("--overlap", action="store_true", help="overlap_grad_reduce: Megatron's DDP runs the DP sync")
+    flags.add_argument("--bucket-size", type=int, metavar="N",
+                       help="Megatron DDP's bucket_size in elements (default: max(40M, 1M x dp) with --overlap)")
     flags.add_argument("--grad-reduce-in-fp32", action="store_true")
     flags.add_argument("--average-in-collective", action="store_true")
     flags.add_argument("--no-expert-bias", action="store_true", help="drop the preset's router expert bias")
@@ -121,7 +123,8 @@ def run_explain(args: argparse.Namespace) -> Explanation:
         grad_reduce_in_fp32=args.grad_reduce_in_fp32, share_embeddings_and_output_weights=tied,
         moe_router_enable_expert_bias=bias,
     )
-    return explain(model_stages(model, layout), layout, config, model=name, overlap=args.overlap)
+    return explain(model_stages(model, layout), layout, config, model=name, overlap=args.overlap,
+                   bucket_size=args.bucket_size)
 
 
 def _explain_main(args: argparse.Namespace) -> int:

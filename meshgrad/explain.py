@@ -25,6 +25,7 @@ from meshgrad.errors import FinalizeInputError
 from meshgrad.fusion import merge_reductions
 from meshgrad.plan import FinalizePlan, GroupSizes, plan_finalize
 from meshgrad.presets import ModelPreset, StageModel, json_stage, preset_stage
+from meshgrad.steps import dp_scaling
 
 #: Bytes per element of the dtypes a finalize collective carries.
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
@@ -184,56 +185,92 @@ def _megatron_actions(plan: FinalizePlan) -> list[Any]:
     return out
 
 
-def _buckets(numels: Sequence[int], bucket: int | None) -> list[int]:
-    """Megatron DDP's buckets (elements), filled in reverse parameter order."""
-    if bucket is None:
-        return [sum(numels)] if numels else []
-    out, run = [], 0
-    for n in reversed(numels):
-        run += n
-        if run >= bucket:
-            out.append(run)
-            run = 0
-    return out + ([run] if run else [])
+def megatron_buckets(numels: Sequence[int], bucket_size: int | None, alone: Sequence[bool], dp: int,
+                     distributed_optimizer: bool) -> list[int]:
+    """The buckets (elements, padding included) of one Megatron DDP buffer, as
+    ``_ParamAndGradBuffer`` lays them out: parameters in reverse order, each start padded to
+    64 elements and each bucket end to ``lcm(dp, 128)`` under the distributed optimizer; a
+    bucket closes once it holds ``bucket_size`` elements (None: never), and a shared
+    embedding (``alone``, distributed optimizer only) is a bucket of its own.
+
+    Args:
+      numels: the buffer's parameters' elements, in parameter order.
+      bucket_size: elements per bucket, or None.
+      alone: per parameter, whether it is a shared embedding.
+      dp: the buffer's data-parallel group size.
+      distributed_optimizer: ``use_distributed_optimizer``.
+    """
+    def pad(n: int, by: int) -> int:
+        return -(-n // by) * by if distributed_optimizer else n
+
+    out: list[int] = []
+    start = bucket_start = 0
+    held = False
+    end_divisor = math.lcm(dp, 128)
+    for numel, own in zip(reversed(numels), reversed(alone)):
+        start = pad(start, 64)
+        own = own and distributed_optimizer
+        if own and held:
+            start = pad(start, end_divisor)
+            out.append(start - bucket_start)
+            bucket_start, held = start, False
+        end = start + numel
+        held = True
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or own:
+            start = pad(end, end_divisor)
+            out.append(start - bucket_start)
+            bucket_start, held = start, False
+        else:
+            start = end
+    if held:
+        out.append(pad(end, end_divisor) - bucket_start)
+    return out
 
 
-def ddp_launches(plan: FinalizePlan, stage: int, overlap: bool) -> tuple[Launch, ...]:
-    """The DP sync as Megatron's DDP launches it: one buffer per model chunk, dtype and
-    dense / expert kind, each in buckets (``overlap_grad_reduce``: ``max(40M, 1M x dp)``
-    elements on pp stage 0's first chunk, one bucket elsewhere; without it, one bucket per
-    buffer); a parameter the plan reduces alone (a cross-stage embedding under the
-    distributed optimizer) is a bucket of its own, as Megatron's ``shared_embedding``.
-    With overlap every bucket but the last of each buffer is launched during backward."""
-    numels = {p.key: p.numel for p in plan.params}
-    sizes = plan.sizes
+def ddp_launches(plan: FinalizePlan, stage: int, overlap: bool, bucket_size: int | None = None) -> tuple[Launch, ...]:
+    """The DP sync as Megatron's DDP launches it (its ``finish_grad_sync``, chunk by chunk):
+    one buffer per gradient dtype, dense then expert (``allreduce=False``), each in buckets
+    (:func:`megatron_buckets`). Bucket size: ``bucket_size`` when given, else Megatron's
+    default, ``max(40M, 1M x dp)`` elements with ``overlap_grad_reduce`` and none without;
+    only pp stage 0's first chunk is bucketed (Megatron's DDP turns bucketing off on later
+    stages and the interleaved schedule on later chunks). The tied word embedding of a
+    pipeline (``shared_embedding``) is a bucket of its own. With overlap every bucket but
+    the last of each buffer is launched during backward."""
+    config, sizes = plan.config, plan.sizes
+    shared = {k for a in plan.actions if isinstance(a, StageReduction) and a.step is Step.WORD_EMBEDDING
+              for k in a.distinct_keys()}
+    op = dp_scaling(config, sizes[Group.DP_CP], sizes[Group.EDP])[0]
+    kind = "reduce_scatter" if config.use_distributed_optimizer else "all_reduce"
     out: list[Launch] = []
-    for a in plan.actions:
-        if not (isinstance(a, Reduction) and a.step is Step.DP_SYNC):
-            continue
-        size = sizes[a.group]
-        chunks = sorted({k[0] for k in a.keys})
-        for chunk in chunks:
-            keys = [k for k in a.keys if k[0] == chunk]
-            bucket = max(MEGATRON_BUCKET_MIN, 1_000_000 * size) if overlap and stage == 0 and chunk == 0 else None
-            pieces = _buckets([numels[k] for k in keys], bucket)
-            for index, numel in enumerate(pieces):
-                if a.scatter:
-                    numel = -(-numel // math.lcm(size, 128)) * math.lcm(size, 128)
-                hidden = overlap and index < len(pieces) - 1
-                kind = "reduce_scatter" if a.scatter else "all_reduce"
-                item = _launch(a.step_text, kind, str(a.op), a.group, sizes, a.work_dtype, numel, hidden)
-                if item is not None:
-                    out.append(item)
+    for chunk in sorted({p.chunk for p in plan.params}):
+        for group, expert in ((Group.DP_CP, False), (Group.EDP, True)):
+            mine = [p for p in plan.params if p.chunk == chunk and p.has_grad and p.expert == expert]
+            dtypes = dict.fromkeys("float32" if config.grad_reduce_in_fp32 else p.dtype for p in mine)
+            for dtype in dtypes:
+                held = [p for p in mine if ("float32" if config.grad_reduce_in_fp32 else p.dtype) == dtype]
+                size = bucket_size
+                if size is None and overlap:
+                    size = max(MEGATRON_BUCKET_MIN, 1_000_000 * sizes[group])
+                if stage != 0 or chunk != 0:
+                    size = None
+                pieces = megatron_buckets([p.numel for p in held], size, [p.key in shared for p in held],
+                                          sizes[group], config.use_distributed_optimizer)
+                for index, numel in enumerate(pieces):
+                    item = _launch(str(Step.DP_SYNC), kind, str(op), group, sizes, dtype, numel,
+                                   overlap and index < len(pieces) - 1)
+                    if item is not None:
+                        out.append(item)
     return tuple(out)
 
 
-def megatron_launches(plan: FinalizePlan, stage: int, num_tokens: bool, overlap: bool) -> tuple[Launch, ...]:
+def megatron_launches(plan: FinalizePlan, stage: int, num_tokens: bool, overlap: bool,
+                      bucket_size: int | None = None) -> tuple[Launch, ...]:
     """Megatron-Core's finalize on the same rank: its DDP's DP sync (:func:`ddp_launches`),
     then the plan's other steps with Megatron's coalescing (:func:`_megatron_actions`); no
     status round."""
     rest = [a for a in _megatron_actions(plan) if not (isinstance(a, Reduction) and a.step is Step.DP_SYNC)]
     tail = (plan.token_scale,) if num_tokens else ()
-    return ddp_launches(plan, stage, overlap) + launches(plan, stage, num_tokens, rest + list(tail))
+    return ddp_launches(plan, stage, overlap, bucket_size) + launches(plan, stage, num_tokens, rest + list(tail))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,6 +416,7 @@ def explain(
     *,
     model: str = "model",
     overlap: bool = False,
+    bucket_size: int | None = None,
 ) -> Explanation:
     """Plan every rank class of ``layout`` and list its collectives.
 
@@ -389,6 +427,7 @@ def explain(
       model: a name for the report.
       overlap: ``overlap_grad_reduce``: Megatron's DDP runs the DP sync during backward
         (torch_impl delegates it to that DDP then: the plan's DP sync is left out).
+      bucket_size: Megatron DDP's ``bucket_size`` (elements); None: its default.
 
     Raises:
       FinalizeInputError: the layout or the model does not fit.
@@ -416,12 +455,12 @@ def explain(
         plan = plan_finalize(m.params, config, sizes, m.routers, stage=stage)
         num_tokens = config.calculate_per_token_loss
         if overlap:
-            dp = ddp_launches(plan, stage, True)
+            dp = ddp_launches(plan, stage, True, bucket_size)
             rest = plan_finalize(m.params, config, sizes, m.routers, stage=stage, dp_sync=False)
             own = dp + launches(rest, stage, num_tokens)
         else:
             own = launches(plan, stage, num_tokens)
-        mega = megatron_launches(plan, stage, num_tokens, overlap)
+        mega = megatron_launches(plan, stage, num_tokens, overlap, bucket_size)
         classes.append(RankClass(tuple(stages), len(stages) * per_stage, plan, status + own, mega))
     classes.sort(key=lambda c: c.stages[0])
     return Explanation(model, layout, config, overlap, tuple(classes))
@@ -429,5 +468,5 @@ def explain(
 
 __all__ = [
     "Explanation", "ITEMSIZE", "Launch", "Layout", "MEGATRON_BUCKET_MIN", "RankClass", "STATUS_INT64",
-    "ddp_launches", "explain", "model_stages", "launches", "megatron_launches", "status_round",
+    "ddp_launches", "explain", "megatron_buckets", "model_stages", "launches", "megatron_launches", "status_round",
 ]

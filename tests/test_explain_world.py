@@ -152,7 +152,66 @@ def _case(name: str) -> Any:
 for _name in CASES_SPEC:
     globals()[f"case_{_name}"] = _case(_name)
 
-CASES = [f"case_{n}" for n in CASES_SPEC]
+#: Megatron-Core's real DistributedDataParallel (dp = 8): (name, distributed optimizer,
+#: bucket_size, overlap_grad_reduce) -- its DP sync against :func:`meshgrad.explain.ddp_launches`.
+MEGATRON_DDP = (("ddp_buckets", False, 400, True), ("ddp_buckets_distopt", True, 400, True),
+                ("ddp_no_overlap_one_bucket", True, 400, False))
+#: The DDP's parameters (elements), in module order.
+DDP_NUMELS = (300, 350, 1000, 64, 130, 7)
+
+
+def case_megatron_ddp(rank: int, world_size: int) -> dict[str, Any]:
+    """Megatron-Core's real DDP (backward, then ``finish_grad_sync``) on every rank: the
+    collectives of its DP sync, per setting."""
+    import sys
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from bench.counting import CollectiveCounter, launch_record
+    from parity_tests.megatron_state import megatron_on_cpu
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        megatron_on_cpu().__exit__(None, None, None)
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        ps.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    out = {}
+    for name, distopt, bucket, overlap in MEGATRON_DDP:
+        module = nn.Module()
+        for index, numel in enumerate(DDP_NUMELS):
+            module.register_parameter(f"p{index}", nn.Parameter(torch.ones(numel)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+            ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=bucket,
+                                                    use_distributed_optimizer=distopt)
+            ddp = DistributedDataParallel(cfg, ddp_cfg, module)
+        # Megatron binds its reduce-scatter once, at import (``dist_reduce_scatter_func``):
+        # the counter's torch.distributed wrappers cannot see it, so it is recorded here.
+        buffers = sys.modules["megatron.core.distributed.param_and_grad_buffer"]
+        scatter = buffers.dist_reduce_scatter_func
+        with CollectiveCounter(log=True) as counter:
+            def recorded(output: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+                counter.records.append(launch_record("reduce_scatter_tensor", (output, tensor), kwargs))
+                return scatter(output, tensor, *args, **kwargs)
+
+            buffers.dist_reduce_scatter_func = recorded
+            try:
+                ddp.zero_grad_buffer()
+                sum((p * (rank + 1)).sum() for p in module.parameters()).backward()
+                ddp.finish_grad_sync()
+            finally:
+                buffers.dist_reduce_scatter_func = scatter
+        out[name] = counter.records
+    return out
+
+
+CASES = [f"case_{n}" for n in CASES_SPEC] + ["case_megatron_ddp"]
 
 # --------------------------------------------------------------------------- the test
 
@@ -182,6 +241,31 @@ def test_explain_lists_what_torch_launches(world: dict[str, Any], name: str) -> 
         assert rounds + data == expected, f"{name}: rank {rank} ({explained.class_of(rank).name})"
         launched_any = launched_any or bool(data)
     assert launched_any
+
+
+@pytest.mark.parametrize(("name", "distopt", "bucket", "overlap"), MEGATRON_DDP)
+def test_megatron_ddp_buckets_as_explain_lists_them(world: dict[str, Any], name: str, distopt: bool,
+                                                    bucket: int | None, overlap: bool) -> None:
+    """Megatron-Core's own DDP launches the buckets :func:`~meshgrad.explain.ddp_launches`
+    lists for it (sizes with its padding, kind, group), in some order (backward decides);
+    without ``overlap_grad_reduce`` one bucket whatever ``bucket_size`` says."""
+    pytest.importorskip("megatron.core")
+    from meshgrad.explain import ddp_launches
+    from meshgrad.params import ParamSpec
+    from meshgrad.plan import plan_finalize
+
+    per_rank = case_values(world, "case_megatron_ddp")
+    specs = [ParamSpec(f"p{i}", shape=(n,)) for i, n in enumerate(DDP_NUMELS)]
+    config = FinalizeConfig(use_distributed_optimizer=distopt)
+    plan = plan_finalize(specs, config, Layout(dp=WORLD).dims)
+    listed = ddp_launches(plan, 0, overlap=overlap, bucket_size=bucket if overlap else None)
+    expected = sorted((l.kind, tuple(range(WORLD)), l.dtype, l.numel) for l in listed)
+    # reversed: 7 + 130 + 64 + 1000 >= 400 closes the first bucket, 350 + 300 the second
+    assert [n for *_, n in expected] == ([650, 1201] if not overlap else [768, 1408] if distopt else [650, 1201]) \
+        or not overlap and [n for *_, n in expected] == [2048]
+    for rank, got in enumerate(per_rank):
+        launched = sorted((_KIND[c], m, d, n) for c, m, d, n in got[name])
+        assert launched == expected, f"{name}: rank {rank}"
 
 
 @pytest.mark.parametrize("name", list(CASES_SPEC))
