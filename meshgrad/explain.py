@@ -53,6 +53,14 @@ class Layout:
     gtp: int = 1
     vpp: int = 1
 
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name == "etp":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise FinalizeInputError(f"Layout.{f.name} must be a positive int, got {value!r}")
+
     @property
     def dims(self) -> ParallelDims:
         """The :class:`ParallelDims` of this layout (raises ValueError when the views disagree)."""

@@ -265,14 +265,28 @@ def json_stage(text: str | Sequence[Any] | Mapping[str, Any], *, pp: int, stage:
     else:
         params, routers = data, []
     specs = []
-    for item in _entries(params, _PARAM_FIELDS, "params"):
+    for index, item in enumerate(_entries(params, _PARAM_FIELDS, "params")):
         if _held(item, stage, pp, "parameter"):
             fields = {k: v for k, v in item.items() if k != "stages"}
-            fields["shape"] = tuple(fields.get("shape", ()))
-            specs.append(ParamSpec(**fields))
-    found = [RouterSpec(**{k: v for k, v in item.items() if k != "stages"})
-             for item in _entries(routers, _ROUTER_FIELDS, "routers") if _held(item, stage, pp, "router")]
+            specs.append(_built(ParamSpec, fields, f"params[{index}]"))
+    found = [_built(RouterSpec, {k: v for k, v in item.items() if k != "stages"}, f"routers[{index}]")
+             for index, item in enumerate(_entries(routers, _ROUTER_FIELDS, "routers")) if _held(item, stage, pp, "router")]
     return StageModel(tuple(specs), tuple(found))
+
+
+def _built(kind: Any, fields: dict[str, Any], where: str) -> Any:
+    """``kind(**fields)``; a bad value raises FinalizeInputError naming the entry."""
+    if kind is ParamSpec:
+        shape = fields.get("shape", ())
+        if not isinstance(shape, list | tuple) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                         for d in shape):
+            raise FinalizeInputError(f"model JSON: {where} ({fields.get('name')!r}): shape must be a list of "
+                                     f"non-negative ints, got {shape!r}")
+        fields = {**fields, "shape": tuple(shape)}
+    try:
+        return kind(**fields)
+    except (TypeError, ValueError) as err:
+        raise FinalizeInputError(f"model JSON: {where} ({fields.get('name')!r}): {err}") from err
 
 
 __all__ = ["ModelPreset", "PRESETS", "StageModel", "VOCAB_DIVISOR", "json_stage", "padded_vocab", "preset_stage"]

@@ -89,6 +89,22 @@ def test_json_models_select_stages_and_reject_unknown_keys() -> None:
         json_stage('[{"name": "x", "stages": [5]}]', pp=2, stage=0)
     with pytest.raises(FinalizeInputError, match="not valid JSON"):
         json_stage("[", pp=1, stage=0)
+    with pytest.raises(FinalizeInputError, match=r"params\[1\] \('y'\): shape must be a list of non-negative ints, got 4"):
+        json_stage('[{"name": "x"}, {"name": "y", "shape": 4}]', pp=1, stage=0)
+    with pytest.raises(FinalizeInputError, match=r"params\[0\] \('x'\): .*gradient dtype 'int8'"):
+        json_stage('[{"name": "x", "dtype": "int8"}]', pp=1, stage=0)
+
+
+@pytest.mark.parametrize(("fields", "text"), [
+    (dict(pp=0), "Layout.pp must be a positive int, got 0"),
+    (dict(vpp=2.0), "Layout.vpp must be a positive int, got 2.0"),
+    (dict(etp=True), "Layout.etp must be a positive int, got True"),
+])
+def test_a_bad_layout_names_its_field(fields: dict, text: str) -> None:
+    with pytest.raises(FinalizeInputError, match=text.replace(".", r"\.")):
+        Layout(**fields)
+    with pytest.raises(FinalizeInputError, match=r"layout DP2 x TP2 x EP3: ParallelDims: ep\*etp\*egtp = 6"):
+        explain(PRESETS["tiny"], Layout(dp=2, tp=2, ep=3), FinalizeConfig())
 
 
 # --------------------------------------------------------------------------- rank classes
