@@ -31,7 +31,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshgrad.axes import Axis, Group
-from meshgrad.explain import Explanation, Launch, RankClass
+from meshgrad.explain import Explanation, RankClass
+from meshgrad.launches import Launch
 from meshgrad.plan import GroupSizes
 
 

@@ -5,38 +5,24 @@ backends execute -- once per *rank class* (the pp stages whose ranks hold the sa
 parameters and the same embedding-group membership: every tp / dp / cp / ep rank of a
 stage plans alike), never once per rank, so a 16k-rank layout costs a handful of plans.
 Each class lists the collectives a torch_impl rank launches, in launch order
-(:func:`launches`: one per reduction over a group of size > 1, as
-:mod:`torch_impl.run.execute` runs them), beside Megatron-Core's finalize on the same layout
-(:func:`megatron_launches`) and the status round torch_impl adds per call
-(:func:`status_round`, the one place that models it).
+(:func:`meshgrad.launches.launches`), beside Megatron-Core's finalize on the same layout
+(:func:`meshgrad.megatron_launches.megatron_launches`) and the status round torch_impl
+adds per call (:func:`meshgrad.launches.status_round`, the one place that models it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from meshgrad.actions import ExpertBiasUpdate, QbBetaUpdate, Reduction, StageReduction, Step, TokenScale
-from meshgrad.axes import GROUP_AXES, Axis, Group, ParallelDims
+from meshgrad.axes import Axis, Group, ParallelDims
 from meshgrad.config import FinalizeConfig
 from meshgrad.errors import FinalizeInputError
-from meshgrad.fusion import merge_reductions
+from meshgrad.launches import ITEMSIZE, STATUS_INT64, Launch, human_bytes, launches, status_round
+from meshgrad.megatron_launches import ddp_launches, megatron_launches
 from meshgrad.plan import FinalizePlan, GroupSizes, plan_finalize
 from meshgrad.presets import ModelPreset, StageModel, json_stage, preset_stage
-from meshgrad.steps import dp_scaling
-
-#: Bytes per element of the dtypes a finalize collective carries.
-ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
-
-#: The status round (torch_impl/run/status.py): one MAX all-reduce of this many int64 per
-#: call over the world. The one place the model of that round lives (see :func:`status_round`).
-STATUS_INT64 = 7
-
-#: Megatron DDP's default bucket size with ``overlap_grad_reduce`` (elements):
-#: ``max(40_000_000, 1_000_000 * dp)`` (megatron/core/distributed/distributed_data_parallel.py).
-MEGATRON_BUCKET_MIN = 40_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,212 +59,6 @@ class Layout:
     def text(self) -> str:
         parts = [f"{k.upper()}{v}" for k, v in dataclasses.asdict(self).items() if v not in (None, 1)]
         return " x ".join(parts) or "1 rank"
-
-
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    """One collective a rank launches.
-
-    Args:
-      step: the plan step(s) (``"+"``-joined when fused), ``"status"`` for the status round.
-      kind: ``all_reduce``, ``reduce_scatter`` or ``broadcast``.
-      op: ``sum``, ``avg``, ``max`` (``-`` for a broadcast).
-      group: the named group (:class:`~meshgrad.axes.Group` value) or ``"world"``.
-      axes: the mesh axes the group varies.
-      size: ranks in the group.
-      dtype: the element type on the wire.
-      numel: elements of the tensor launched (a reduce-scatter's padded input).
-      overlapped: launched during backward (a DDP bucket with ``overlap_grad_reduce``);
-        finalize only waits for it.
-    """
-
-    step: str
-    kind: str
-    op: str
-    group: str
-    axes: tuple[str, ...]
-    size: int
-    dtype: str
-    numel: int
-    overlapped: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * ITEMSIZE[self.dtype]
-
-    def line(self) -> str:
-        tail = "  (overlapped with backward)" if self.overlapped else ""
-        return (f"{self.step:<22} {self.kind:<14} {self.op:<4} {self.group:<16} "
-                f"{'x'.join(self.axes):<14} {self.size:>6} {self.dtype:<9} {self.numel:>14,} "
-                f"{_human(self.nbytes):>10}{tail}")
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"  # pragma: no cover
-
-
-def _launch(step: str, kind: str, op: str, group: Group, sizes: GroupSizes, dtype: str, numel: int,
-            overlapped: bool = False) -> Launch | None:
-    size = sizes[group]
-    if size <= 1:
-        return None
-    axes = tuple(a.value for a in GROUP_AXES[group])
-    return Launch(step, kind, op, group.value, axes, size, dtype, int(numel), overlapped)
-
-
-def _scatter_numel(numel: int, size: int) -> int:
-    """The padded input of a reduce-scatter (torch_impl pads to a multiple of the group)."""
-    return -(-numel // size) * size
-
-
-def launches(plan: FinalizePlan, stage: int, num_tokens: bool, actions: Sequence[Any] | None = None) -> tuple[Launch, ...]:
-    """The collectives a torch_impl rank of pp ``stage`` launches for ``plan``, in order.
-
-    Args:
-      plan: the rank's plan.
-      stage: its pp stage (a stage reduction launches only on member stages with a key).
-      num_tokens: num_tokens is given (per-token loss): the token scale runs.
-      actions: the actions to list (default: ``plan.actions_with(num_tokens)``).
-    """
-    shapes = {p.key: p.numel for p in plan.params}
-    sizes = plan.sizes
-    out: list[Launch | None] = []
-    for a in plan.actions_with(num_tokens) if actions is None else actions:
-        if isinstance(a, Reduction):
-            numel = sum(shapes[k] for k in a.keys)
-            size = sizes[a.group]
-            if a.scatter:
-                out.append(_launch(a.step_text, "reduce_scatter", str(a.op), a.group, sizes, a.work_dtype,
-                                   _scatter_numel(numel, size)))
-            else:
-                out.append(_launch(a.step_text, "all_reduce", str(a.op), a.group, sizes, a.work_dtype, numel))
-        elif isinstance(a, StageReduction):
-            key = a.key_for(stage)
-            if key is not None:
-                out.append(_launch(str(a.step), "all_reduce", str(a.op), a.group, sizes, a.dtype, shapes[key]))
-        elif isinstance(a, ExpertBiasUpdate):
-            out.append(_launch(str(a.step), "all_reduce", "sum", a.group, sizes, "float32", sum(a.num_experts)))
-        elif isinstance(a, QbBetaUpdate):
-            out.append(_launch(str(a.step), "all_reduce", "avg", a.group, sizes, "float32", sum(a.num_experts)))
-        elif isinstance(a, TokenScale):
-            out.append(_launch(str(a.step), "broadcast", "-", Group.PP, sizes, "int64", 1))
-            out.append(_launch(str(a.step), "all_reduce", "sum", a.group, sizes, "int64", 1))
-    return tuple(x for x in out if x is not None)
-
-
-def status_round(world: int) -> tuple[Launch, ...]:
-    """The status round torch_impl runs once per call before any data moves: one MAX
-    all-reduce of :data:`STATUS_INT64` int64 over the world (a DeviceMesh, or spanning
-    groups that reach every rank). The comparison of signatures (small all-gathers) runs
-    only when a plan is new, so it is not a per-step cost. Change the round here alone."""
-    if world <= 1:
-        return ()
-    return (Launch("status", "all_reduce", "max", "world", ("world",), world, "int64", STATUS_INT64),)
-
-
-def _megatron_actions(plan: FinalizePlan) -> list[Any]:
-    """The plan's actions under Megatron-Core's rules: a reduction that fuses several
-    steps is split back into one per step (Megatron coalesces within a step only)."""
-    out: list[Any] = []
-    for a in plan.actions:
-        if isinstance(a, Reduction) and a.parts and len(a.steps) > 1:
-            for step in a.steps:
-                out += merge_reductions([p for p in a.parts if p.step is step])
-        else:
-            out.append(a)
-    return out
-
-
-def megatron_buckets(numels: Sequence[int], bucket_size: int | None, alone: Sequence[bool], dp: int,
-                     distributed_optimizer: bool) -> list[int]:
-    """The buckets (elements, padding included) of one Megatron DDP buffer, as
-    ``_ParamAndGradBuffer`` lays them out: parameters in reverse order, each start padded to
-    64 elements and each bucket end to ``lcm(dp, 128)`` under the distributed optimizer; a
-    bucket closes once it holds ``bucket_size`` elements (None: never), and a shared
-    embedding (``alone``, distributed optimizer only) is a bucket of its own.
-
-    Args:
-      numels: the buffer's parameters' elements, in parameter order.
-      bucket_size: elements per bucket, or None.
-      alone: per parameter, whether it is a shared embedding.
-      dp: the buffer's data-parallel group size.
-      distributed_optimizer: ``use_distributed_optimizer``.
-    """
-    def pad(n: int, by: int) -> int:
-        return -(-n // by) * by if distributed_optimizer else n
-
-    out: list[int] = []
-    start = bucket_start = 0
-    held = False
-    end_divisor = math.lcm(dp, 128)
-    for numel, own in zip(reversed(numels), reversed(alone)):
-        start = pad(start, 64)
-        own = own and distributed_optimizer
-        if own and held:
-            start = pad(start, end_divisor)
-            out.append(start - bucket_start)
-            bucket_start, held = start, False
-        end = start + numel
-        held = True
-        if (bucket_size is not None and end - bucket_start >= bucket_size) or own:
-            start = pad(end, end_divisor)
-            out.append(start - bucket_start)
-            bucket_start, held = start, False
-        else:
-            start = end
-    if held:
-        out.append(pad(end, end_divisor) - bucket_start)
-    return out
-
-
-def ddp_launches(plan: FinalizePlan, stage: int, overlap: bool, bucket_size: int | None = None) -> tuple[Launch, ...]:
-    """The DP sync as Megatron's DDP launches it (its ``finish_grad_sync``, chunk by chunk):
-    one buffer per gradient dtype, dense then expert (``allreduce=False``), each in buckets
-    (:func:`megatron_buckets`). Bucket size: ``bucket_size`` when given, else Megatron's
-    default, ``max(40M, 1M x dp)`` elements with ``overlap_grad_reduce`` and none without;
-    only pp stage 0's first chunk is bucketed (Megatron's DDP turns bucketing off on later
-    stages and the interleaved schedule on later chunks). The tied word embedding of a
-    pipeline (``shared_embedding``) is a bucket of its own. With overlap every bucket but
-    the last of each buffer is launched during backward."""
-    config, sizes = plan.config, plan.sizes
-    shared = {k for a in plan.actions if isinstance(a, StageReduction) and a.step is Step.WORD_EMBEDDING
-              for k in a.distinct_keys()}
-    op = dp_scaling(config, sizes[Group.DP_CP], sizes[Group.EDP])[0]
-    kind = "reduce_scatter" if config.use_distributed_optimizer else "all_reduce"
-    out: list[Launch] = []
-    for chunk in sorted({p.chunk for p in plan.params}):
-        for group, expert in ((Group.DP_CP, False), (Group.EDP, True)):
-            mine = [p for p in plan.params if p.chunk == chunk and p.has_grad and p.expert == expert]
-            dtypes = dict.fromkeys("float32" if config.grad_reduce_in_fp32 else p.dtype for p in mine)
-            for dtype in dtypes:
-                held = [p for p in mine if ("float32" if config.grad_reduce_in_fp32 else p.dtype) == dtype]
-                size = bucket_size
-                if size is None and overlap:
-                    size = max(MEGATRON_BUCKET_MIN, 1_000_000 * sizes[group])
-                if stage != 0 or chunk != 0:
-                    size = None
-                pieces = megatron_buckets([p.numel for p in held], size, [p.key in shared for p in held],
-                                          sizes[group], config.use_distributed_optimizer)
-                for index, numel in enumerate(pieces):
-                    item = _launch(str(Step.DP_SYNC), kind, str(op), group, sizes, dtype, numel,
-                                   overlap and index < len(pieces) - 1)
-                    if item is not None:
-                        out.append(item)
-    return tuple(out)
-
-
-def megatron_launches(plan: FinalizePlan, stage: int, num_tokens: bool, overlap: bool,
-                      bucket_size: int | None = None) -> tuple[Launch, ...]:
-    """Megatron-Core's finalize on the same rank: its DDP's DP sync (:func:`ddp_launches`),
-    then the plan's other steps with Megatron's coalescing (:func:`_megatron_actions`); no
-    status round."""
-    rest = [a for a in _megatron_actions(plan) if not (isinstance(a, Reduction) and a.step is Step.DP_SYNC)]
-    tail = (plan.token_scale,) if num_tokens else ()
-    return ddp_launches(plan, stage, overlap, bucket_size) + launches(plan, stage, num_tokens, rest + list(tail))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,10 +168,10 @@ class Explanation:
             lines.append(f"== {c.name}: {c.ranks} ranks, {len(c.plan.params)} gradients ({grads:,} elements) ==")
             lines.append(cols)
             lines += ["  " + item.line() for item in c.meshgrad]
-            totals = ", ".join(f"{k}: {_human(v)}" for k, v in c.bytes_by_axes().items()) or "nothing"
+            totals = ", ".join(f"{k}: {human_bytes(v)}" for k, v in c.bytes_by_axes().items()) or "nothing"
             lines.append(f"  per axes: {totals}")
             lines.append(f"  Megatron-Core: {len(c.megatron)} collectives, "
-                         + (", ".join(f"{k}: {_human(v)}" for k, v in c.bytes_by_axes('megatron').items()) or "nothing"))
+                         + (", ".join(f"{k}: {human_bytes(v)}" for k, v in c.bytes_by_axes('megatron').items()) or "nothing"))
             lines.append("")
         return "\n".join(lines).rstrip() + "\n"
 
@@ -474,7 +254,9 @@ def explain(
     return Explanation(model, layout, config, overlap, tuple(classes))
 
 
+
 __all__ = [
-    "Explanation", "ITEMSIZE", "Launch", "Layout", "MEGATRON_BUCKET_MIN", "RankClass", "STATUS_INT64",
-    "ddp_launches", "explain", "megatron_buckets", "model_stages", "launches", "megatron_launches", "status_round",
+    # Launch, launches and status_round are re-exported: the names a reader of a listing needs.
+    "Explanation", "ITEMSIZE", "Launch", "Layout", "RankClass", "STATUS_INT64", "explain", "launches",
+    "model_stages", "status_round",
 ]

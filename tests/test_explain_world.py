@@ -250,7 +250,7 @@ def test_megatron_ddp_buckets_as_explain_lists_them(world: dict[str, Any], name:
     lists for it (sizes with its padding, kind, group), in some order (backward decides);
     without ``overlap_grad_reduce`` one bucket whatever ``bucket_size`` says."""
     pytest.importorskip("megatron.core")
-    from meshgrad.explain import ddp_launches
+    from meshgrad.megatron_launches import ddp_launches
     from meshgrad.params import ParamSpec
     from meshgrad.plan import plan_finalize
 
