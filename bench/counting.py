@@ -36,11 +36,32 @@ COLLECTIVES = (
 CHECK_COLLECTIVES = frozenset({"all_gather", "all_gather_into_tensor", "all_gather_single"})
 
 
-class CollectiveCounter:
-    """Context manager: ``counts[name]`` = calls of each torch.distributed collective."""
+#: Which positional argument is the tensor a collective sends (the input of a reduce-scatter).
+_SENT_ARG = {"reduce_scatter_tensor": 1, "reduce_scatter_single": 1, "_reduce_scatter_base": 1,
+             "all_gather_into_tensor": 1, "all_gather_single": 1}
 
-    def __init__(self) -> None:
+
+def launch_record(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, tuple[int, ...], str, int]:
+    """``(collective, group members as global ranks, dtype, elements sent)`` of one call."""
+    group = kwargs.get("group")
+    members = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    sent = kwargs.get("input", args[_SENT_ARG.get(name, 0)] if len(args) > _SENT_ARG.get(name, 0) else None)
+    if isinstance(sent, torch.Tensor):
+        return name, members, str(sent.dtype).removeprefix("torch."), sent.numel()
+    return name, members, "", 0
+
+
+class CollectiveCounter:
+    """Context manager: ``counts[name]`` = calls of each torch.distributed collective.
+
+    Args:
+      log: also record every call in ``records`` (:func:`launch_record`: collective, group
+        members, dtype, elements), in call order.
+    """
+
+    def __init__(self, log: bool = False) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
+        self.records: list[tuple[str, tuple[int, ...], str, int]] | None = [] if log else None
         self._saved: dict[str, Any] = {}
 
     @property
@@ -63,6 +84,8 @@ class CollectiveCounter:
 
             def wrapper(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
                 self.counts[_name] += 1
+                if self.records is not None:
+                    self.records.append(launch_record(_name, args, kwargs))
                 return _fn(*args, **kwargs)
 
             setattr(dist, name, wrapper)

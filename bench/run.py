@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-real-ddp", action="store_true", help="skip the real megatron-core DDP rows (bench.real_ddp)")
     parser.add_argument("--real-ddp-size", metavar="LxH", help="real-DDP MLP: layers x hidden (default 8x256, --quick 4x256)")
     parser.add_argument("--no-scale", action="store_true", help="skip the MoE scale rows")
+    parser.add_argument("--no-at-scale", action="store_true",
+                        help="skip the cost-model calibration and planning-scale rows (bench.at_scale)")
     parser.add_argument(
         "--scale-rows", nargs="+", metavar="LxE", help="MoE scale rows to run (default 8x8 32x8 32x64 64x128)"
     )
@@ -230,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
             print(format_gloo(result), flush=True)
     if not args.no_real_ddp:
         report["real_ddp"] = _real_ddp(args, quick)
+    if not args.no_at_scale:
+        from bench.at_scale import format_rows as format_at_scale, run as run_at_scale
+
+        print("\n== at scale: cost model vs gloo worlds of 2-8 (median us, slowest rank), planning 70B at 1k-16k ranks ==",
+              flush=True)
+        report["at_scale"] = run_at_scale(quick)
+        print(format_at_scale(report["at_scale"]), flush=True)
     if not args.no_jax:
         from bench.jax_rows import format_rows, run_subprocess
 
@@ -239,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     report["goals"] = goals(report["fake"], report["gloo"], report["scale"])
     report["goals"] += (report["real_ddp"] or {}).get("goals", [])
     report["goals"] += report.get("jax", {}).get("goals", [])
+    if report.get("at_scale"):
+        from bench.at_scale import at_scale_goals
+
+        report["goals"] += at_scale_goals(report["at_scale"])
     report["seconds"] = time.time() - started
     print("\n" + format_goals(report["goals"]))
     if args.markdown:

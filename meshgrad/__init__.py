@@ -4,7 +4,8 @@ The core is framework-free (stdlib + numpy). ``torch_impl`` and ``jax_impl`` exe
 same :class:`~meshgrad.plan.FinalizePlan`. Modules: ``axes`` (mesh axes, groups, rank
 order), ``config``, ``params`` (ParamSpec / RouterSpec), ``actions`` (the action types),
 ``steps`` (one planner per step), ``fusion``, ``layout``, ``plan`` (plan_finalize),
-``rules`` (the array math), ``errors`` (shared exception types).
+``rules`` (the array math), ``errors`` (shared exception types); ``presets``, ``explain``,
+``cost`` and ``at_scale`` size a run before it exists (``python -m meshgrad explain``).
 """
 
 from meshgrad.axes import DENSE_AXES, EXPERT_AXES, GROUP_AXES, Axis, Group, ParallelDims, stage_set

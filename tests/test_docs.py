@@ -456,6 +456,7 @@ MARKED = {
     ("README.md", "python"): (1, "test_readme_jax_shard_map_snippet_runs_as_written"),
     ("jax.md", "python"): (2, "test_docs_jax_snippets_run_as_written"),
     ("jax.md", "jax-optax"): (1, "tests/test_jax_docs.py"),
+    ("explain.md", "python"): (1, "tests/test_explain.py"),
 }
 #: Fragments (code that needs the reader's objects: a model, groups, a plan), found by
 #: (page, a text in the block), and the test that runs each with those objects made.
