@@ -245,9 +245,9 @@ def explain(
         if overlap:
             dp = ddp_launches(plan, stage, True, bucket_size)
             rest = plan_finalize(m.params, config, sizes, m.routers, stage=stage, dp_sync=False)
-            own = dp + launches(rest, stage, num_tokens)
+            own = dp + launches(rest, stage, num_tokens, world=dims.world_size)
         else:
-            own = launches(plan, stage, num_tokens)
+            own = launches(plan, stage, num_tokens, world=dims.world_size)
         mega = megatron_launches(plan, stage, num_tokens, overlap, bucket_size)
         classes.append(RankClass(tuple(stages), len(stages) * per_stage, plan, status + own, mega))
     classes.sort(key=lambda c: c.stages[0])

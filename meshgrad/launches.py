@@ -18,7 +18,7 @@ ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
 
 #: The status round (torch_impl/run/status.py): one MAX all-reduce of this many int64 per
 #: call over the world. The one place the model of that round lives (see :func:`status_round`).
-STATUS_INT64 = 7
+STATUS_INT64 = 14
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
@@ -83,7 +83,8 @@ def _scatter_numel(numel: int, size: int) -> int:
     return -(-numel // size) * size
 
 
-def launches(plan: FinalizePlan, stage: int, num_tokens: bool, actions: Sequence[Any] | None = None) -> tuple[Launch, ...]:
+def launches(plan: FinalizePlan, stage: int, num_tokens: bool, actions: Sequence[Any] | None = None,
+             world: int = 0) -> tuple[Launch, ...]:
     """The collectives a torch_impl rank of pp ``stage`` launches for ``plan``, in order.
 
     Args:
@@ -91,6 +92,8 @@ def launches(plan: FinalizePlan, stage: int, num_tokens: bool, actions: Sequence
       stage: its pp stage (a stage reduction launches only on member stages with a key).
       num_tokens: num_tokens is given (per-token loss): the token scale runs.
       actions: the actions to list (default: ``plan.actions_with(num_tokens)``).
+      world: the world size (0: unknown); where the status round carries the token count
+        (:func:`tokens_in_round`) the token scale launches nothing of its own.
     """
     shapes = {p.key: p.numel for p in plan.params}
     sizes = plan.sizes
@@ -113,19 +116,30 @@ def launches(plan: FinalizePlan, stage: int, num_tokens: bool, actions: Sequence
         elif isinstance(a, QbBetaUpdate):
             out.append(launch(str(a.step), "all_reduce", "avg", a.group, sizes, "float32", sum(a.num_experts)))
         elif isinstance(a, TokenScale):
+            if tokens_in_round(sizes, a.group, world):
+                continue  # the status round carries the count
             out.append(launch(str(a.step), "broadcast", "-", Group.PP, sizes, "int64", 1))
             out.append(launch(str(a.step), "all_reduce", "sum", a.group, sizes, "int64", 1))
     return tuple(x for x in out if x is not None)
 
 
+def tokens_in_round(sizes: GroupSizes, group: Group, world: int) -> bool:
+    """Whether the status round carries the token count (torch_impl's
+    ``torch_impl.run.status.fused_tokens``): pp = 1 and the token group is the whole world,
+    so the round's one hop is that group (an integer ``num_tokens`` assumed, as Megatron's
+    training loop passes it)."""
+    return world > 1 and sizes[Group.PP] == 1 and sizes[group] == world
+
+
 def status_round(world: int) -> tuple[Launch, ...]:
-    """The status round torch_impl runs once per call before any data moves: one MAX
+    """The status round torch_impl runs once per call before any data moves: one SUM
     all-reduce of :data:`STATUS_INT64` int64 over the world (a DeviceMesh, or spanning
-    groups that reach every rank). The comparison of signatures (small all-gathers) runs
+    groups that reach every rank), which also carries the token count where
+    :func:`tokens_in_round` holds. The comparison of signatures (small all-gathers) runs
     only when a plan is new, so it is not a per-step cost. Change the round here alone."""
     if world <= 1:
         return ()
-    return (Launch("status", "all_reduce", "max", "world", ("world",), world, "int64", STATUS_INT64),)
+    return (Launch("status", "all_reduce", "sum", "world", ("world",), world, "int64", STATUS_INT64),)
 
 
-__all__ = ["ITEMSIZE", "Launch", "STATUS_INT64", "human_bytes", "launch", "launches", "status_round"]
+__all__ = ["ITEMSIZE", "Launch", "STATUS_INT64", "human_bytes", "launch", "launches", "status_round", "tokens_in_round"]

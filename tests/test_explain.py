@@ -159,7 +159,7 @@ def test_each_collective_states_its_bytes_group_and_axes() -> None:
     assert sum(i.numel for i in dp) == grads + grads % 2  # padded to the group, no more
     token = [i for i in rest if i.step == "token_scale"]
     assert [(i.kind, i.group, i.size) for i in token] == [("broadcast", "pp", 2), ("all_reduce", "dp_cp_gtp_remat", 2)]
-    assert c.bytes_by_axes()["world"] == 56
+    assert c.bytes_by_axes()["world"] == 8 * STATUS_INT64
 
 
 def test_megatron_launches_split_cross_step_fusions_and_bucket_the_dp_sync() -> None:
@@ -262,7 +262,7 @@ def test_class_cost_sums_its_collectives_and_nodes_follow_rank_order() -> None:
         dp = next(i for i in cls.meshgrad if i.group == "dp_cp")
         assert by_step["non_tp"] == pytest.approx(_MODEL.seconds("all_reduce", 8, 1, tp.nbytes))
         assert by_step["dp_sync"] == pytest.approx(_MODEL.seconds("reduce_scatter", 32, 32, dp.nbytes))
-        assert cost.status_seconds == pytest.approx(_MODEL.seconds("all_reduce", 1024, 128, 56))
+        assert cost.status_seconds == pytest.approx(_MODEL.seconds("all_reduce", 1024, 128, 8 * STATUS_INT64))
         assert cost.seconds == pytest.approx(sum(t for _, t in cost.per_launch))
         assert cost.megatron_seconds == pytest.approx(cost.seconds - cost.status_seconds, rel=1e-3)
 
@@ -284,7 +284,7 @@ def test_cli_text_lists_every_class_and_predicted_times(capsys: pytest.CaptureFi
     assert "gpt-70b on PP8 x DP256 x TP8 (16384 ranks)" in out
     for name in ("pp stage 0: 2048 ranks", "pp stages 1-6: 12288 ranks", "pp stage 7: 2048 ranks"):
         assert f"== {name}" in out
-    assert out.count("reduce_scatter sum  dp_cp") == 3 and "per axes: world: 56 B" in out
+    assert out.count("reduce_scatter sum  dp_cp") == 3 and "per axes: world: 112 B" in out
     assert "predicted, pp stage 0: meshgrad" in out and "rank 5000 (pp stages 1-6):" in out
     assert "[5000, 5001, 5002, 5003, 5004, 5005, 5006, 5007]" in out
 

@@ -52,6 +52,9 @@ CASES_SPEC: dict[str, tuple[Any, Layout, dict[str, Any]]] = {
              calculate_per_token_loss=True, use_distributed_optimizer=True),
     ),
     "dense_dp8_mean": (_DENSE, Layout(dp=8), dict(share_embeddings_and_output_weights=False)),
+    # pure data parallelism with per-token loss: the status round carries the token count
+    "dense_dp8_tokens": (_DENSE, Layout(dp=8), dict(share_embeddings_and_output_weights=False,
+                                                    calculate_per_token_loss=True)),
     "vpp2_positions_tp2_tokens": (
         dataclasses.replace(_TINY, layers=8, experts=0, expert_bias=False), Layout(pp=2, vpp=2, tp=2, dp=2),
         dict(sequence_parallel=True, qk_layernorm=True, calculate_per_token_loss=True),
@@ -112,7 +115,7 @@ def _run(name: str, rank: int) -> dict[str, Any]:
     stage = dims.coords(rank)[Axis.PP]
     chunks = build_chunks(model_stages(model, layout)(stage), config, rank)
     rounds: list[tuple[str, tuple[int, ...], str, int]] = []
-    original = status.all_reduce_max
+    original = status.all_reduce_status  # the status round's one reduction
 
     def recorded(value: Any, pg: Any) -> None:
         import torch.distributed as dist
@@ -121,7 +124,7 @@ def _run(name: str, rank: int) -> dict[str, Any]:
                        value.numel()))
         original(value, pg)
 
-    status.all_reduce_max = recorded
+    status.all_reduce_status = recorded
     try:
         def step() -> None:
             # Tokens differ by data-parallel rank only (tp / pp peers see the same batch).
@@ -134,7 +137,7 @@ def _run(name: str, rank: int) -> dict[str, Any]:
         with CollectiveCounter(log=True) as counter:
             step()
     finally:
-        status.all_reduce_max = original
+        status.all_reduce_status = original
     grads = {f"{c}:{n}": p.grad.float().tolist() for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()
              if p.grad is not None}
     times = (t1 - t0, t2 - t1, time.perf_counter() - t2)
