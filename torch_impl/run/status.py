@@ -287,16 +287,28 @@ def _gathered(what: str, group: Group, rank: int, gather: Callable[[], Any]) -> 
 
 
 def compare_round(
-    lines: Mapping[Group, Sequence[str]], groups: TorchGroups, compared: Sequence[Group] | None, route: Sequence[Hop]
+    lines: Mapping[Group, Sequence[str]], groups: TorchGroups, compared: Sequence[Group] | None, route: Sequence[Hop],
+    doubt: BaseException | None = None,
 ) -> None:
     """The consistency comparison, when a status round asks for one: in every compared
     group (default: every group of size > 1), its members all-gather a hash of ``lines``;
     only where hashes differ are the full lines gathered. Then one round over ``route``,
     so that every rank raises when any group differs.
 
+    Args:
+      lines: what this rank will launch, per group.
+      groups: this rank's groups.
+      compared: the groups compared (None: every group of size > 1).
+      route: the route of the outcome round.
+      doubt: this rank's held-back local error (a value Megatron accepts but that is most
+        likely wrong), raised only when the ranks differ: then it wins on this rank, and
+        the peers' error names it (:func:`raise_mismatch`).
+
     Raises:
       ConsistencyError: naming the group, its ranks and the first differing line (on the
-        ranks of that group), or the rank that found it (elsewhere).
+        ranks of that group), or the rank that found it (elsewhere); naming a rank's
+        doubt when one was held back.
+      BaseException: ``doubt`` itself, when the ranks differ.
     """
     rank, messages = groups.rank, []
     for group in Group if compared is None else compared:
@@ -312,14 +324,38 @@ def compare_round(
             _gathered("consistency check (details)", group, rank,
                       lambda: dist.all_gather_object(every, (rank, mine), group=pg))
             messages.append(_mismatch(group, [r for r, _ in every], [lines for _, lines in every], rank))
-    (mismatch,) = reduce_max([status_vector(rank, error=bool(messages))[ERROR]], route, rank, "finalize consistency status")
+    flags = status_vector(rank, error=bool(messages), compare=doubt is not None)[:2]
+    mismatch, doubted = reduce_max(flags, route, rank, "finalize consistency status")
+    raise_mismatch(rank, messages, mismatch, doubted, doubt, route)
+
+
+def raise_mismatch(
+    rank: int, messages: Sequence[str], mismatch: int, doubted: int, doubt: BaseException | None,
+    route: Sequence[Hop],
+) -> None:
+    """After the comparison's outcome round (the same ``mismatch`` / ``doubted`` flags on
+    every rank): nothing when no group differs; else, when some rank held back a doubt,
+    that rank raises it and every other rank a :class:`ConsistencyError` naming it (its
+    first line) above its own mismatch; else the mismatch itself."""
+    if not mismatch:
+        return
+    if doubted:
+        texts = gather_texts(first_line(doubt) if doubt is not None else None, route, rank, "finalize consistency status")
+        if doubt is not None:
+            raise doubt
+        who = flagged_rank(doubted)
+        detail = "\n".join(messages) if messages else (
+            f"rank {flagged_rank(mismatch)} found ranks of one of its groups that would launch different collectives")
+        raise ConsistencyError(
+            f"rank {rank}: rank {who} failed its own checks: {texts.get(who, '(no message)')}; found before any "
+            f"collective: nothing was reduced or changed\n{detail}"
+        )
     if messages:
         raise ConsistencyError("\n".join(messages))
-    if mismatch:
-        raise ConsistencyError(
-            f"rank {rank}: rank {flagged_rank(mismatch)} found ranks of one of its groups that would launch "
-            "different collectives (its error names them); nothing was reduced"
-        )
+    raise ConsistencyError(
+        f"rank {rank}: rank {flagged_rank(mismatch)} found ranks of one of its groups that would launch "
+        "different collectives (its error names them); nothing was reduced"
+    )
 
 
 def status_round(
@@ -331,6 +367,7 @@ def status_round(
     nonfinite: bool,
     lines: Callable[[], Mapping[Group, Sequence[str]]],
     compared: Sequence[Group] | None = None,
+    doubt: Callable[[], BaseException | None] | None = None,
 ) -> list[int]:
     """A call's status round over the route of ``over`` (:func:`status_route`): this
     rank's vector (:func:`status_vector`, with its DeviceMesh layout digest) MAX-reduced
@@ -345,6 +382,8 @@ def status_round(
       nonfinite: this rank found NaN / Inf.
       lines: what this rank will launch per group, called only when a comparison runs.
       compared: the groups compared (None: every group of size > 1).
+      doubt: this rank's held-back local error, looked up only when a comparison runs
+        (:func:`compare_round`).
 
     Returns:
       The reduced vector (the flag of :data:`NONFINITE` names the lowest rank with NaN / Inf).
@@ -354,7 +393,7 @@ def status_round(
     reduced = reduce_max(mine, route, groups.rank, "finalize status check")
     settle(reduced, route, groups.rank, "finalize status check", error=error, layout_text=groups.layout_text)
     if reduced[COMPARE]:
-        compare_round(lines(), groups, compared, route)
+        compare_round(lines(), groups, compared, route, doubt() if doubt is not None else None)
     return reduced
 
 
@@ -379,6 +418,6 @@ def already_shared(err: BaseException) -> bool:
 __all__ = [
     "AgreedInputError", "BIG", "SPANNING_GROUPS", "STATUS_SIZE", "all_reduce_max", "already_shared",
     "backend", "capturing", "compare_round", "device_for", "first_line", "flagged_rank", "gather_texts",
-    "layout_digest", "layouts_differ", "reduce_max", "settle", "share_error", "status_round", "status_route",
-    "status_vector", "timeout_of", "world_route",
+    "layout_digest", "layouts_differ", "raise_mismatch", "reduce_max", "settle", "share_error", "status_round",
+    "status_route", "status_vector", "timeout_of", "world_route",
 ]
