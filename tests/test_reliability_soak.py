@@ -57,8 +57,15 @@ BASE = Scenario(
 )
 FLAGS = ("sequence_parallel", "average_gradients_across_tp_domain")
 TOGGLES = ("calculate_per_token_loss", "average_in_collective", "moe_router_enable_expert_bias")
-#: The injected fault classes (issue 22's classes 1-5 and 8).
-FAULTS = ("user_method", "param_shape", "tokens_dtype", "tokens_nan", "bad_config", "mesh_layout")
+#: The injected fault classes (issue 22's classes 1-5 and 8; issue 30's last three).
+FAULTS = ("user_method", "param_shape", "tokens_dtype", "tokens_nan", "bad_config", "mesh_layout",
+          "lbt_typo", "user_property", "bad_grad")
+#: Gradients finalize cannot reduce: (how to make one from a gradient, its error type, text).
+BAD_GRADS = (
+    (lambda g: g.to(torch.complex64), "TypeError", "complex64"),
+    (lambda g: g.to_sparse(), "TypeError", "sparse"),
+    (lambda g: torch.empty(g.shape, device="meta"), "ValueError", "meta device"),
+)
 #: Bad config values: (field, value on the rank at fault, its error type).
 BAD_CONFIG = (
     ("consistency_check", "sometimes", "ValueError"),
@@ -207,6 +214,24 @@ def inject(fault: Fault, rank: int, model: list[Any], config: Any, scenario: Sce
         if bad:
             config.expert_model_parallel_size = 1
             undo.append(lambda: setattr(config, "expert_model_parallel_size", 2))
+    elif fault.kind == "lbt_typo":
+        if bad:
+            had_type = vars(config).get("moe_router_load_balancing_type")
+            config.moe_router_load_balancing_type = "aux-loss"
+            undo.append(lambda: setattr(config, "moe_router_load_balancing_type", had_type) if had_type is not None
+                        else delattr(config, "moe_router_load_balancing_type"))
+    elif fault.kind == "user_property":
+        error = (SystemExit, GeneratorExit)[fault.variant % 2]
+        if bad:
+            undo.append(_raising_config(chunk, error("soak: the user's property failed")))
+    elif fault.kind == "bad_grad":
+        make = BAD_GRADS[fault.variant % len(BAD_GRADS)][0]
+        names = sorted(k[1] for k, v in data.grads.items() if v is not None)
+        p = chunk.get_parameter(names[fault.variant % len(names)])
+        if bad:
+            old_grad = p.main_grad
+            p.main_grad = make(old_grad)
+            undo.append(lambda: setattr(p, "main_grad", old_grad))
     else:  # pragma: no cover - FAULTS and inject() disagree
         raise AssertionError(fault.kind)
     before, tokens_before = snapshot(model), _tokens_bytes(tokens)
@@ -222,6 +247,35 @@ def inject(fault: Fault, rank: int, model: list[Any], config: Any, scenario: Sce
         step()
     return {"fault": dataclasses.astuple(fault), "kind": kind, "message": message[:400], "seconds": seconds,
             "unchanged": unchanged}
+
+
+def _raising_config(chunk: Any, error: BaseException) -> Callable[[], None]:
+    """Make ``chunk.config`` a user property raising ``error``; returns the undo."""
+    original, config = type(chunk), chunk.__dict__.pop("config")
+
+    class Raising(original):  # type: ignore[misc, valid-type]
+        @property
+        def config(self) -> Any:
+            raise error
+
+    chunk.__class__ = Raising
+
+    def undo() -> None:
+        chunk.__class__ = original
+        chunk.__dict__["config"] = config
+
+    return undo
+
+
+def _non_contiguous(model: list[Any], scenario: Scenario, step: int) -> None:
+    """Now and then (the same on every rank), every 2-D gradient as a transposed view of
+    the same values (non-contiguous strides): finalize must give the same numbers."""
+    if random.Random(f"soak-layout-{step}").random() >= 0.25:
+        return
+    for p in model[0].parameters():
+        grad = getattr(p, "main_grad", None)
+        if isinstance(grad, torch.Tensor) and grad.dim() == 2:
+            p.main_grad = grad.t().contiguous().t()
 
 
 def case_soak(rank: int, world: int) -> dict[str, Any]:
@@ -247,6 +301,7 @@ def case_soak(rank: int, world: int) -> dict[str, Any]:
         if fault is not None:
             faults.append(inject(fault, rank, live, config, scenario, data, groups))
             load_inputs(live, scenario, data)  # unchanged by the failed call; loaded again all the same
+        _non_contiguous(live, scenario, step)
         tokens = None if data.num_tokens is None else torch.tensor(data.num_tokens)
         try:
             finalize_model_grads(live, num_tokens=tokens, pg_collection=groups)
@@ -294,6 +349,14 @@ def expected(fault: Fault, rank: int) -> tuple[str, str]:
     if fault.kind == "bad_config":
         field, _, error = BAD_CONFIG[fault.variant % len(BAD_CONFIG)]
         return (error, field) if rank == fault.bad else (peer[0], peer[1])
+    if fault.kind == "lbt_typo":
+        return ("ValueError", "'aux_loss'") if rank == fault.bad else (peer[0], "moe_router_load_balancing_type")
+    if fault.kind == "user_property":
+        error = ("SystemExit", "GeneratorExit")[fault.variant % 2]
+        return (error, "the user's property failed") if rank == fault.bad else (peer[0], f"{peer[1]}: {error}")
+    if fault.kind == "bad_grad":
+        _, error, text = BAD_GRADS[fault.variant % len(BAD_GRADS)]
+        return (error, text) if rank == fault.bad else (peer[0], peer[1])
     return "AgreedInputError", "ask for different DeviceMesh group layouts"
 
 
@@ -311,6 +374,12 @@ OUTCOMES = {
                    "ValueError / TypeError naming the field there, ConsistencyError naming the rank elsewhere"),
     "mesh_layout": ("DeviceMesh: the expert layout changed on one random rank",
                     "AgreedInputError naming the layouts on every rank"),
+    "lbt_typo": ("moe_router_load_balancing_type 'aux-loss' on one random rank",
+                 "ValueError naming the field and the allowed values there, ConsistencyError naming it elsewhere"),
+    "user_property": ("a user property (chunk.config) raises SystemExit or GeneratorExit on one random rank",
+                      "that exception there, ConsistencyError naming it elsewhere"),
+    "bad_grad": ("a complex, sparse or meta gradient on one random rank",
+                 "TypeError / ValueError naming the parameter there, ConsistencyError naming the rank elsewhere"),
 }
 
 
@@ -334,15 +403,15 @@ def test_soak_random_steps_match_fresh_calls_and_the_reference(reliability):
             where = (fault, rank, seen_here["kind"], seen_here["message"])
             assert Fault(*seen_here["fault"]) == fault, where
             assert seen_here["kind"] == kind and text in seen_here["message"], (where, kind, text)
-            if not (fault.kind == "user_method" and rank == fault.bad):  # the user's own exception
+            if not (fault.kind in ("user_method", "user_property") and rank == fault.bad):  # the user's own exception
                 assert seen_here["message"].startswith(f"rank {rank}: "), where
             assert seen_here["unchanged"], (where, "a gradient, buffer or num_tokens changed")
             assert seen_here["seconds"] < PROMPT, (where, seen_here["seconds"])
             seen.setdefault(fault.kind, []).append(seen_here["seconds"])
     if STEPS >= 2 * len(FAULTS):
         assert sorted(seen) == sorted(FAULTS), sorted(seen)
-    reliability("soak", f"{STEPS} random steps changing model, flags, config, gradients, num_tokens, "
-                "DeviceMesh or collection [4 ranks]",
+    reliability("soak", f"{STEPS} random steps changing model, flags, config, gradients (non-contiguous now and "
+                "then), num_tokens, DeviceMesh or collection [4 ranks]",
                 "every step equals a fresh call bit for bit and the reference")
     for kind in FAULTS:
         if kind in seen:
