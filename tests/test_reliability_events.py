@@ -446,7 +446,7 @@ def test_training_loop_events_give_the_right_numbers(world, reliability, name, l
     for rank, wrong in enumerate(case_values(world, name)):
         assert wrong == "", (name, rank, wrong)
     reliability("bad input", f"{label} [4 ranks]",
-                "bit-identical to the single-process dp mean / tp sum of the same steps on every rank")
+                "the right numbers: bit-identical to the single-process dp mean / tp sum of the same steps on every rank")
 
 
 def names_error(message: str, error: str) -> bool:
