@@ -269,9 +269,11 @@ def case_two_models_from_two_threads(rank: int, world: int) -> str:
     pairs = [(Net(), timed_collection(EVENTS)), (Net(checkpointing="non_reentrant"),
                                                    timed_collection(EVENTS, timeout=TIMEOUT + 1))]
     found: list[str] = ["not run", "not run"]
+    together = threading.Barrier(2)
 
     def run(i: int) -> None:
         try:
+            together.wait(timeout=30)
             found[i] = train(pairs[i][0], rank, range(4), pairs[i][1])
         except BaseException as err:  # noqa: BLE001 -- reported
             found[i] = f"{type(err).__name__}: {err}"
@@ -379,6 +381,18 @@ def _raising_property(error: BaseException) -> Callable[[int, int], tuple]:
 
 case_system_exit_from_a_property_on_rank1 = _raising_property(SystemExit(3))
 case_generator_exit_from_a_property_on_rank1 = _raising_property(GeneratorExit("closed by the user"))
+
+
+def case_frozen_on_rank3_only(rank: int, world: int) -> tuple:
+    groups = timed_collection(EVENTS)
+    model = Net()
+    train(model, rank, (0,), groups)
+    model.zero_grad(set_to_none=True)
+    model.fc2.weight.requires_grad_(rank != 3)
+    backward(model, rank, 1)
+    outcome = attempt(model, lambda: _finalize(model, groups))
+    model.fc2.weight.requires_grad_(True)
+    return (*outcome, train(model, rank, (2,), groups))
 
 
 def case_load_balancing_typo_on_rank1(rank: int, world: int) -> tuple:
@@ -492,6 +506,19 @@ def test_a_sparse_embedding_gradient_raises_on_every_rank(world, reliability):
         assert untouched and after == "" and seconds < PROMPT, (rank, untouched, after, seconds)
     reliability("bad input", "nn.Embedding(sparse=True) in the chunk [4 ranks]",
                 "TypeError naming the parameter on every rank; nothing changed; the next clean step right")
+
+
+def test_a_parameter_frozen_on_one_rank_only_raises_on_every_rank(world, reliability):
+    slowest = 0.0
+    for rank, (got, message, untouched, seconds, after) in enumerate(case_values(world, "case_frozen_on_rank3_only")):
+        assert got == "ConsistencyError" and message.startswith(f"rank {rank}: "), (rank, got, message)
+        assert untouched and after == "" and seconds < PROMPT, (rank, untouched, after, seconds)
+        if rank in (1, 3):  # rank 3's dp_cp group names the parameter set that differs
+            assert "'dp_cp'" in message and "fc2.weight" in message, (rank, message)
+        slowest = max(slowest, seconds)
+    reliability("bad input", "a parameter frozen on rank 3 only between steps [4 ranks]",
+                f"ConsistencyError on every rank after <= {slowest:.2f} s (rank 3's dp_cp group names the "
+                "parameter); nothing changed; the next clean step right")
 
 
 @pytest.mark.parametrize("name,kind", [("case_system_exit_from_a_property_on_rank1", "SystemExit"),
