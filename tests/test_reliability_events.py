@@ -286,6 +286,23 @@ def case_two_models_from_two_threads(rank: int, world: int) -> str:
     return "; ".join(f"model {i}: {f}" for i, f in enumerate(found) if f)
 
 
+class FlagParameter(nn.Parameter):
+    """A parameter class computing Megatron's flag: only the 6-element norm weight is
+    sequence parallel (a property, read per parameter as Megatron reads it)."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return tuple(self.shape) == (6,)
+
+
+def case_sequence_parallel_as_a_class_property(rank: int, world: int) -> str:
+    model = Net()
+    del model.norm.sequence_parallel
+    for p in model.parameters():
+        p.__class__ = FlagParameter
+    return train(model, rank, (0, 1), timed_collection(EVENTS))
+
+
 # =========================================================================== clear errors
 
 BAD_GRADS = {
@@ -383,6 +400,40 @@ case_system_exit_from_a_property_on_rank1 = _raising_property(SystemExit(3))
 case_generator_exit_from_a_property_on_rank1 = _raising_property(GeneratorExit("closed by the user"))
 
 
+def _raising_parameter_property(attr: str, error: BaseException) -> Callable[[int, int], tuple]:
+    """On rank 1, ``fc2.weight``'s class defines ``attr`` as a property raising ``error``."""
+
+    def case(rank: int, world: int) -> tuple:
+        groups = timed_collection(EVENTS)
+        model = Net()
+        train(model, rank, (0,), groups)
+        model.zero_grad(set_to_none=True)
+        backward(model, rank, 1)
+        p = model.fc2.weight
+        before = snapshot([model])  # (read before the property exists: it would raise here too)
+        if rank == 1:
+            def get(self: Any) -> Any:
+                raise error
+
+            p.__class__ = type("Raising", (nn.Parameter,), {attr: property(get)})
+        start = time.monotonic()
+        try:
+            _finalize(model, groups)
+            kind, message = "ok", ""
+        except BaseException as err:  # noqa: BLE001 -- recorded
+            kind, message = kind_of(err), str(err)
+        seconds = time.monotonic() - start
+        p.__class__ = nn.Parameter
+        return kind, message, snapshot([model]) == before, seconds, train(model, rank, (2,), groups)
+
+    return case
+
+
+case_system_exit_from_a_grad_property_on_rank1 = _raising_parameter_property("grad", SystemExit(3))
+case_generator_exit_from_a_flag_property_on_rank1 = _raising_parameter_property(
+    "sequence_parallel", GeneratorExit("closed by the user"))
+
+
 def case_frozen_on_rank3_only(rank: int, world: int) -> tuple:
     groups = timed_collection(EVENTS)
     model = Net()
@@ -452,6 +503,7 @@ RIGHT = [
     ("case_numel_zero_parameter", "a parameter and gradient of numel 0"),
     ("case_transposed_view_gradient", "non-contiguous gradients (a transposed view, channels_last)"),
     ("case_two_models_from_two_threads", "two models on disjoint groups finalized from two threads at once, 4 steps each"),
+    ("case_sequence_parallel_as_a_class_property", "sequence_parallel a property of the parameter class, per parameter"),
 ]
 
 
@@ -521,9 +573,14 @@ def test_a_parameter_frozen_on_one_rank_only_raises_on_every_rank(world, reliabi
                 "parameter); nothing changed; the next clean step right")
 
 
-@pytest.mark.parametrize("name,kind", [("case_system_exit_from_a_property_on_rank1", "SystemExit"),
-                                       ("case_generator_exit_from_a_property_on_rank1", "GeneratorExit")])
-def test_a_base_exception_from_a_user_property_raises_on_every_rank(world, reliability, name, kind):
+PROPERTIES = [("case_system_exit_from_a_property_on_rank1", "SystemExit", "chunk.config"),
+              ("case_generator_exit_from_a_property_on_rank1", "GeneratorExit", "chunk.config"),
+              ("case_system_exit_from_a_grad_property_on_rank1", "SystemExit", "param.grad"),
+              ("case_generator_exit_from_a_flag_property_on_rank1", "GeneratorExit", "param.sequence_parallel")]
+
+
+@pytest.mark.parametrize("name,kind,what", PROPERTIES, ids=[p[0][5:] for p in PROPERTIES])
+def test_a_base_exception_from_a_user_property_raises_on_every_rank(world, reliability, name, kind, what):
     slowest = 0.0
     for rank, (got, message, untouched, seconds, after) in enumerate(case_values(world, name)):
         assert untouched, (name, rank, "changed")
@@ -535,7 +592,7 @@ def test_a_base_exception_from_a_user_property_raises_on_every_rank(world, relia
         else:
             assert got == "ConsistencyError" and f"rank 1 failed its own checks: {kind}" in message, (
                 name, rank, got, message)
-    reliability("bad input", f"a user property (chunk.config) raises {kind} on rank 1 only [4 ranks]",
+    reliability("bad input", f"a user property ({what}) raises {kind} on rank 1 only [4 ranks]",
                 f"{kind} there, ConsistencyError naming it elsewhere, after <= {slowest:.2f} s; nothing changed; "
                 "the next clean step right")
 
