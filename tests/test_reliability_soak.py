@@ -406,9 +406,9 @@ def test_soak_random_steps_match_fresh_calls_and_the_reference(reliability):
     for rank, (_, value) in enumerate(got):
         print(f"rank {rank}: {value['seconds']:.0f} s, per phase {({k: round(v, 1) for k, v in value['spent'].items()})}")
         assert not value["failures"], (rank, value["failures"])
+        assert value["checked"] == STEPS, (rank, value)
     elapsed = max(value["seconds"] for _, value in got)
     assert elapsed < BUDGET * STEPS, (elapsed, STEPS)
-        assert value["checked"] == STEPS, (rank, value)
     # Every injected fault: every rank raised the expected error, promptly, changing nothing.
     per_rank = [value["faults"] for _, value in got]
     assert len({len(f) for f in per_rank}) == 1 and len(per_rank[0]) == STEPS // 2, [len(f) for f in per_rank]
