@@ -286,6 +286,65 @@ def case_two_models_from_two_threads(rank: int, world: int) -> str:
     return "; ".join(f"model {i}: {f}" for i, f in enumerate(found) if f)
 
 
+def _default_float64() -> Any:
+    """A context in which torch's default dtype is float64."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope() -> Any:
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(old)
+
+    return scope()
+
+
+CONTEXTS = {
+    "inference_mode": torch.inference_mode,
+    "enable_grad": torch.enable_grad,
+    "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    "default_float64": _default_float64,
+}
+
+
+def _in_context(name: str) -> Callable[[int, int], str]:
+    def case(rank: int, world: int) -> str:
+        groups, model = timed_collection(EVENTS), Net()
+        for step in (0, 1):
+            model.zero_grad(set_to_none=True)
+            backward(model, rank, step)
+            with CONTEXTS[name]():
+                _finalize(model, groups)
+            wrong = same(grads(model), expected(rank, step))
+            if wrong:
+                return f"step {step}: {wrong}"
+        return ""
+
+    return case
+
+
+for _name in CONTEXTS:
+    globals()[f"case_finalize_under_{_name}"] = _in_context(_name)
+
+
+def case_frozen_with_a_stale_gradient(rank: int, world: int) -> str:
+    groups, model = timed_collection(EVENTS), Net()
+    train(model, rank, (0,), groups)
+    stale = model.fc2.weight.grad.clone()
+    for name, p in model.named_parameters():
+        if name != "fc2.weight":
+            p.grad = None
+    model.fc2.weight.requires_grad_(False)  # its gradient of step 0 left in place
+    backward(model, rank, 1)
+    _finalize(model, groups)
+    want = expected(rank, 1, setup=lambda net: net.fc2.weight.requires_grad_(False))
+    wrong = same({n: g for n, g in grads(model).items() if n != "fc2.weight"}, want)
+    return wrong or ("" if torch.equal(model.fc2.weight.grad, stale) else "the frozen parameter's gradient changed")
+
+
 class FlagParameter(nn.Parameter):
     """A parameter class computing Megatron's flag: only the 6-element norm weight is
     sequence parallel (a property, read per parameter as Megatron reads it)."""
@@ -504,6 +563,11 @@ RIGHT = [
     ("case_transposed_view_gradient", "non-contiguous gradients (a transposed view, channels_last)"),
     ("case_two_models_from_two_threads", "two models on disjoint groups finalized from two threads at once, 4 steps each"),
     ("case_sequence_parallel_as_a_class_property", "sequence_parallel a property of the parameter class, per parameter"),
+    ("case_frozen_with_a_stale_gradient", "a parameter frozen with its old .grad left in place (left unchanged)"),
+    ("case_finalize_under_inference_mode", "finalize under torch.inference_mode(), 2 steps"),
+    ("case_finalize_under_enable_grad", "finalize under torch.enable_grad(), 2 steps"),
+    ("case_finalize_under_autocast", "finalize under torch.autocast('cpu', bfloat16), 2 steps"),
+    ("case_finalize_under_default_float64", "finalize with torch's default dtype float64, 2 steps"),
 ]
 
 
