@@ -345,6 +345,42 @@ def case_frozen_with_a_stale_gradient(rank: int, world: int) -> str:
     return wrong or ("" if torch.equal(model.fc2.weight.grad, stale) else "the frozen parameter's gradient changed")
 
 
+def case_model_cast_to_float64_midway(rank: int, world: int) -> str:
+    groups, model = timed_collection(EVENTS), Net()
+    wrong = train(model, rank, (0,), groups)
+    model.double()  # every parameter's data replaced by float64 (same Parameter objects)
+    for step in (1, 2):
+        model.zero_grad(set_to_none=True)
+        x, k, t = (v.double() for v in batch(rank, step))
+        (model(x, k) * t).sum().backward()
+        _finalize(model, groups)
+        got = grads(model)
+        wrong = wrong or same(got, {n: g.double() for n, g in expected(rank, step).items()})
+        wrong = wrong or ("" if all(g.dtype == torch.float64 for g in got.values()) else "not float64")
+    return wrong
+
+
+class _Identity(nn.Module):
+    def forward(self, x: Any) -> Any:
+        return x * 1
+
+
+def case_parametrized_weight(rank: int, world: int) -> str:
+    from torch.nn.utils import parametrize
+
+    groups, model = timed_collection(EVENTS), Net()
+    parametrize.register_parametrization(model.fc1, "weight", _Identity())
+    for step in (0, 1):
+        model.zero_grad(set_to_none=True)
+        backward(model, rank, step)
+        _finalize(model, groups)
+        got = {n.replace("parametrizations.weight.original", "weight"): g for n, g in grads(model).items()}
+        wrong = same(got, expected(rank, step))
+        if wrong:
+            return f"step {step}: {wrong}"
+    return ""
+
+
 class FlagParameter(nn.Parameter):
     """A parameter class computing Megatron's flag: only the 6-element norm weight is
     sequence parallel (a property, read per parameter as Megatron reads it)."""
@@ -568,6 +604,8 @@ RIGHT = [
     ("case_finalize_under_enable_grad", "finalize under torch.enable_grad(), 2 steps"),
     ("case_finalize_under_autocast", "finalize under torch.autocast('cpu', bfloat16), 2 steps"),
     ("case_finalize_under_default_float64", "finalize with torch's default dtype float64, 2 steps"),
+    ("case_model_cast_to_float64_midway", "model.double() after step 1 (float64 from step 2)"),
+    ("case_parametrized_weight", "a weight under torch.nn.utils.parametrize, 2 steps"),
 ]
 
 
