@@ -234,6 +234,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
     chunks = []
     by_class: dict[type, dict[str, Any]] = {}
     step_defaults: dict[type, tuple[Any, ...]] = {}  # per class, its step flags' values
+    per_instance: set[type] = set()  # classes defining a flag as a property (read per parameter)
     left_out = experts = False
     for index, chunk in enumerate(model):
         skip = index < len(untouched) and untouched[index]
@@ -251,8 +252,10 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
             if cls not in by_class:
                 by_class[cls] = _class_flags(cls)
                 step_defaults[cls] = tuple(by_class[cls][flag] for flag in FLAG_ATTRS)
+                if _per_instance(by_class[cls]):
+                    per_instance.add(cls)
             flags, steps = by_class[cls], step_defaults[cls]
-            if _per_instance(flags):  # a flag the class defines as a property: this parameter's value
+            if cls in per_instance:  # a flag the class defines as a property: this parameter's value
                 flags = _instance_flags(param, flags)
                 steps = tuple(flags[flag] for flag in FLAG_ATTRS)
             role = roles.get(id(param), Role.NONE)
