@@ -588,6 +588,22 @@ def test_a_nonfinite_recorded_value_is_a_damaged_record(tmp_path: Any, capsys: A
     assert replay(src)["ok"]  # the same files without the edit pass
 
 
+def test_a_nonfinite_recorded_num_tokens_is_a_damaged_record(tmp_path: Any) -> None:
+    """num_tokens recorded as NaN on rank 2 (before finalize): the same one-line refusal."""
+    src = os.path.join(_world(4), "dp4-bf16-grad")
+    damaged = tmp_path / "damaged"
+    _copy(src, str(damaged))
+    path = os.path.join(damaged, "step00000000.rank00002.npz")
+    with np.load(path, allow_pickle=False) as data:
+        meta = json.loads(data["meta"].tobytes().decode())
+    assert meta["num_tokens"]["before"] is not None
+    meta["num_tokens"]["before"] = float("nan")
+    _rewrite(path, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+    with pytest.raises(AuditError, match=r"^step 0: rank 2: the recorded num_tokens before finalize is nan: a damaged record"):
+        replay(str(damaged))
+    assert audit_main([str(damaged)]) == 2
+
+
 def test_files_of_another_run_are_refused(tmp_path: Any) -> None:
     """Rank 1's files replaced by another recording's of the same step and layout (other
     values): a clear error naming the rank and the file, not a MISMATCH of every parameter."""
