@@ -10,14 +10,19 @@ must match bit for bit. The events:
 - activation checkpointing (``torch.utils.checkpoint``, reentrant and not), gradient
   hooks that scale ``.grad`` in place or replace it (``register_post_accumulate_grad_hook``,
   ``Tensor.register_hook``), accumulation over micro-batches with finalize once, a
-  parameter frozen then unfrozen, a parameter added then removed, numel-0 and
-  non-contiguous (channels_last, transposed) gradients, two models finalized from two
-  threads at once: the right numbers every step;
+  parameter frozen then unfrozen (its old gradient left or not), a parameter added then
+  removed, numel-0 and non-contiguous (channels_last, transposed) gradients, two models on
+  disjoint groups finalized from two threads at once, finalize under inference_mode /
+  enable_grad / autocast / a float64 default dtype, the model cast to float64, a
+  parametrized weight, ``sequence_parallel`` as a property of the parameter class: the
+  right numbers every step;
 - gradients finalize cannot reduce (complex, sparse, on the meta device), on every rank
-  or on one rank only, a bad ``moe_router_load_balancing_type`` on one rank, and
-  ``SystemExit`` / ``GeneratorExit`` raised by a user property on one rank: a clear error
-  on every rank (the rank at fault its own, naming the parameter or field), promptly,
-  nothing changed, and the next clean step right.
+  or on one rank only, a parameter frozen on one rank only, a bad
+  ``moe_router_load_balancing_type`` on one rank (a warning when every rank has it), and
+  ``SystemExit`` / ``GeneratorExit`` raised by a user property (``chunk.config``, a
+  parameter's ``grad`` or flag) on one rank: a clear error on every rank (the rank at
+  fault its own, naming the parameter or field), promptly, nothing changed, and the next
+  clean step right.
 """
 
 from __future__ import annotations
