@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from meshgrad import FinalizeConfig  # noqa: E402
 from parity_tests.scenarios import Scenario  # noqa: E402
-from parity_tests.torch_world import case_values, run_cases  # noqa: E402
+from parity_tests.torch_world import case_values, device_mesh, run_cases  # noqa: E402
 from test_reliability_inputs import DP_TP, TIMEOUT, kind_of, setup_model, snapshot, timed_collection  # noqa: E402
 from torch_impl import finalize_model_grads  # noqa: E402
 
@@ -546,8 +546,17 @@ def case_frozen_on_rank3_only(rank: int, world: int) -> tuple:
     return (*outcome, train(model, rank, (2,), groups))
 
 
-def case_load_balancing_typo_on_rank1(rank: int, world: int) -> tuple:
-    groups = timed_collection(DP_TP)
+_MESHES: dict[Any, Any] = {}  # per worker process
+
+
+def _typo_on_rank1(mesh: bool) -> Callable[[int, int], tuple]:
+    def case(rank: int, world: int) -> tuple:
+        return _load_balancing_typo_on_rank1(rank, device_mesh(DP_TP, _MESHES) if mesh else timed_collection(DP_TP))
+
+    return case
+
+
+def _load_balancing_typo_on_rank1(rank: int, groups: Any) -> tuple:
     changes = {"moe_router_load_balancing_type": "aux-loss"} if rank == 1 else None
     model = setup_model(DP_TP, rank, changes)
     before = snapshot(model)
@@ -564,6 +573,10 @@ def case_load_balancing_typo_on_rank1(rank: int, world: int) -> tuple:
     finalize_model_grads(good, pg_collection=groups)
     finalize_model_grads(fresh, pg_collection=groups)
     return (*outcome, snapshot(good) == snapshot(fresh))
+
+
+case_load_balancing_typo_on_rank1 = _typo_on_rank1(mesh=False)
+case_load_balancing_typo_on_rank1_device_mesh = _typo_on_rank1(mesh=True)
 
 
 def case_load_balancing_typo_everywhere(rank: int, world: int) -> tuple:
@@ -704,10 +717,10 @@ def test_a_base_exception_from_a_user_property_raises_on_every_rank(world, relia
                 "the next clean step right")
 
 
-def test_a_load_balancing_type_typo_on_one_rank_raises_its_own_error_there(world, reliability):
-    for rank, (got, message, untouched, seconds, recovered) in enumerate(
-        case_values(world, "case_load_balancing_typo_on_rank1")
-    ):
+@pytest.mark.parametrize("name,groups", [("case_load_balancing_typo_on_rank1", "collection"),
+                                         ("case_load_balancing_typo_on_rank1_device_mesh", "DeviceMesh")])
+def test_a_load_balancing_type_typo_on_one_rank_raises_its_own_error_there(world, reliability, name, groups):
+    for rank, (got, message, untouched, seconds, recovered) in enumerate(case_values(world, name)):
         assert untouched and recovered, rank
         assert seconds < PROMPT, (rank, seconds)
         assert message.startswith(f"rank {rank}: "), (rank, message)
@@ -718,7 +731,7 @@ def test_a_load_balancing_type_typo_on_one_rank_raises_its_own_error_there(world
         else:
             assert got == "ConsistencyError" and "rank 1 failed its own checks: " in message, (rank, got, message)
             assert names_error(message, "ValueError"), (rank, message)
-    reliability("bad input", "config.moe_router_load_balancing_type = 'aux-loss' on rank 1 only [4 ranks]",
+    reliability("bad input", f"config.moe_router_load_balancing_type = 'aux-loss' on rank 1 only, {groups} [4 ranks]",
                 "ValueError naming the field and the allowed values there, ConsistencyError naming it "
                 "elsewhere; nothing changed")
 
