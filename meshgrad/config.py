@@ -202,19 +202,36 @@ def _validate(config: FinalizeConfig) -> None:
             "FinalizeConfig.moe_router_load_balancing_type must be a string or a list of strings, "
             f"got {lbt!r}"
         )
-    if not 0.0 <= float(config.moe_router_quantile_balancing_ema) <= 1.0:
-        warnings.warn(
-            "FinalizeConfig.moe_router_quantile_balancing_ema should lie in [0, 1], "
-            f"got {config.moe_router_quantile_balancing_ema!r} (used as given, as Megatron-Core does)",
-            stacklevel=4,
+    for doubt in doubtful_values(config):
+        warnings.warn(f"FinalizeConfig.{doubt} (used as given, as Megatron-Core does)", stacklevel=4)
+
+
+def doubtful_values(config: FinalizeConfig) -> list[str]:
+    """The values of ``config`` that Megatron-Core accepts without a word but that are most
+    likely typos: an unknown ``moe_router_load_balancing_type`` (Megatron's routers and
+    finalize give it no step) and a ``moe_router_quantile_balancing_ema`` outside [0, 1].
+    Alone they are warnings; where they make the ranks disagree, the rank holding one
+    raises it (``torch_impl.call.agree``).
+
+    Returns:
+      One line per doubtful field, naming the field, the value and what is allowed.
+    """
+    out = []
+    ema = config.moe_router_quantile_balancing_ema
+    if not 0.0 <= float(ema) <= 1.0:
+        out.append(f"moe_router_quantile_balancing_ema should lie in [0, 1], got {ema!r}")
+    lbt = config.moe_router_load_balancing_type
+    values = [lbt] if isinstance(lbt, str) else list(lbt)
+    for value in values:
+        if value in LOAD_BALANCING_TYPES:
+            continue
+        close = difflib.get_close_matches(value, sorted(LOAD_BALANCING_TYPES), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        out.append(
+            f"moe_router_load_balancing_type: {value!r} is not among the types Megatron-Core knows "
+            f"({sorted(LOAD_BALANCING_TYPES)}{hint}); finalize treats it as a type without a step"
         )
-    unknown = sorted({lbt} - LOAD_BALANCING_TYPES if isinstance(lbt, str) else set(lbt) - LOAD_BALANCING_TYPES)
-    if unknown:
-        warnings.warn(
-            f"FinalizeConfig.moe_router_load_balancing_type: {unknown} not among the types Megatron-Core "
-            f"knows ({sorted(LOAD_BALANCING_TYPES)}); finalize treats it as a type without a step",
-            stacklevel=4,
-        )
+    return out
 
 
 def reject_unknown_keys(values: Mapping[Any, Any], known: Iterable[str], label: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -118,10 +119,51 @@ def read_rank_file(directory: str, path: str, step: int, rank: int, cache: dict[
         raise AuditError(f"{path}: does not fit its plan file ({type(err).__name__}: {err})") from None
     for p, before, after in zip(params, has[0], has[1]):
         p["has_grad"], p["has_grad_after"] = bool(before), bool(after)
+    check_finite(path, step, rank, params, out, meta.get("num_tokens"))
     merged = {k: v for k, v in static.items() if k not in ("params", "format", "rank")}
     merged.update(meta)
     merged["params"] = params
     return RankFile(path, merged, out)
+
+
+def check_finite(path: str, step: int, rank: int, params: list[dict[str, Any]], arrays: dict[str, np.ndarray],
+                 tokens: dict[str, Any] | None = None) -> None:
+    """Refuse a record holding NaN or inf: finalize's inputs and outputs are recorded as
+    they were, and a replay can verify finite values only, so a non-finite value (before
+    or after, of a gradient present then, or of a router buffer) marks a damaged record.
+
+    Args:
+      path: the step file (for the message).
+      step, rank: the file's step and rank.
+      params: the plan's parameters with this file's ``has_grad`` / ``has_grad_after``.
+      arrays: the file's values (``grad_before``, ``grad_after``, ``positions``, routers).
+      tokens: the file's ``num_tokens`` record (``before`` / ``after``: a number or None).
+
+    Raises:
+      AuditError: one line naming the step, the rank, the parameter (chunk/name), router
+        buffer or ``num_tokens``, the flat index and the value.
+    """
+    for when, value in (tokens or {}).items():
+        if isinstance(value, (int, float)) and not math.isfinite(value):
+            raise AuditError(f"step {step}: rank {rank}: the recorded num_tokens {when} finalize is {value!r}: a "
+                             f"damaged record (the replay verifies finite values only; {path})")
+    for when in ("before", "after"):
+        values, start = arrays[f"grad_{when}"], 0
+        for p in params:
+            n = int(p["samples"])
+            piece = values[start:start + n]
+            if p["has_grad" if when == "before" else "has_grad_after"] and not np.isfinite(piece).all():
+                k = int(np.flatnonzero(~np.isfinite(piece))[0])
+                raise AuditError(
+                    f"step {step}: rank {rank}: the recorded {when} value of parameter {p['chunk']}/{p['name']} at "
+                    f"flat index {int(arrays['positions'][start + k])} is {float(piece[k])!r}: a damaged record "
+                    f"(the replay verifies finite values only; {path})")
+            start += n
+    for name, value in arrays.items():
+        if name.startswith("router") and not np.isfinite(value).all():
+            raise AuditError(f"step {step}: rank {rank}: the recorded router buffer {name} holds "
+                             f"{float(value[~np.isfinite(value)][0])!r}: a damaged record "
+                             f"(the replay verifies finite values only; {path})")
 
 
 def load(directory: str) -> dict[int, list[RankFile]]:

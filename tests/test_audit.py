@@ -559,25 +559,49 @@ def test_a_rank_deleted_from_every_step_is_named(tmp_path: Any) -> None:
     assert audit_main([str(gone)]) == 2
 
 
-def test_nonfinite_before_values_do_not_pass(tmp_path: Any, capsys: Any) -> None:
-    """A NaN in rank 0's recorded "before" values: the tolerance there would be NaN (and
-    ``inf > nan`` is false); the row's verdict is NONFINITE, naming the rank, and the step fails."""
+@pytest.mark.parametrize("member,value", [("grads_before", np.nan), ("grads_before", -np.inf), ("grads_after", np.nan),
+                                          ("grads_after", np.inf)])
+def test_a_nonfinite_recorded_value_is_a_damaged_record(tmp_path: Any, capsys: Any, member: str, value: float) -> None:
+    """A NaN or inf edited into rank 1's recorded values of step 0 (before or after
+    finalize): the replay refuses the record -- one line naming the step, the rank, the
+    parameter and the flat index, exit status 2 -- in the streamed and the whole load
+    alike, instead of a row that names no parameter."""
     src = os.path.join(_world(4), "dp4-bf16-grad")
-    nan = tmp_path / "nan"
-    _copy(src, str(nan))
-    path = os.path.join(nan, "step00000000.rank00000.npz")
+    damaged = tmp_path / "damaged"
+    _copy(src, str(damaged))
+    path = os.path.join(damaged, "step00000000.rank00001.npz")
     with np.load(path, allow_pickle=False) as data:
-        before = data["grads_before"].copy()
-    before[0] = np.nan
-    _rewrite(path, grads_before=before)
-    result = replay(str(nan))
-    bad = [r for s in result["steps"] for r in s["rows"] if r["status"] != "ok"]
-    assert not result["ok"] and len(bad) == 1, format_report(result)
-    assert bad[0]["status"] == "NONFINITE" and "rank 0" in bad[0]["detail"] and "NaN" in bad[0]["detail"]
-    # every other parameter still compares (the same files without the NaN pass)
-    assert replay(src)["ok"]
-    assert audit_main([str(nan)]) == 1
-    assert "NONFINITE step 0" in capsys.readouterr().out
+        values = data[member].copy()
+        positions = load(src)[0][1].arrays["positions"]
+    first = load(src)[0][1].meta["params"][0]
+    values[1] = value  # the first parameter's second sample
+    _rewrite(path, **{member: values})
+    when = "before" if member == "grads_before" else "after"
+    text = (f"step 0: rank 1: the recorded {when} value of parameter {first['chunk']}/{first['name']} at flat index "
+            f"{int(positions[1])} is {float(value)!r}: a damaged record")
+    for stream in (True, False):
+        with pytest.raises(AuditError) as err:
+            replay(str(damaged), stream=stream)
+        assert str(err.value).startswith(text) and "\n" not in str(err.value), str(err.value)
+    assert audit_main([str(damaged)]) == 2
+    assert capsys.readouterr().err.startswith(f"audit: {text}")
+    assert replay(src)["ok"]  # the same files without the edit pass
+
+
+def test_a_nonfinite_recorded_num_tokens_is_a_damaged_record(tmp_path: Any) -> None:
+    """num_tokens recorded as NaN on rank 2 (before finalize): the same one-line refusal."""
+    src = os.path.join(_world(4), "dp4-bf16-grad")
+    damaged = tmp_path / "damaged"
+    _copy(src, str(damaged))
+    path = os.path.join(damaged, "step00000000.rank00002.npz")
+    with np.load(path, allow_pickle=False) as data:
+        meta = json.loads(data["meta"].tobytes().decode())
+    assert meta["num_tokens"]["before"] is not None
+    meta["num_tokens"]["before"] = float("nan")
+    _rewrite(path, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+    with pytest.raises(AuditError, match=r"^step 0: rank 2: the recorded num_tokens before finalize is nan: a damaged record"):
+        replay(str(damaged))
+    assert audit_main([str(damaged)]) == 2
 
 
 def test_files_of_another_run_are_refused(tmp_path: Any) -> None:

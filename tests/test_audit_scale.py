@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from parity_tests import audit_stream
-from parity_tests.audit import format_report, load, replay, scan
+from parity_tests.audit import AuditError, format_report, load, replay, scan
 from parity_tests.audit_synth import write_step
 
 
@@ -73,8 +73,8 @@ def test_streamed_replay_equals_the_whole_load(run64: str) -> None:
 
 
 def test_streamed_replay_equals_the_whole_load_on_damaged_records(run64: str, tmp_path: Any) -> None:
-    """Wrong values, NaN / inf before and after, a gradient gone, a compressed file: the same
-    rows, the same details, whatever the blocks."""
+    """Wrong values, a gradient gone, a compressed file: the same rows, the same details,
+    whatever the blocks; NaN / inf before or after: the same damaged-record error."""
     directory = str(tmp_path / "damaged")
     os.makedirs(directory)
     for name in os.listdir(run64):
@@ -86,19 +86,32 @@ def test_streamed_replay_equals_the_whole_load_on_damaged_records(run64: str, tm
     path = os.path.join(directory, "step00000005.rank00033.npz")
     with np.load(path, allow_pickle=False) as data:
         before, after, has = data["grads_before"].copy(), data["grads_after"].copy(), data["has_grad"].copy()
-    before[12 * 16 + 2] = np.nan
-    after[13 * 16 + 5] = np.inf
     has[1, 20] = False  # parameter 20's gradient gone after finalize on rank 33
     _rewrite(path, compressed=True, grads_before=before, grads_after=after, has_grad=has)
     whole = replay(directory, stream=False)
     bad = {r["name"]: r["status"] for r in whole["steps"][0]["rows"] if r["status"] != "ok"}
     assert bad == {"layers.4.linear.weight": "MISMATCH", "layers.9.norm.weight": "MISMATCH",
-                   "layers.12.norm.weight": "NONFINITE", "layers.13.linear.weight": "MISMATCH",
                    "layers.20.linear.weight": "MISMATCH"}, format_report(whole)
     for budget in (audit_stream.BLOCK_VALUES, 1, 5 * 64 * 16):
         streamed = _streamed(directory, budget)
         assert _same(streamed, whole), budget
         assert format_report(streamed) == format_report(whole)
+    for member, index, value in (("grads_before", 12 * 16 + 2, np.nan), ("grads_after", 13 * 16 + 5, np.inf)):
+        with np.load(path, allow_pickle=False) as data:
+            values = data[member].copy()
+        kept = float(values[index])
+        values[index] = value
+        _rewrite(path, compressed=True, **{member: values})
+        errors = []
+        for stream in (True, False):
+            with pytest.raises(AuditError) as err:
+                replay(directory, stream=stream)
+            errors.append(str(err.value))
+        layer = index // 16
+        assert errors[0] == errors[1] and errors[0].startswith("step 5: rank 33: the recorded ") and (
+            f"layers.{layer}." in errors[0] and "a damaged record" in errors[0]), errors
+        values[index] = kept
+        _rewrite(path, compressed=True, **{member: values})
 
 
 def test_a_parameter_held_twice_is_replayed_whole(run64: str, tmp_path: Any) -> None:

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshgrad.axes import Group
-from meshgrad.config import FinalizeConfig
+from meshgrad.config import FinalizeConfig, doubtful_values
+from meshgrad.errors import FinalizeInputError
 from meshgrad.plan import FinalizePlan
 from torch_impl.call.signatures import signatures
 from torch_impl.call.check import CheckSpec, Findings
@@ -82,6 +83,19 @@ def share_local_error(
     share_error(err, status_route(groups, over), groups.rank, "finalize status check")
 
 
+def config_doubt(config: FinalizeConfig, rank: int) -> FinalizeInputError | None:
+    """This rank's config values that Megatron accepts but that are most likely typos
+    (:func:`meshgrad.config.doubtful_values`; a warning alone), as the error this rank
+    raises when they make the ranks disagree (the status round's comparison)."""
+    doubts = doubtful_values(config)
+    if not doubts:
+        return None
+    return FinalizeInputError(
+        f"rank {rank}: " + "; ".join(f"FinalizeConfig.{d}" for d in doubts)
+        + " -- and the ranks differ (they would launch different collectives)"
+    )
+
+
 def agree_call(findings: Findings, spec: CheckSpec, plan: FinalizePlan, groups: TorchGroups,
                config: FinalizeConfig, num_tokens: Any) -> Any:
     """The agree stage: one status round per call, after the local checks.
@@ -120,6 +134,7 @@ def agree_call(findings: Findings, spec: CheckSpec, plan: FinalizePlan, groups: 
     reduced, total = status_round(
         groups, spec.over, error=error, compare=findings.compare, nonfinite=nonfinite,
         lines=lambda: signatures(plan, groups, config, num_tokens), compared=spec.compared, tokens=tokens,
+        doubt=lambda: config_doubt(config, groups.rank),
     )
     if reduced[COMPARE]:
         record.consistent, record.tokens = True, findings.tokens
@@ -144,5 +159,6 @@ def agree_call(findings: Findings, spec: CheckSpec, plan: FinalizePlan, groups: 
 
 __all__ = [
     "agree_call",
+    "config_doubt",
     "share_local_error",
 ]

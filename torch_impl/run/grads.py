@@ -35,9 +35,10 @@ def get_grad(param: torch.Tensor) -> torch.Tensor | None:
 
 def is_dtensor(tensor: Any) -> bool:
     """Whether ``tensor`` is a DTensor (without importing the slow DTensor package: no
-    DTensor can exist before ``torch.distributed.tensor`` is imported)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
+    DTensor can exist before ``torch.distributed.tensor`` is imported; while another
+    thread is still importing it, the module lacks ``DTensor`` and no DTensor exists yet)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def unshard(tensor: torch.Tensor) -> torch.Tensor:

@@ -375,16 +375,28 @@ def _gathered(what: str, group: Group, rank: int, gather: Callable[[], Any]) -> 
 
 
 def compare_round(
-    lines: Mapping[Group, Sequence[str]], groups: TorchGroups, compared: Sequence[Group] | None, route: Sequence[Hop]
+    lines: Mapping[Group, Sequence[str]], groups: TorchGroups, compared: Sequence[Group] | None, route: Sequence[Hop],
+    doubt: BaseException | None = None,
 ) -> None:
     """The consistency comparison, when a status round asks for one: in every compared
     group (default: every group of size > 1), its members all-gather a hash of ``lines``;
     only where hashes differ are the full lines gathered. Then one round over ``route``,
     so that every rank raises when any group differs.
 
+    Args:
+      lines: what this rank will launch, per group.
+      groups: this rank's groups.
+      compared: the groups compared (None: every group of size > 1).
+      route: the route of the outcome round.
+      doubt: this rank's held-back local error (a value Megatron accepts but that is most
+        likely wrong), raised only when the ranks differ: then it wins on this rank, and
+        the peers' error names it (:func:`raise_mismatch`).
+
     Raises:
       ConsistencyError: naming the group, its ranks and the first differing line (on the
-        ranks of that group), or the rank that found it (elsewhere).
+        ranks of that group), or the rank that found it (elsewhere); naming a rank's
+        doubt when one was held back.
+      BaseException: ``doubt`` itself, when the ranks differ.
     """
     rank, messages = groups.rank, []
     for group in Group if compared is None else compared:
@@ -400,14 +412,43 @@ def compare_round(
             _gathered("consistency check (details)", group, rank,
                       lambda: dist.all_gather_object(every, (rank, mine), group=pg))
             messages.append(_mismatch(group, [r for r, _ in every], [lines for _, lines in every], rank))
-    mismatch = lowest_flagged(bool(messages), route, rank, "finalize consistency status")
+    flags = [BIG - rank if messages else 0, BIG - rank if doubt is not None else 0]
+    mismatch, doubted = reduce_max(flags, route, rank, "finalize consistency status")
+    raise_mismatch(rank, messages, mismatch, doubted, doubt, route)
+
+
+def _flagged(value: int) -> int:
+    """The rank a MAX-reduced ``BIG - rank`` flag names (the lowest that raised it)."""
+    return BIG - value
+
+
+def raise_mismatch(
+    rank: int, messages: Sequence[str], mismatch: int, doubted: int, doubt: BaseException | None,
+    route: Sequence[Hop],
+) -> None:
+    """After the comparison's outcome round (the same ``mismatch`` / ``doubted`` flags on
+    every rank): nothing when no group differs; else, when some rank held back a doubt,
+    that rank raises it and every other rank a :class:`ConsistencyError` naming it (its
+    first line) above its own mismatch; else the mismatch itself."""
+    if not mismatch:
+        return
+    if doubted:
+        texts = gather_texts(first_line(doubt) if doubt is not None else None, route, rank, "finalize consistency status")
+        if doubt is not None:
+            raise doubt
+        who = _flagged(doubted)
+        detail = "\n".join(messages) if messages else (
+            f"rank {_flagged(mismatch)} found ranks of one of its groups that would launch different collectives")
+        raise ConsistencyError(
+            f"rank {rank}: rank {who} failed its own checks: {texts.get(who, '(no message)')}; found before any "
+            f"collective: nothing was reduced or changed\n{detail}"
+        )
     if messages:
         raise ConsistencyError("\n".join(messages))
-    if mismatch >= 0:
-        raise ConsistencyError(
-            f"rank {rank}: rank {mismatch} found ranks of one of its groups that would launch "
-            "different collectives (its error names them); nothing was reduced"
-        )
+    raise ConsistencyError(
+        f"rank {rank}: rank {_flagged(mismatch)} found ranks of one of its groups that would launch "
+        "different collectives (its error names them); nothing was reduced"
+    )
 
 
 def fused_tokens(groups: TorchGroups, over: Sequence[Group], group: Group | None, num_tokens: Any) -> torch.Tensor | None:
@@ -444,6 +485,7 @@ def status_round(
     lines: Callable[[], Mapping[Group, Sequence[str]]],
     compared: Sequence[Group] | None = None,
     tokens: torch.Tensor | None = None,
+    doubt: Callable[[], BaseException | None] | None = None,
 ) -> tuple[list[int], torch.Tensor | None]:
     """A call's status round over the route of ``over`` (:func:`status_route`): this
     rank's vector (:func:`status_vector`, with its DeviceMesh layout digest, and
@@ -461,6 +503,8 @@ def status_round(
       compared: the groups compared (None: every group of size > 1).
       tokens: the call's ``num_tokens`` when the round carries its count
         (:func:`fused_tokens`), else None.
+      doubt: this rank's held-back local error, looked up only when a comparison runs
+        (:func:`compare_round`).
 
     Returns:
       (the reduced vector, the global token count on the route's device or None).
@@ -470,7 +514,7 @@ def status_round(
     reduced, total = reduce_status(mine, route, groups.rank, "finalize status check", tokens)
     settle(reduced, route, groups.rank, "finalize status check", error=error, layout_text=groups.layout_text)
     if reduced[COMPARE]:
-        compare_round(lines(), groups, compared, route)
+        compare_round(lines(), groups, compared, route, doubt() if doubt is not None else None)
     return reduced, total
 
 
@@ -495,7 +539,7 @@ def already_shared(err: BaseException) -> bool:
 __all__ = [
     "AgreedInputError", "BIG", "SPANNING_GROUPS", "STATUS_SIZE", "all_reduce_max", "all_reduce_status",
     "already_shared", "backend", "call_vector", "capturing", "compare_round", "device_for", "first_line", "fused_tokens",
-    "gather_texts", "layout_digest", "layouts_differ", "lowest_flagged", "read_back", "reduce_max",
+    "gather_texts", "layout_digest", "layouts_differ", "lowest_flagged", "raise_mismatch", "read_back", "reduce_max",
     "reduce_status", "settle", "share_error", "status_round", "status_route", "status_vector", "timeout_of",
     "world_route",
 ]

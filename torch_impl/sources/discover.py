@@ -66,7 +66,7 @@ def param_spec(
       TypeError: its gradient is not a floating tensor.
     """
     attrs = vars(param)
-    flags = class_flags if class_flags is not None else _class_flags(type(param))
+    flags = class_flags if class_flags is not None else _instance_flags(param, _class_flags(type(param)))
     own = () if _FLAG_NAMES.isdisjoint(attrs) else attrs.keys() & _FLAG_NAMES
     if own:
         flags = {**flags, **{k: attrs[k] for k in own}}
@@ -103,6 +103,20 @@ def _class_flags(cls: type) -> dict[str, Any]:
     """The flag values a parameter class defines (defaults for the rest), and whether it
     defines ``main_grad``."""
     return {**{k: getattr(cls, k, v) for k, v in _FLAG_DEFAULTS.items()}, "main_grad": hasattr(cls, "main_grad")}
+
+
+def _per_instance(class_flags: Mapping[str, Any]) -> bool:
+    """Whether the class defines a flag as a descriptor (a ``property``): its value is
+    each parameter's, read as Megatron reads it (``getattr(param, flag)``)."""
+    return any(hasattr(v, "__get__") for k, v in class_flags.items() if k != "main_grad")
+
+
+def _instance_flags(param: torch.Tensor, class_flags: dict[str, Any]) -> dict[str, Any]:
+    """``class_flags`` with each descriptor-defined flag read from ``param`` itself
+    (``class_flags`` unchanged when the class defines none)."""
+    if not _per_instance(class_flags):
+        return class_flags
+    return {k: getattr(param, k) if k != "main_grad" and hasattr(v, "__get__") else v for k, v in class_flags.items()}
 
 
 def shared_word_embedding(module: Any, has_mtp: bool) -> torch.Tensor | None:
@@ -223,6 +237,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
     chunks = []
     by_class: dict[type, dict[str, Any]] = {}
     step_defaults: dict[type, tuple[Any, ...]] = {}  # per class, its step flags' values
+    per_instance: set[type] = set()  # classes defining a flag as a property (read per parameter)
     left_out = experts = False
     for index, chunk in enumerate(model):
         skip = index < len(untouched) and untouched[index]
@@ -240,12 +255,18 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
             if cls not in by_class:
                 by_class[cls] = _class_flags(cls)
                 step_defaults[cls] = tuple(by_class[cls][flag] for flag in FLAG_ATTRS)
+                if _per_instance(by_class[cls]):
+                    per_instance.add(cls)
+            flags, steps = by_class[cls], step_defaults[cls]
+            if cls in per_instance:  # a flag the class defines as a property: this parameter's value
+                flags = _instance_flags(param, flags)
+                steps = tuple(flags[flag] for flag in FLAG_ATTRS)
             role = roles.get(id(param), Role.NONE)
-            if skip and role is Role.NONE and not touched(name, param, by_class[cls], step_defaults[cls]):
+            if skip and role is Role.NONE and not touched(name, param, flags, steps):
                 left_out = True
-                experts = experts or _trained_expert(param, by_class[cls])
+                experts = experts or _trained_expert(param, flags)
                 continue
-            spec = param_spec(name, index, param, role, by_class[cls])
+            spec = param_spec(name, index, param, role, flags)
             params.append(spec)
             tensors[spec.key] = param
         for name, sub in module.named_modules():
