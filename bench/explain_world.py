@@ -4,7 +4,6 @@ calibration (bench/at_scale.py) run torch_impl's finalize on."""
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 from meshgrad.config import FinalizeConfig
@@ -14,23 +13,12 @@ from meshgrad.params import Role
 def named_groups(dims: Any, config: FinalizeConfig) -> Any:
     """A ProcessGroupCollection-like namespace: every named group of ``dims`` (new_group on
     every rank, the same order everywhere)."""
-    import torch.distributed as dist
-
-    from meshgrad.axes import Group, stage_set
+    from meshgrad.axes import stage_set
+    from parity_tests.torch_world import groups_of
 
     embd = stage_set(config.embedding_stages, dims.pp, "first_last")
     pos = stage_set(config.position_embedding_stages, dims.pp, "first")
-    rank = dist.get_rank()
-    fields: dict[str, Any] = {}
-    for group in Group:
-        stages = embd if group is Group.EMBD else pos if group is Group.POS_EMBD else None
-        mine = None
-        for ranks in dims.all_groups(group, stages):
-            if len(ranks) > 1:
-                pg = dist.new_group(ranks)
-                mine = pg if rank in ranks else mine
-        fields[group.value] = mine
-    return types.SimpleNamespace(**fields)
+    return groups_of(dims, embd, pos)
 
 
 def device_mesh(dims: Any) -> Any:

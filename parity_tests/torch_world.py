@@ -390,9 +390,6 @@ def device_mesh(scenario: Scenario, cache: dict[Any, Any]) -> Any:
 
 def collection(scenario: Scenario, cache: dict[Any, Any]) -> Any:
     """A ProcessGroupCollection-like namespace built with dist.new_group (cached)."""
-    import torch.distributed as dist
-
-    from meshgrad.axes import Group
     from parity_tests.specs import scenario_dims
 
     dims = scenario_dims(scenario)
@@ -400,6 +397,23 @@ def collection(scenario: Scenario, cache: dict[Any, Any]) -> Any:
     key = ("pgc", dims, embd, pos)
     if key in cache:
         return cache[key]
+    cache[key] = groups_of(dims, embd, pos)
+    return cache[key]
+
+
+def groups_of(dims: Any, embd: Any, pos: Any) -> types.SimpleNamespace:
+    """Every named group of ``dims`` as a ProcessGroupCollection-like namespace: this rank's
+    process group per field (None where the group has one rank), ``dist.new_group`` called
+    for every instance on every rank, in the same order everywhere.
+
+    Args:
+      dims: the ParallelDims.
+      embd: the embedding stage set; pos: the position-embedding stage set.
+    """
+    import torch.distributed as dist
+
+    from meshgrad.axes import Group
+
     rank = dist.get_rank()
     fields: dict[str, Any] = {}
     for group in Group:
@@ -410,8 +424,7 @@ def collection(scenario: Scenario, cache: dict[Any, Any]) -> Any:
                 pg = dist.new_group(ranks)
                 mine = pg if rank in ranks else mine
         fields[group.value] = mine
-    cache[key] = types.SimpleNamespace(**fields)
-    return cache[key]
+    return types.SimpleNamespace(**fields)
 
 
 # --------------------------------------------------------------------------- scenarios
