@@ -4,17 +4,18 @@ summed over DDP's ranks, not averaged -- Megatron's DP sync with
 
 Register it with ``ddp.register_comm_hook(ddp.process_group, ddp_sum_hook)``; finalize
 recognizes it by identity (:mod:`torch_impl.sources.torch_ddp`).
+
+(No ``from __future__ import annotations`` here: DDP checks the hook's annotations as
+objects, ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``.)
 """
 
-from __future__ import annotations
-
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 
-def ddp_sum_hook(process_group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+def ddp_sum_hook(process_group: Optional[Any], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce a DDP gradient bucket with SUM, without dividing by the group size.
 
     Args:

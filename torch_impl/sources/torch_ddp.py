@@ -248,8 +248,9 @@ def synced_steps(
                 loss = f"a mean loss (dp_cp = {dp_cp})"
             how = f"comm hook {done.hook}" if done.hook else "its default all-reduce"
             raise FinalizeInputError(
-                f"{what}: DDP ({how}) divided the summed gradient by {done.divide:g}, but with {loss} the DP "
-                f"sync divides it by {divisor:g}; {fix}"
+                f"{what}: DDP ({how} over ranks {sorted(done.ranks)}, finalize's {group.value} group) divided "
+                f"the summed gradient by {done.divide:g}, but with {loss} the DP sync divides it by "
+                f"{divisor:g}; {fix}"
             )
         out[spec.key] = frozenset({Step.DP_SYNC})
     return out
