@@ -94,7 +94,7 @@ def test_readme_commands_use_the_venv_or_make() -> None:
     bad = [c for c in commands if not c.startswith(allowed)]
     assert not bad, f"commands that do not use the venv or make: {bad}"
     for path in COMMAND_PAGES:
-        for inline in re.findall(r"`((?:python|torchrun) [^`]*)`", path.read_text()):
+        for inline in re.findall(r"`((?:python|torchrun) [^`\n]*)`", path.read_text()):  # inline code, not a fence
             pytest.fail(f"bare command in {path.name}: {inline!r}")
 
 
