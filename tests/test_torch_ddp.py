@@ -74,9 +74,10 @@ def _grads(model: Any) -> dict[str, np.ndarray]:
     return {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
-def _ddp_block(mesh: Any, per_token: bool, hook: bool, group: Any = None) -> Any:
+def _ddp_block(mesh: Any, per_token: bool, hook: bool, group: Any = None, bucket_view: bool = False) -> Any:
     """The block under torch DDP over ``group`` (default: the mesh's dp group), with
-    ``ddp_sum_hook`` when ``hook``."""
+    ``ddp_sum_hook`` when ``hook``, its gradients views into DDP's buckets with
+    ``bucket_view``."""
     from torch.nn.parallel import DistributedDataParallel
 
     from meshgrad import FinalizeConfig
@@ -87,7 +88,8 @@ def _ddp_block(mesh: Any, per_token: bool, hook: bool, group: Any = None) -> Any
         p.sequence_parallel = True
     inner.config = FinalizeConfig(sequence_parallel=True, calculate_per_token_loss=per_token,
                                   moe_router_enable_expert_bias=True, moe_router_bias_update_rate=RATE)
-    ddp = DistributedDataParallel(inner, process_group=group or mesh["dp"].get_group())
+    ddp = DistributedDataParallel(inner, process_group=group or mesh["dp"].get_group(),
+                                  gradient_as_bucket_view=bucket_view)
     if hook:
         ddp.register_comm_hook(ddp.process_group, ddp_sum_hook)
     return ddp
@@ -109,16 +111,19 @@ def _backward(ddp: Any, mesh: Any, per_token: bool) -> Any:
 
 
 def _run_dp_tp(rank: int, mesh: Any, per_token: bool) -> dict[str, Any]:
-    """dp x tp = 2 x 2: DDP over dp (with the summing hook for a per-token loss)."""
+    """dp x tp = 2 x 2: DDP over dp (with the summing hook and gradients that are views
+    into DDP's buckets for a per-token loss)."""
     from torch_impl import finalize_model_grads
 
-    ddp = _ddp_block(mesh, per_token, per_token)
+    ddp = _ddp_block(mesh, per_token, per_token, bucket_view=per_token)
     num_tokens = _backward(ddp, mesh, per_token)
     ddp.module.router.local_tokens_per_expert.copy_(torch.tensor([rank, 2.0, 3.0 * rank, 1.0]))
     before = _grads(ddp.module)
+    storage = [p.grad.data_ptr() for p in ddp.module.parameters()]
     finalize_model_grads([ddp], num_tokens=num_tokens, pg_collection=mesh)
     return {"before": before, "after": _grads(ddp.module), "bias": ddp.module.router.expert_bias.numpy().copy(),
-            "num_tokens": None if num_tokens is None else int(num_tokens.item())}
+            "num_tokens": None if num_tokens is None else int(num_tokens.item()),
+            "in_place": storage == [p.grad.data_ptr() for p in ddp.module.parameters()]}
 
 
 def _attempt(ddp: Any, mesh: Any, num_tokens: Any) -> dict[str, Any]:
@@ -197,6 +202,9 @@ def _run_dp4(rank: int) -> dict[str, Any]:
             model = DistributedDataParallel(model, process_group=mesh.get_group())
         _dp4_step(model, rank, mesh)  # the first call plans and compares the ranks
         out[name] = _dp4_step(model, rank, mesh)
+    with model.no_sync():  # a third step whose every micro-batch ran under no_sync(): a new plan, refused
+        model(_batch().reshape(B * S, H)[rank * S:(rank + 1) * S]).pow(2).sum().backward()
+    out["no_sync_step"] = _attempt(model, mesh, None)
     return out
 
 
@@ -316,6 +324,7 @@ def test_ddp_dp_tp_matches_single_process(case: str) -> None:
         got = result[case]
         for name, value in want.items():
             _close(got["after"][name], value, f"rank {rank} {case} {name}")
+        assert got["in_place"], rank  # DDP's gradient storage (its buckets' views) kept
         if case == "dp_tp_per_token":
             assert got["num_tokens"] == B * S
             # Before finalize the DDP-reduced gradient summed over tp was the token SUM: reduced once.
@@ -351,6 +360,15 @@ def test_ddp_pipeline_tied_embedding_summed_across_stages() -> None:
         got = result["pp_tied"]
         _close(got["weight"], want["weight"], f"rank {rank} tied weight")
         _close(got["proj"], want[f"proj{got['stage']}"], f"rank {rank} proj")
+
+
+def test_ddp_no_sync_step_after_synced_steps_refused() -> None:
+    """A step under no_sync() after two synced ones: the cached plan is not reused."""
+    for rank, result in enumerate(_results()):
+        got = result["dp4"]["no_sync_step"]
+        assert got["message"].startswith(f"FinalizeInputError: rank {rank}:"), got["message"]
+        assert "did not reduce" in got["message"] and "'weight'" in got["message"], got["message"]
+        assert got["unchanged"], rank
 
 
 @pytest.mark.parametrize(
