@@ -126,14 +126,15 @@ def _run_dp_tp(rank: int, mesh: Any, per_token: bool) -> dict[str, Any]:
             "in_place": storage == [p.grad.data_ptr() for p in ddp.module.parameters()]}
 
 
-def _attempt(ddp: Any, mesh: Any, num_tokens: Any) -> dict[str, Any]:
-    """finalize on an input it must refuse: the error and whether anything changed."""
+def _attempt(ddp: Any, mesh: Any, num_tokens: Any, chunks: Any = None) -> dict[str, Any]:
+    """finalize on an input it must refuse (``chunks``, default ``[ddp]``; ``ddp.module``
+    holds the gradients): the error and whether anything changed."""
     from torch_impl import finalize_model_grads
 
     before = _grads(ddp.module)
     tokens = None if num_tokens is None else num_tokens.clone()
     try:
-        finalize_model_grads([ddp], num_tokens=num_tokens, pg_collection=mesh)
+        finalize_model_grads(chunks or [ddp], num_tokens=num_tokens, pg_collection=mesh)
         message = "no error"
     except (ValueError, RuntimeError) as err:
         message = f"{type(err).__name__}: {err}"
@@ -213,6 +214,50 @@ def _reference_dp4() -> dict[str, np.ndarray]:
     model = torch.nn.Linear(H, 2, dtype=torch.float64)
     model(_batch().reshape(B * S, H)).pow(2).mean(dim=0).sum().backward()
     return {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+
+
+def _run_experts(rank: int) -> dict[str, Any]:
+    """dp = 4, ep = 2, per-token loss: the dense layer plain (finalize syncs it over dp_cp),
+    the expert layer (``allreduce=False``) under its own DDP over expt_dp with the summing
+    hook; a mean loss's expert layer under DDP's average is refused (DDP divides by the
+    expt_dp size, Megatron by dp_cp)."""
+    import types
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from meshgrad.axes import Group
+    from torch_impl import ddp_sum_hook, finalize_model_grads, mesh_groups
+    from torch_impl.run.groups import group_ranks
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    out: dict[str, Any] = {}
+    for per_token in (True, False):
+        torch.manual_seed(5)
+        model = torch.nn.Sequential(torch.nn.Linear(H, H, dtype=torch.float64),
+                                    torch.nn.Linear(H, H, dtype=torch.float64))
+        plain = torch.nn.Sequential(torch.nn.Linear(H, H, dtype=torch.float64),
+                                    torch.nn.Linear(H, H, dtype=torch.float64))
+        plain.load_state_dict(model.state_dict())
+        for p in model[1].parameters():
+            p.allreduce = False  # Megatron's expert flag
+        model.config = types.SimpleNamespace(expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+                                             calculate_per_token_loss=per_token)
+        edp = mesh_groups(mesh).resolve(ep=2).group(Group.EDP)
+        model[1] = DistributedDataParallel(model[1], process_group=edp)
+        if per_token:
+            model[1].register_comm_hook(edp, ddp_sum_hook)
+        x = _batch().reshape(B * S, H)[rank * S:(rank + 1) * S]
+        plain(x).pow(2).sum().backward()  # this rank's own gradients, unreduced
+        model(x).pow(2).sum().backward()
+        if per_token:
+            finalize_model_grads([model], num_tokens=torch.tensor([S]), pg_collection=mesh)
+            out["got"] = _grads(model)
+            out["local"] = _grads(plain)
+            out["edp"] = group_ranks(edp)
+        else:
+            out["refused"] = _attempt(types.SimpleNamespace(module=model), mesh, None, chunks=[model])
+    return out
 
 
 class _Stage(torch.nn.Module):
@@ -296,6 +341,7 @@ def case_world(rank: int, world: int) -> dict[str, Any]:
         "refused": _refused(rank, mesh),
         "dp4": _run_dp4(rank),
         "pp_tied": _run_pp(rank),
+        "experts": _run_experts(rank),
     }
 
 
@@ -413,3 +459,23 @@ def test_ddp_mismatch_on_one_rank_raises_on_every_rank() -> None:
         else:
             assert got["message"].startswith("ConsistencyError") and "rank 2" in got["message"], got["message"]
         assert got["unchanged"], rank
+
+
+def test_ddp_experts_over_expt_dp_follow_megatrons_rule() -> None:
+    """Per-token loss: the dense layer summed over dp_cp by finalize, the expert layer over
+    expt_dp by its DDP (not again), both scaled by the global token count; a mean loss's
+    expert DDP (an average over expt_dp) is refused with the fix."""
+    results = _results()
+    for rank, result in enumerate(results):
+        got = result["experts"]
+        assert got["edp"] == [rank % 2, rank % 2 + 2], got["edp"]
+        for name, value in got["got"].items():
+            expert = name.startswith("1.")
+            members = got["edp"] if expert else range(WORLD)
+            total = sum(results[r]["experts"]["local"][name.replace(".module.", ".")] for r in members)
+            _close(value, total / (WORLD * S), f"rank {rank} {name}")
+        message = got["refused"]["message"]
+        assert message.startswith(f"FinalizeInputError: rank {rank}: chunk 0 torch DistributedDataParallel"), message
+        assert "divided the summed gradient by 2" in message and "divides it by 4" in message, message
+        assert "expt_dp group" in message and "_set_params_and_buffers_to_ignore_for_model" in message, message
+        assert got["refused"]["unchanged"], rank

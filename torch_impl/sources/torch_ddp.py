@@ -67,22 +67,19 @@ class DdpReduction(NamedTuple):
 
 
 def ddp_wrappers(model: Sequence[Any]) -> tuple[TorchDdp, ...]:
-    """Every torch ``DistributedDataParallel`` along the ``.module`` chains of ``model``'s
-    (wrapped) chunks, outermost first; a ``torch.compile`` wrapper on the way is read
-    through."""
+    """Every torch ``DistributedDataParallel`` in ``model``'s (wrapped) chunks, outermost
+    first: the wrapper of a chunk and any inside it (a submodule under its own DDP, e.g.
+    experts over expt_dp); a ``torch.compile`` wrapper is read through."""
     out = []
     for index, chunk in enumerate(model):
-        found, megatron = [], False
-        obj = chunk
-        for _ in range(64):
+        megatron, obj = False, chunk
+        for _ in range(64):  # a Megatron DDP along the .module chain
             obj = uncompiled(obj)
-            if isinstance(obj, DistributedDataParallel):
-                found.append(obj)
-            elif callable(attr_or(obj, "finish_grad_sync", None)):
-                megatron = True
+            megatron = megatron or callable(attr_or(obj, "finish_grad_sync", None))
             if not has_attr(obj, "module"):
                 break
             obj = obj.module
+        found = [sub for _, sub in chunk.named_modules() if isinstance(sub, DistributedDataParallel)]
         out += [TorchDdp(index, wrapper, megatron) for wrapper in found]
     return tuple(out)
 
@@ -209,7 +206,11 @@ def synced_steps(
     for ddp in found:
         done = reduction(ddp, rank)
         for param in managed(ddp.wrapper):
-            by_param.setdefault(id(param), done)
+            if by_param.setdefault(id(param), done) is not done:
+                raise FinalizeInputError(
+                    f"{done.where}: a parameter is managed by two torch DDP wrappers (reduced twice); "
+                    "ignore it in one (DistributedDataParallel._set_params_and_buffers_to_ignore_for_model)"
+                )
     divisor = 1.0 if config.calculate_per_token_loss else float(dp_cp)
     members = {g: _members(torch_groups, g) for g in (Group.DP_CP, Group.EDP)}
     out: dict[ParamKey, frozenset[Step]] = {}
@@ -242,6 +243,11 @@ def synced_steps(
                 fix = ("register the summing hook: ddp.register_comm_hook(ddp.process_group, "
                        "torch_impl.ddp_sum_hook) (or set calculate_per_token_loss to match the loss)")
                 loss = "per-token loss (a sum)"
+            elif spec.expert:
+                fix = ("no torch DDP reduction averages over expt_dp by dp_cp: leave expert parameters out of "
+                       "DDP (DistributedDataParallel._set_params_and_buffers_to_ignore_for_model) and finalize "
+                       "syncs them")
+                loss = f"a mean loss (dp_cp = {dp_cp})"
             else:
                 fix = ("register no comm hook, or torch's default_hooks.allreduce_hook (or set "
                        "calculate_per_token_loss to match the loss)")
