@@ -39,11 +39,13 @@ class TorchDdp(NamedTuple):
 
     Args:
       chunk: the chunk index.
+      module: the wrapper's qualified name in the chunk ("" for the chunk itself).
       wrapper: the ``DistributedDataParallel`` object.
       megatron: the chunk's ``.module`` chain also holds a Megatron DDP (``finish_grad_sync``).
     """
 
     chunk: int
+    module: str
     wrapper: Any
     megatron: bool
 
@@ -79,8 +81,10 @@ def ddp_wrappers(model: Sequence[Any]) -> tuple[TorchDdp, ...]:
             if not has_attr(obj, "module"):
                 break
             obj = obj.module
-        found = [sub for _, sub in chunk.named_modules() if isinstance(sub, DistributedDataParallel)]
-        out += [TorchDdp(index, wrapper, megatron) for wrapper in found]
+        out += [
+            TorchDdp(index, name, sub, megatron)
+            for name, sub in chunk.named_modules() if isinstance(sub, DistributedDataParallel)
+        ]
     return tuple(out)
 
 
@@ -124,9 +128,9 @@ def reduction(found: TorchDdp, rank: int) -> DdpReduction:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     ddp = found.wrapper
-    where = f"rank {rank}: chunk {found.chunk} torch DistributedDataParallel"
+    where = f"rank {rank}: chunk {found.chunk} torch DistributedDataParallel {found.module or '<the chunk>'!r}"
     if found.megatron:
-        raise FinalizeInputError(f"{where} wraps (or is wrapped by) a Megatron DDP too: use one of the two")
+        raise FinalizeInputError(f"{where} is in a chunk that a Megatron DDP syncs too: use one of the two")
     if getattr(ddp, "_use_python_reducer", False):
         raise FinalizeInputError(f"{where} uses its python reducer (compiled autograd), which finalize cannot verify")
     if getattr(ddp, "_delay_all_reduce_params", None):
