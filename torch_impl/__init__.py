@@ -5,6 +5,7 @@ module (same function names and signatures), so Megatron users can swap it in.
 """
 
 from torch_impl.buffers import GradBuffers, attach_grad_buffers
+from torch_impl.ddp_hooks import ddp_sum_hook
 from torch_impl.sources.discover import Discovered, discover
 from torch_impl.finalize import (
     _allreduce_conditional_embedding_grads,
@@ -36,6 +37,7 @@ __all__ = [
     "MeshGroups",
     "TorchGroups",
     "attach_grad_buffers",
+    "ddp_sum_hook",
     "discover",
     "execution_stats",
     "invalidate_plans",

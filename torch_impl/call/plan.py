@@ -25,6 +25,7 @@ from torch_impl.run.groups import TorchGroups
 from torch_impl.sources.config import Requested, accepts
 from torch_impl.sources.discover import Discovered
 from torch_impl.sources.fsdp2 import fingerprint as fsdp_fingerprint, synced_steps
+from torch_impl.sources.torch_ddp import fingerprint as ddp_fingerprint, synced_steps as ddp_synced_steps
 from torch_impl.sources.group_sources import LISTED_KINDS, MEGATRON_KINDS, source_kind
 
 
@@ -33,7 +34,8 @@ def plan(inputs: CallInputs, request: Request, source: Any) -> tuple[BoundPlan, 
     what its once-per-plan checks found on an earlier call (None on its first)."""
     state, config, groups, found, ddp = inputs.state, inputs.config, inputs.groups, inputs.found, inputs.ddp
     key = (request.steps, inputs.token, config, groups, inputs.requested, request.force_all_reduce,
-           request.num_tokens is not None, tuple(map(id, ddp)), fsdp_fingerprint(found.fsdp))
+           request.num_tokens is not None, tuple(map(id, ddp)), fsdp_fingerprint(found.fsdp),
+           ddp_fingerprint(found.torch_ddp))
     if request.finalize:
         return state.plan_memo.plan(
             key, lambda: _finalize_plan(found, config, groups, inputs.requested, ddp, request, source)
@@ -52,8 +54,8 @@ def build_plan(
 ) -> BoundPlan:
     """The plan of every step, bound to the chunks' DDP objects: a chunk with one
     (``ddp[i]``) is delegated to it (its ``finish_grad_sync`` and ``scale_gradients``);
-    ``synced``: per parameter, the steps torch's FSDP2 already did
-    (:func:`torch_impl.sources.fsdp2.synced_steps`)."""
+    ``synced``: per parameter, the steps torch's FSDP2 or DDP already did
+    (:func:`torch_impl.sources.fsdp2.synced_steps`, :func:`torch_impl.sources.torch_ddp.synced_steps`)."""
     delegated = frozenset(i for i, obj in enumerate(ddp) if obj is not None)
     plan = plan_finalize(
         found.params, config, sizes, found.routers, force_all_reduce=force_all_reduce, stage=stage,
@@ -78,6 +80,7 @@ def _finalize_plan(
     """``finalize_model_grads``' plan, after checking the groups it needs (decided by
     :func:`meshgrad.requirements.group_requirements`)."""
     synced = synced_steps(found.params, found.tensors, found.fsdp, groups, config)
+    synced.update(ddp_synced_steps(found.params, found.tensors, found.torch_ddp, groups, config))
     sizes = groups.group_sizes(config)
     bound = build_plan(found, config, sizes, ddp, request.force_all_reduce, groups.pp_stage, synced)
     needs = group_requirements(

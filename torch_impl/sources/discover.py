@@ -33,6 +33,7 @@ from meshgrad.steps import may_touch
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.run.grads import get_grad
 from torch_impl.sources.fsdp2 import FsdpGroup, fsdp_groups
+from torch_impl.sources.torch_ddp import TorchDdp, ddp_wrappers
 from torch_impl.sources.wrappers import attr_or, unwrap
 
 #: Parameter attributes copied into ParamSpec flags.
@@ -181,6 +182,7 @@ class Discovered:
         that no step of meshgrad touches were left out, :func:`discover`).
       untouched_experts: some left-out parameter is a trained expert parameter.
       fsdp: the FSDP2 parameter groups of the chunks (:func:`torch_impl.sources.fsdp2.fsdp_groups`).
+      torch_ddp: the torch DDP wrappers of the chunks (:func:`torch_impl.sources.torch_ddp.ddp_wrappers`).
     """
 
     params: tuple[ParamSpec, ...]
@@ -191,6 +193,7 @@ class Discovered:
     complete: bool = True
     untouched_experts: bool = False
     fsdp: tuple[FsdpGroup, ...] = ()
+    torch_ddp: tuple[TorchDdp, ...] = ()
 
     def fingerprint(self) -> tuple[Any, ...]:
         """What may change between steps and changes the plan: requires_grad, gradient
@@ -275,7 +278,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
                 routers.append(spec)
                 router_modules[spec.key] = sub
     found = (tuple(params), tuple(routers), tensors, router_modules, tuple(chunks))
-    return Discovered(*found, not left_out, experts, fsdp_groups(chunks))
+    return Discovered(*found, not left_out, experts, fsdp_groups(chunks), ddp_wrappers(model))
 
 
 def _flag(attrs: Mapping[str, Any], class_flags: Mapping[str, Any], name: str) -> Any:
