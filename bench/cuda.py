@@ -201,7 +201,7 @@ def status_round_rows(device: str) -> dict[str, Any]:
             torch.cuda.synchronize()
 
     def round_() -> None:
-        status.reduce_status(status.call_vector(0, error=False, compare=False, nonfinite=False), route, 0, "bench")
+        status.reduce_status(status.status_vector(), route, 0, "bench")
 
     return {"status round": round_, "tiny all-reduce": tiny}
 

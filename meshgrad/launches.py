@@ -16,9 +16,20 @@ from meshgrad.plan import FinalizePlan, GroupSizes
 #: Bytes per element of the dtypes a finalize collective carries.
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
 
-#: The status round (torch_impl/run/status.py): one MAX all-reduce of this many int64 per
-#: call over the world. The one place the model of that round lives (see :func:`status_round`).
-STATUS_INT64 = 14
+#: The status round (torch_impl/run/status.py): one SUM all-reduce per call over the world
+#: of one int64 for up to SHORT_ROUND ranks (flags and token count in one word), else this
+#: many (the flags packed, then the token count). The one place the model of that round
+#: lives (see :func:`status_round`).
+STATUS_INT64 = 2
+SHORT_ROUND = 63
+
+
+def status_elements(world: int) -> int:
+    """The int64 elements of the status round over ``world`` ranks (torch_impl's
+    ``torch_impl.run.status.encode``; routes of 2**15 ranks and more send five)."""
+    if world <= SHORT_ROUND:
+        return 1
+    return STATUS_INT64 if world < 1 << 15 else 5
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
@@ -133,13 +144,16 @@ def tokens_in_round(sizes: GroupSizes, group: Group, world: int) -> bool:
 
 def status_round(world: int) -> tuple[Launch, ...]:
     """The status round torch_impl runs once per call before any data moves: one SUM
-    all-reduce of :data:`STATUS_INT64` int64 over the world (a DeviceMesh, or spanning
+    all-reduce of :func:`status_elements` int64 over the world (a DeviceMesh, or spanning
     groups that reach every rank), which also carries the token count where
     :func:`tokens_in_round` holds. The comparison of signatures (small all-gathers) runs
     only when a plan is new, so it is not a per-step cost. Change the round here alone."""
     if world <= 1:
         return ()
-    return (Launch("status", "all_reduce", "sum", "world", ("world",), world, "int64", STATUS_INT64),)
+    return (Launch("status", "all_reduce", "sum", "world", ("world",), world, "int64", status_elements(world)),)
 
 
-__all__ = ["ITEMSIZE", "Launch", "STATUS_INT64", "human_bytes", "launch", "launches", "status_round", "tokens_in_round"]
+__all__ = [
+    "ITEMSIZE", "Launch", "SHORT_ROUND", "STATUS_INT64", "human_bytes", "launch", "launches", "status_elements",
+    "status_round", "tokens_in_round",
+]

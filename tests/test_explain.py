@@ -150,7 +150,7 @@ def test_each_collective_states_its_bytes_group_and_axes() -> None:
     explained = explain(PRESETS["tiny"], Layout(pp=2, dp=2, tp=2, ep=2), _config(calculate_per_token_loss=True))
     c = explained.classes[0]
     status, *rest = c.meshgrad
-    assert (status.group, status.size, status.dtype, status.numel) == ("world", 8, "int64", STATUS_INT64)
+    assert (status.group, status.size, status.dtype, status.numel) == ("world", 8, "int64", 1)  # one word
     for item in c.meshgrad:
         assert item.nbytes == item.numel * ITEMSIZE[item.dtype]
     dp = [i for i in rest if i.step == "dp_sync"]
@@ -159,7 +159,7 @@ def test_each_collective_states_its_bytes_group_and_axes() -> None:
     assert sum(i.numel for i in dp) == grads + grads % 2  # padded to the group, no more
     token = [i for i in rest if i.step == "token_scale"]
     assert [(i.kind, i.group, i.size) for i in token] == [("broadcast", "pp", 2), ("all_reduce", "dp_cp_gtp_remat", 2)]
-    assert c.bytes_by_axes()["world"] == 8 * STATUS_INT64
+    assert c.bytes_by_axes()["world"] == 8
 
 
 def test_megatron_launches_split_cross_step_fusions_and_bucket_the_dp_sync() -> None:
@@ -189,10 +189,13 @@ def test_megatron_launches_split_cross_step_fusions_and_bucket_the_dp_sync() -> 
 
 
 def test_status_round_model_matches_torch_impl() -> None:
-    """The one constant of the status round follows torch_impl's (a drift check)."""
-    from torch_impl.run.status import STATUS_SIZE
+    """The status round's size follows torch_impl's wire format at every scale (a drift check)."""
+    from meshgrad.launches import status_elements
+    from torch_impl.run import status
 
-    assert STATUS_INT64 == STATUS_SIZE
+    assert STATUS_INT64 == status.STATUS_SIZE
+    for world in (2, 8, 63, 64, 1024, 16384, 1 << 15):
+        assert status_elements(world) == len(status.encode(status.status_vector(), world)), world
 
 
 def test_planning_70b_at_16k_ranks_is_fast_and_small() -> None:
@@ -262,7 +265,7 @@ def test_class_cost_sums_its_collectives_and_nodes_follow_rank_order() -> None:
         dp = next(i for i in cls.meshgrad if i.group == "dp_cp")
         assert by_step["non_tp"] == pytest.approx(_MODEL.seconds("all_reduce", 8, 1, tp.nbytes))
         assert by_step["dp_sync"] == pytest.approx(_MODEL.seconds("reduce_scatter", 32, 32, dp.nbytes))
-        assert cost.status_seconds == pytest.approx(_MODEL.seconds("all_reduce", 1024, 128, 8 * STATUS_INT64))
+        assert cost.status_seconds == pytest.approx(_MODEL.seconds("all_reduce", 1024, 128, 8 * STATUS_INT64))  # 2 words
         assert cost.seconds == pytest.approx(sum(t for _, t in cost.per_launch))
         assert cost.megatron_seconds == pytest.approx(cost.seconds - cost.status_seconds, rel=1e-3)
 
@@ -284,7 +287,7 @@ def test_cli_text_lists_every_class_and_predicted_times(capsys: pytest.CaptureFi
     assert "gpt-70b on PP8 x DP256 x TP8 (16384 ranks)" in out
     for name in ("pp stage 0: 2048 ranks", "pp stages 1-6: 12288 ranks", "pp stage 7: 2048 ranks"):
         assert f"== {name}" in out
-    assert out.count("reduce_scatter sum  dp_cp") == 3 and "per axes: world: 112 B" in out
+    assert out.count("reduce_scatter sum  dp_cp") == 3 and "per axes: world: 16 B" in out
     assert "predicted, pp stage 0: meshgrad" in out and "rank 5000 (pp stages 1-6):" in out
     assert "[5000, 5001, 5002, 5003, 5004, 5005, 5006, 5007]" in out
 

@@ -124,6 +124,27 @@ def case_mesh_expert_layout_changed_on_one_rank(rank: int, world: int) -> tuple:
     return (*outcome, _recovers(rank, DP_TP, mesh, model, undo))
 
 
+def case_mesh_expert_layout_switched_back_on_one_rank(rank: int, world: int) -> tuple:
+    """Every rank uses ep=2, then ep=1 (both layouts resolved); rank 0 alone goes back to
+    ep=2, a layout it already has groups for: it must still meet its peers' round."""
+    mesh = device_mesh(DP_TP, _MESHES)
+    model = setup_model(DP_TP, rank)
+    config = model[0].config
+    _finalize(mesh)(model)  # ep=2
+    config.expert_model_parallel_size = 1
+    load_inputs(model, DP_TP, make_rank_inputs(DP_TP, rank))
+    _finalize(mesh)(model)  # ep=1 everywhere
+    load_inputs(model, DP_TP, make_rank_inputs(DP_TP, rank))
+    if rank == 0:
+        config.expert_model_parallel_size = 2
+    outcome = attempt_any(model, _finalize(mesh))
+
+    def undo() -> None:  # every rank back to ep=2, the scenario's (a fresh model's) layout
+        config.expert_model_parallel_size = 2
+
+    return (*outcome, _recovers(rank, DP_TP, mesh, model, undo))
+
+
 def _param_data_of_another_shape(model: list[Any], rank: int) -> None:
     param(model, LINEAR).data = torch.zeros(5, 4)  # its gradient left as it was
 
@@ -223,6 +244,20 @@ def test_a_device_mesh_layout_changed_on_one_rank_is_found_in_the_status_round(w
     reliability("bad input", "DeviceMesh: the expert layout changed on rank 0 after step 1 [4 ranks]",
                 f"AgreedInputError naming the layouts on every rank after <= {slowest:.2f} s (found in the status round); "
                 "the next call gives a fresh call's numbers")
+
+
+def test_a_layout_switched_back_on_one_rank_is_found_in_the_status_round(world, reliability):
+    slowest = 0.0
+    for rank, (got, message, untouched, seconds, recovered) in enumerate(
+        case_values(world, "case_mesh_expert_layout_switched_back_on_one_rank")
+    ):
+        assert recovered, (rank, "the next call did not give a fresh call's numbers")
+        assert got == "AgreedInputError" and "ask for different DeviceMesh group layouts" in message, (rank, got, message)
+        assert untouched, (rank, "a gradient or buffer changed")
+        slowest = max(slowest, seconds)
+    reliability("bad input", "DeviceMesh: rank 0 alone switched back to an expert layout used before [4 ranks]",
+                f"AgreedInputError naming the layouts on every rank after <= {slowest:.2f} s (a layout switched to "
+                "is agreed like a new one); nothing changed; the next call gives a fresh call's numbers")
 
 
 def test_a_parameter_of_another_shape_is_seen_like_a_fresh_call(world, reliability):

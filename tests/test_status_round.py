@@ -1,8 +1,8 @@
 """The status round priced like a collective: its arithmetic, the token count it carries,
 and the host syncs a step makes.
 
-Local tests check the SUM-encoded status vector (counts, the layout digest's equality
-test, also for routes that reach some ranks more than once). One gloo world of 4 ranks
+Local tests check the SUM-encoded status (four flag counts packed in one int64, never
+carrying into each other, also for routes that reach some ranks more than once). One gloo world of 4 ranks
 (pure data parallelism, dp = 4: the status round's route is the token count's own group)
 checks by value that the round carries an integer ``num_tokens`` (the token all-reduce is
 gone from the step; gradients and the written-back count are those of a separate
@@ -33,38 +33,39 @@ WORLD = 4
 # --------------------------------------------------------------------------- local
 
 
-def _sum(vectors: list[list[int]], weights: list[int] | None = None) -> list[int]:
-    weights = weights or [1] * len(vectors)
-    return [sum(w * v[i] for w, v in zip(weights, vectors)) for i in range(status.STATUS_SIZE)]
+def _round(statuses: list[list[int]], weights: list[int] | None = None) -> list[int]:
+    """What every rank decodes after a SUM of the encoded statuses (each rank counted
+    ``weight`` times, as a route whose hops do not form a grid would)."""
+    weights = weights or [1] * len(statuses)
+    n = sum(weights)
+    wires = [status.encode(s, n) for s in statuses]
+    summed = [sum(w * int(wire[i]) for w, wire in zip(weights, wires)) for i in range(len(wires[0]))]
+    return status.decode(summed, n)[:-1]
 
 
-def test_the_status_vector_counts_flags_and_tells_equal_digests():
-    digest = status.layout_digest(("ep", 2))
-    same = [status.status_vector(layout=digest, error=(r == 2)) for r in range(4)]
-    reduced = _sum(same)
-    assert reduced[status.REACHED] == 4 and reduced[status.ERROR] == 1 and reduced[status.COMPARE] == 0
+def test_the_status_counts_flags_in_one_packed_int64():
+    statuses = [status.status_vector(error=r == 2, compare=r in (1, 3), nonfinite=r == 0) for r in range(4)]
+    reduced = _round(statuses)
+    assert reduced[status.REACHED] == 4 and reduced[status.ERROR] == 1
+    assert reduced[status.COMPARE] == 2 and reduced[status.NONFINITE] == 1 and reduced[status.KIND] == 0
+    assert status.wire_format(4) == "short" and len(status.encode(statuses[0], 4)) == 1
     assert not status.layouts_differ(reduced)
-    other = status.layout_digest(("ep", 4))
-    assert status.layouts_differ(_sum(same[:3] + [status.status_vector(layout=other)]))
-    # Three ranks whose mean digest equals the fourth's still differ (the squares tell).
-    parts = [status.status_vector(layout=d) for d in (1, 3, 2, 2)]
-    assert status.layouts_differ(_sum(parts))
-    kinds = [status.status_vector(layout=digest, layout_round=r == 0) for r in range(4)]
-    assert status.layouts_differ(_sum(kinds))
 
 
-def test_a_route_reaching_ranks_several_times_weighs_every_slot_alike():
-    digest = status.layout_digest("grid")
-    vectors = [status.status_vector(layout=digest) for _ in range(3)]
-    assert not status.layouts_differ(_sum(vectors, [1, 2, 3]))
-    vectors[1] = status.status_vector(layout=digest + 1)
-    assert status.layouts_differ(_sum(vectors, [1, 2, 3]))
+def test_round_kinds_that_differ_are_found():
+    kinds = [status.status_vector(layout_round=r == 0) for r in range(4)]
+    assert status.layouts_differ(_round(kinds))
+    every = [status.status_vector(layout_round=True) for _ in range(4)]
+    assert not status.layouts_differ(_round(every)) and _round(every)[status.KIND] == 4
 
 
-def test_the_digest_parts_hold_without_overflow_at_16k_ranks():
-    top = (1 << 62) - 1
-    reduced = _sum([status.status_vector(layout=top)] * 4, [1 << 14] * 4)
-    assert max(reduced) < (1 << 63) and not status.layouts_differ(reduced)
+def test_counts_never_carry_into_the_next_field_up_to_each_format_limit():
+    everything = status.status_vector(error=True, compare=True, nonfinite=True, layout_round=True)
+    for n, fmt in ((status.SHORT_MAX, "short"), (status.SHORT_MAX + 1, "packed"),
+                   ((1 << (status.FIELD_BITS - 1)) - 1, "packed"), (1 << (status.FIELD_BITS - 1), "wide")):
+        assert status.wire_format(n) == fmt
+        assert _round([everything], [n]) == [n] * 5, (n, fmt)
+        assert len(status.encode(everything, n)) == {"short": 1, "packed": 2, "wide": 5}[fmt]
 
 
 # --------------------------------------------------------------------------- world cases
@@ -110,6 +111,11 @@ def _step(model: list[nn.Module], tokens: torch.Tensor) -> dict[str, Any]:
 
 def case_int_tokens_ride_the_status_round(rank: int, world: int) -> dict[str, Any]:
     return _step(_model(rank), torch.tensor([3 + rank], dtype=torch.int32))
+
+
+def case_a_count_too_large_for_the_word_keeps_its_collective(rank: int, world: int) -> dict[str, Any]:
+    big = (1 << 31) // WORLD  # rank 1's count would not fit the one-int64 round's token field
+    return _step(_model(rank), torch.tensor([big + 5 if rank == 1 else 3 + rank]))
 
 
 def case_float_tokens_keep_their_collective(rank: int, world: int) -> dict[str, Any]:
@@ -202,6 +208,15 @@ def test_an_integer_token_count_rides_the_status_round(world):
         assert out["counts"].get("all_reduce") == 1, out  # the DP sync alone: no token all-reduce
         assert out["counts"].get("broadcast", 0) == 0
     assert got[0]["grad"] == got[1]["grad"] == got[2]["grad"] == got[3]["grad"]  # replicas agree
+
+
+def test_a_count_too_large_for_the_round_is_reduced_by_its_own_collective(world):
+    got = _values(world, "case_a_count_too_large_for_the_word_keeps_its_collective")
+    total = (1 << 31) // WORLD + 5 + sum(3 + r for r in range(WORLD) if r != 1)
+    for out in got:
+        assert out["tokens"] == [total]  # exact: int64 all the way
+        assert out["counts"].get("all_reduce") == 2, out  # the DP sync and the count
+        assert sum(out["grad"], []) == pytest.approx(_expected(total), rel=1e-6)
 
 
 def test_a_floating_token_count_keeps_its_own_collective(world):

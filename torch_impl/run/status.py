@@ -1,18 +1,20 @@
 """The status round: the one kind of cross-rank round a call runs before data moves.
 
-Every rank of a call SUM-all-reduces one vector of :data:`STATUS_SIZE` int64 over the
-same route (the world, or the call's spanning groups in turn): how many ranks the round
-reached, how many failed while reading or checking their inputs, need a comparison of
-signatures or found NaN / Inf, the digest of each rank's DeviceMesh group layout (four
-16-bit parts, each with its square: equal digests everywhere iff ``n * sum(d*d) ==
-sum(d)**2`` for every part) with the kind of round it is in, and -- where the route is
-the token count's own group -- the ``num_tokens`` of the call (:func:`fused_tokens`), so
-a healthy per-token step spends no collective of its own on the count. The layout
-agreement of a DeviceMesh (:class:`~torch_impl.sources.mesh_groups.MeshGroups`) is this
-same round, so no rank can wait in one kind of round while its peers are in another: a
-layout changed on one rank, or a rank resolving a new layout while its peers check a
-cached one, shows as differing digests or kinds in the reduced vector, and every rank
-raises. Error texts then travel by :func:`gather_texts` over the same route.
+Every rank of a call SUM-all-reduces one status over the same route (the world, or the
+call's spanning groups in turn): how many ranks failed while reading or checking their
+inputs, need a comparison of signatures, found NaN / Inf, or are in a layout round,
+packed as counts in one int64 (:func:`encode`), and -- where the route is the token
+count's own group -- the ``num_tokens`` of the call (:func:`fused_tokens`), so a healthy
+per-token step spends no collective of its own on the count. One int64 in all on a route
+of up to 63 ranks, two up to 2**15: on gloo a small all-reduce costs about one ring step
+per element, on NCCL one latency.
+
+The layout agreement of a DeviceMesh (:class:`~torch_impl.sources.mesh_groups.MeshGroups`)
+is this same round, with the layout-round flag set: a layout met for the first time, or
+switched to, on some ranks only shows as differing round kinds in the reduced counts, and
+every rank raises; when every rank is in a layout round their layout digests are compared
+in one more (MAX) round. So no rank can wait in one kind of round while its peers are in
+another. Error texts then travel by :func:`gather_texts` over the same route.
 
 Host syncs: one per round, reading the reduced vector back (:func:`read_back`); the
 vector goes to the route's device without one (a non-blocking copy), and the token count
@@ -27,7 +29,6 @@ finalize. Bound it with a shorter timeout of the groups the call uses.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -40,14 +41,20 @@ from meshgrad.axes import Group
 from meshgrad.errors import CollectiveError, ConsistencyError, FinalizeInputError
 from torch_impl.run.groups import TorchGroups, world_size
 
-#: Positions in the status vector (SUM-reduced): the ranks reached (each rank adds 1), the
-#: ranks that failed, ask for a comparison, found NaN / Inf or are in a layout round, the
-#: layout digest as :data:`LAYOUT_PARTS` pairs (part, part squared), and the token count.
+#: Positions in a reduced status vector (:func:`decode`): the ranks the round reached, and
+#: how many of them failed, ask for a comparison, found NaN / Inf or are in a layout round.
 REACHED, ERROR, COMPARE, NONFINITE, KIND = range(5)
-LAYOUT_PARTS = 4
-LAYOUT = 5
-TOKENS = LAYOUT + 2 * LAYOUT_PARTS
-STATUS_SIZE = TOKENS + 1
+FLAGS = (ERROR, COMPARE, NONFINITE, KIND)
+#: Bits of one count in the packed word of a route of fewer than 2**15 ranks.
+FIELD_BITS = 16
+#: A route of at most SHORT_MAX ranks sends ONE int64: the four counts and a fifth (ranks
+#: whose token count is too large to carry) in SHORT_BITS bits each, the token count from
+#: bit TOKEN_SHIFT up (each rank's below 2**31 / n, so the sum cannot overflow).
+SHORT_BITS, SHORT_MAX, TOKEN_SHIFT = 6, 63, 32
+#: int64 elements on the wire for a route of 64 to 2**15 - 1 ranks: the packed counts and
+#: the token count (on gloo a small all-reduce costs about one ring step per element; on
+#: NCCL one latency whatever the count).
+STATUS_SIZE = 2
 BIG = 1 << 40
 
 #: One hop of a route: (a name for errors, the process group, the device of its
@@ -75,44 +82,65 @@ _PEER_HINT = (
 
 
 def status_vector(
-    *,
-    error: bool = False,
-    compare: bool = False,
-    nonfinite: bool = False,
-    layout: int = 0,
-    layout_round: bool = False,
+    *, error: bool = False, compare: bool = False, nonfinite: bool = False, layout_round: bool = False,
 ) -> list[int]:
-    """This rank's status vector (flags as counts; the layout digest in 16-bit parts, each
-    with its square; the token slot 0: :func:`reduce_status` fills it)."""
-    parts = [(layout >> (16 * i)) & 0xFFFF for i in range(LAYOUT_PARTS)]
-    digest = [x for part in parts for x in (part, part * part)]
-    return [1, int(error), int(compare), int(nonfinite), int(layout_round), *digest, 0]
+    """This rank's status, as the reduced vector reads (:data:`REACHED` ... :data:`KIND`):
+    itself, and each flag as a count of 0 or 1."""
+    return [1, int(error), int(compare), int(nonfinite), int(layout_round)]
 
 
-@functools.lru_cache(maxsize=64)
-def _healthy(layout: int) -> np.ndarray:
-    """The status vector of a healthy call with this layout digest (a pure function of
-    it, computed once per digest; copied per call)."""
-    return np.array(status_vector(layout=layout), dtype=np.int64)
+def wire_format(reached: int) -> str:
+    """How a round that reaches ``reached`` ranks (every rank of it computes the same)
+    sends its status: ``"short"`` (one int64, tokens included), ``"packed"`` (the counts in
+    one int64, the tokens in a second) or ``"wide"`` (one int64 per count, then tokens)."""
+    if reached <= SHORT_MAX:
+        return "short"
+    return "packed" if reached < 1 << (FIELD_BITS - 1) else "wide"
 
 
-def call_vector(layout: int, *, error: bool, compare: bool, nonfinite: bool) -> np.ndarray:
-    """A call's status vector (:func:`status_vector`), from the healthy one of its layout."""
-    vector = _healthy(layout).copy()
-    vector[ERROR], vector[COMPARE], vector[NONFINITE] = error, compare, nonfinite
-    return vector
+def encode(status: Sequence[int], reached: int) -> np.ndarray:
+    """The int64 elements one rank contributes (its token count is added on its device by
+    :func:`reduce_status`)."""
+    fmt = wire_format(reached)
+    if fmt == "wide":
+        return np.array([*(int(status[f]) for f in FLAGS), 0], dtype=np.int64)
+    bits = SHORT_BITS if fmt == "short" else FIELD_BITS
+    word = sum(int(status[f]) << (bits * i) for i, f in enumerate(FLAGS))
+    return np.array([word] if fmt == "short" else [word, 0], dtype=np.int64)
+
+
+def decode(wire: Sequence[int], reached: int) -> list[int]:
+    """The reduced elements as counts (:data:`REACHED` ... :data:`KIND`, then the ranks whose
+    token count did not fit the short word): a SUM of packed words is the word of the sums,
+    as no count can carry into the next field."""
+    fmt = wire_format(reached)
+    if fmt == "wide":
+        return [reached, *wire[: len(FLAGS)], 0]
+    bits = SHORT_BITS if fmt == "short" else FIELD_BITS
+    fields = len(FLAGS) + (fmt == "short")
+    mask = (1 << bits) - 1
+    return [reached, *((int(wire[0]) >> (bits * i)) & mask for i in range(fields))] + ([] if fmt == "short" else [0])
+
+
+def _place_tokens(value: torch.Tensor, tokens: torch.Tensor, reached: int) -> None:
+    """Add this rank's token count to its wire elements, on their device (no host sync): in
+    the short word from :data:`TOKEN_SHIFT` up, or, when it is too large for the word to
+    hold the sum, as a count in the fifth field instead (the ranks then reduce the count
+    in a collective of its own); else in the last element."""
+    count = tokens.detach().reshape(()).to(device=value.device, dtype=torch.int64)
+    if wire_format(reached) != "short":
+        value[-1].copy_(count)
+        return
+    limit = (1 << (TOKEN_SHIFT - 1)) // reached
+    too_large = (count >= limit) | (count <= -limit)
+    flag = torch.full((), 1 << (SHORT_BITS * len(FLAGS)), dtype=torch.int64, device=value.device)
+    value[0] += torch.where(too_large, flag, count * (1 << TOKEN_SHIFT))
 
 
 def layouts_differ(reduced: Sequence[int]) -> bool:
-    """Whether the ranks' layout digests or round kinds differ (after the reduction): with
-    ``n`` ranks reached, every part ``d`` is the same on all of them iff ``n * sum(d*d) ==
-    sum(d)**2`` (Cauchy-Schwarz; a route that reaches some ranks more than once weighs
-    every slot alike, so the test holds), and the kinds iff their sum is 0 or ``n``."""
-    n = reduced[REACHED]
-    if reduced[KIND] not in (0, n):
-        return True
-    pairs = range(LAYOUT, TOKENS, 2)
-    return any(n * reduced[i + 1] != reduced[i] * reduced[i] for i in pairs)
+    """Whether the ranks were in different kinds of round (a layout round on some ranks
+    only: a layout met for the first time, or switched to, on some ranks only)."""
+    return reduced[KIND] not in (0, reduced[REACHED])
 
 
 def layout_digest(key: Any) -> int:
@@ -169,14 +197,14 @@ def read_back(value: torch.Tensor) -> list[int]:
 
 
 def _reduce(values: Sequence[int] | np.ndarray, route: Sequence[Hop], rank: int, what: str,
-            reduce: Callable[[torch.Tensor, Any], None], tokens: torch.Tensor | None = None,
+            reduce: Callable[[torch.Tensor, Any], None], place: Callable[[torch.Tensor], None] | None = None,
             ) -> tuple[list[int], torch.Tensor]:
     value = torch.from_numpy(np.array(values, dtype=np.int64))  # a copy of the caller's values
     device = route[0][2]
     if device.type != "cpu":
         value = value.to(device, non_blocking=True)
-    if tokens is not None:  # on its device: no host sync
-        value[TOKENS].copy_(tokens.detach().reshape(()))
+    if place is not None:
+        place(value)
     for name, pg, _, _ in route:
         try:
             reduce(value, pg)
@@ -185,28 +213,47 @@ def _reduce(values: Sequence[int] | np.ndarray, route: Sequence[Hop], rank: int,
     return read_back(value), value
 
 
-def reduce_status(values: Sequence[int] | np.ndarray, route: Sequence[Hop], rank: int, what: str,
+def reached(route: Sequence[Hop]) -> int:
+    """How many ranks a SUM over ``route`` counts (each hop multiplies by its size: the
+    world's size for a route whose groups form a grid over it)."""
+    n = 1
+    for _, _, _, size in route:
+        n *= size
+    return n
+
+
+def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: str,
                   tokens: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
-    """SUM-reduce a status vector over every hop of ``route`` in turn.
+    """SUM-reduce a status over every hop of ``route`` in turn (:func:`encode`: one int64
+    for a route of up to :data:`SHORT_MAX` ranks, two up to 2**15, else five), with
+    ``tokens`` when given.
 
     Args:
-      values: this rank's :func:`status_vector`.
+      status: this rank's :func:`status_vector`.
       route: the round's route.
       rank: this rank (for errors).
       what: the round's name (for errors).
       tokens: this rank's ``num_tokens`` for the token slot (:func:`fused_tokens`), or None.
 
     Returns:
-      (the reduced vector on the host, the reduced token count as a 0-d int64 tensor on
-      the route's device -- None when ``tokens`` is None or the route is empty).
+      (the reduced counts (:data:`REACHED` ... :data:`KIND`), the reduced token count as a
+      0-d int64 tensor on the route's device -- None when ``tokens`` is None, the route is
+      empty, or some rank's count was too large for the short word: then the caller
+      reduces the count itself, on every rank alike).
 
     Raises:
       CollectiveError: a hop failed (timeout): names ``what``, the hop and this rank.
     """
     if not route:
-        return list(values), None
-    reduced, value = _reduce(values, route, rank, what, all_reduce_status, tokens)
-    return reduced, (value[TOKENS] if tokens is not None else None)
+        return list(status), None
+    n = reached(route)
+    place = (lambda value: _place_tokens(value, tokens, n)) if tokens is not None else None
+    wire, value = _reduce(encode(status, n), route, rank, what, all_reduce_status, place)
+    counts = decode(wire, n)
+    if tokens is None or counts[-1]:  # some rank's count did not fit: a collective of its own
+        return counts[:-1], None
+    total = value[0] >> TOKEN_SHIFT if wire_format(n) == "short" else value[-1]
+    return counts[:-1], total
 
 
 def reduce_max(values: Sequence[int], route: Sequence[Hop], rank: int, what: str) -> list[int]:
@@ -255,12 +302,14 @@ def round_failed(rank: int, what: str, over: str, err: BaseException) -> Collect
 
 def settle(
     reduced: Sequence[int], route: Sequence[Hop], rank: int, what: str, *,
-    error: BaseException | None = None, layout_text: str = "",
+    error: BaseException | None = None, layout: int = 0, layout_text: str = "",
 ) -> None:
     """After a round, the same path on every rank (they hold the same ``reduced``): when a
     rank failed, every rank gathers the error texts and raises (this rank its own error,
-    the others a :class:`ConsistencyError` naming it); when layouts or round kinds differ,
-    every rank gathers the layouts and raises a :class:`FinalizeInputError` naming them.
+    the others a :class:`ConsistencyError` naming it); when round kinds differ, or every
+    rank is in a layout round and their layout digests differ (one MAX round of
+    ``[digest, -digest]``: equal everywhere iff ``max == -max(-d)``), every rank gathers
+    the layouts and raises a :class:`FinalizeInputError` naming them.
 
     Args:
       reduced: the reduced status vector.
@@ -268,6 +317,7 @@ def settle(
       rank: this rank.
       what: the round's name (for a failed collective).
       error: this rank's held error (raised as itself), or None.
+      layout: this rank's layout digest (compared when every rank is in a layout round).
       layout_text: this rank's DeviceMesh layout, in words ("" when none).
     """
     if reduced[ERROR]:
@@ -279,7 +329,11 @@ def settle(
             f"rank {rank}: rank {who} failed its own checks: {texts.get(who, '(no message)')}; "
             "found before any collective: nothing was reduced or changed"
         )
-    if layouts_differ(reduced):
+    differ = layouts_differ(reduced)
+    if not differ and reduced[KIND] and reduced[KIND] == reduced[REACHED]:  # every rank: a layout round
+        high, neg_low = reduce_max([layout, -layout], route, rank, f"{what} (layout digests)")
+        differ = high != -neg_low
+    if differ:
         texts = gather_texts(layout_text or "no DeviceMesh group layout", route, rank, what)
         by_text: dict[str, list[int]] = {}
         for r in sorted(texts):
@@ -488,8 +542,8 @@ def status_round(
     doubt: Callable[[], BaseException | None] | None = None,
 ) -> tuple[list[int], torch.Tensor | None]:
     """A call's status round over the route of ``over`` (:func:`status_route`): this
-    rank's vector (:func:`status_vector`, with its DeviceMesh layout digest, and
-    ``tokens`` in the token slot) SUM-reduced (:func:`reduce_status`), then the same path
+    rank's status (:func:`status_vector`, with ``tokens`` in the token slot) SUM-reduced
+    (:func:`reduce_status`), then the same path
     on every rank (:func:`settle`): raise, or compare (:func:`compare_round`, when any
     rank asked) and go on.
 
@@ -510,7 +564,7 @@ def status_round(
       (the reduced vector, the global token count on the route's device or None).
     """
     route = status_route(groups, over)
-    mine = call_vector(groups.layout, error=error is not None, compare=compare, nonfinite=nonfinite)
+    mine = status_vector(error=error is not None, compare=compare, nonfinite=nonfinite)
     reduced, total = reduce_status(mine, route, groups.rank, "finalize status check", tokens)
     settle(reduced, route, groups.rank, "finalize status check", error=error, layout_text=groups.layout_text)
     if reduced[COMPARE]:
@@ -538,8 +592,8 @@ def already_shared(err: BaseException) -> bool:
 
 __all__ = [
     "AgreedInputError", "BIG", "SPANNING_GROUPS", "STATUS_SIZE", "all_reduce_max", "all_reduce_status",
-    "already_shared", "backend", "call_vector", "capturing", "compare_round", "device_for", "first_line", "fused_tokens",
-    "gather_texts", "layout_digest", "layouts_differ", "lowest_flagged", "raise_mismatch", "read_back", "reduce_max",
-    "reduce_status", "settle", "share_error", "status_round", "status_route", "status_vector", "timeout_of",
+    "already_shared", "backend", "capturing", "compare_round", "decode", "device_for", "encode", "first_line",
+    "fused_tokens", "gather_texts", "layout_digest", "layouts_differ", "lowest_flagged", "raise_mismatch",
+    "reached", "read_back", "reduce_max", "reduce_status", "wire_format", "settle", "share_error", "status_round", "status_route", "status_vector", "timeout_of",
     "world_route",
 ]

@@ -143,6 +143,7 @@ class MeshGroups:
             mesh, raw, names, self.timeout
         )
         self._resolved: dict[tuple[Any, ...], TorchGroups] = {}
+        self._last_key: tuple[Any, ...] | None = None  # the layout the last call used
 
     @property
     def mesh(self) -> Any:
@@ -182,9 +183,11 @@ class MeshGroups:
             self.join_failure(error)
             raise error from None
         key = (dims.ep, dims.etp, dims.egtp, embd, pos)
-        if key not in self._resolved:
+        if key not in self._resolved or key != self._last_key:  # met for the first time, or switched to
             self.layout_round(key)
-            self._resolved[key] = self._build(dims, embd, pos, key)
+            if key not in self._resolved:
+                self._resolved[key] = self._build(dims, embd, pos, key)
+            self._last_key = key
         return self._resolved[key]
 
     @staticmethod
@@ -214,9 +217,9 @@ class MeshGroups:
         if world_size() <= 1:
             return
         route = world_route()
-        mine = status_vector(layout=layout_digest(key), layout_round=True)
-        reduced, _ = reduce_status(mine, route, self.rank, "DeviceMesh group layout agreement")
-        settle(reduced, route, self.rank, "DeviceMesh group layout agreement", layout_text=self.describe(key))
+        reduced, _ = reduce_status(status_vector(layout_round=True), route, self.rank, "DeviceMesh group layout agreement")
+        settle(reduced, route, self.rank, "DeviceMesh group layout agreement", layout=layout_digest(key),
+               layout_text=self.describe(key))
 
     def join_failure(self, error: BaseException) -> None:
         """For a rank that failed before resolving its layout: take part in the peers'
