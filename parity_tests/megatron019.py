@@ -216,6 +216,8 @@ class Env:
             fields[name] = None if mine is None else made[mine]
         self.explicit = ProcessGroupCollection(**fields)
         self.groups = [g for g in list(vars(self.mpu).values()) + list(made.values()) if g is not None]
+        #: The config every case's routers are built from (one object, as in Megatron).
+        self.router_config = _router_config()
 
     def close(self) -> None:
         self.ps.destroy_model_parallel()
@@ -348,7 +350,7 @@ def build(env: Env, scen: Any, cfg: Any, routers: tuple[RouterSpec, ...]) -> lis
 
     base = build_model(dataclasses.replace(scen, routers=()), env.rank, cfg)
     load_inputs(base, scen, make_rank_inputs(dataclasses.replace(scen, routers=()), env.rank))
-    rcfg = _router_config()
+    rcfg = env.router_config
     dtype = getattr(torch, scen.dtype)
     for index, chunk in enumerate(base):
         for spec in routers:
@@ -372,8 +374,9 @@ def build(env: Env, scen: Any, cfg: Any, routers: tuple[RouterSpec, ...]) -> lis
 
 def clone(model: list[Any], env: Env, keep: list[Any]) -> list[Any]:
     """A deep copy of the chunks, parameter attributes included (torch's deepcopy of an
-    ``nn.Parameter`` drops them); process groups and configs in ``keep`` are shared."""
-    memo = {id(x): x for x in env.groups + keep}
+    ``nn.Parameter`` drops them); process groups, the collections, the routers' config and
+    the objects in ``keep`` are shared (not copied)."""
+    memo = {id(x): x for x in env.groups + [env.mpu, env.explicit, env.router_config] + keep}
     twin = copy.deepcopy(model, memo)
     for chunk, other in zip(model, twin):
         for (_, p), (_, q) in zip(chunk.named_parameters(), other.named_parameters()):
@@ -475,7 +478,8 @@ def run_case(env: Env, case: Case, mf: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"inputs": snapshot(base, tokens())}
     for side, impl in (("megatron", mf), ("ours", torch_impl)):
         side_cfg = cfg if side == "megatron" or case.ours_config is None else case.ours_config(cfg)
-        inner = clone(base, env, [cfg, ddp_cfg])
+        # megatron-core gets a copy; torch_impl, last, the original (one copy per case)
+        inner = clone(base, env, [cfg, ddp_cfg]) if side == "megatron" else base
         for chunk in inner:
             chunk.config = side_cfg
             chunk.ddp_config = ddp_cfg

@@ -24,6 +24,7 @@ Skipped when the 0.19.2 sources cannot be had (``python -m parity_tests.megatron
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import types
@@ -247,7 +248,8 @@ def _world(world: int) -> dict[str, list[Any]]:
         from parity_tests.torch_world import spawn_world
 
         wanted = {layout.name: [n for n in cases(layout) if _only(f"{layout.name}:{n}")] for layout in LAYOUTS[world]}
-        outcome = spawn_world(m19.world_main, world, (str(src), __name__, wanted), timeout=420)
+        outcome = spawn_world(m19.world_main, world, (str(src), __name__, wanted), timeout=420,
+                              prepare=functools.partial(m19.import_megatron, str(src)))
         fatal = next((f for f in outcome.fatal if f), None)
         why = "timed out" if outcome.timed_out else f"world died (exit codes {outcome.exitcodes}): {fatal}"
         _WORLDS[world] = {

@@ -45,7 +45,7 @@ from parity_tests.scenarios import (  # noqa: E402
     make_rank_inputs,
 )
 from parity_tests.torch_world import build_model, load_inputs, read_outputs, run_cases  # noqa: E402
-from parity_tests.megatron_state import fake_ddp, initialize_parallel_state  # noqa: E402
+from parity_tests.megatron_state import fake_ddp, import_megatron_core, initialize_parallel_state  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +197,7 @@ def _pair(
     data = make_rank_inputs(scen, env.rank)
     out: dict[str, Any] = {}
     for side, impl in (("megatron", _mf()), ("ours", torch_impl)):
-        inner = _clone(base)
+        inner = _clone(base, cfg) if side == "megatron" else base  # torch_impl, last: the original
         for chunk in inner:
             chunk.config = cfg  # one config object, as Megatron shares it
             if wrap != "ddp":
@@ -222,10 +222,11 @@ def _pair(
     return out
 
 
-def _clone(model: list[Any]) -> list[Any]:
+def _clone(model: list[Any], config: Any) -> list[Any]:
     """A deep copy of the chunks, parameter attributes included (``copy.deepcopy`` of an
-    ``nn.Parameter`` drops them: the flags Megatron sets on parameters would be lost)."""
-    clone = copy.deepcopy(model)
+    ``nn.Parameter`` drops them: the flags Megatron sets on parameters would be lost); the
+    chunks' ``config`` is shared, as Megatron shares it."""
+    clone = copy.deepcopy(model, {id(config): config})
     for chunk, twin in zip(model, clone):
         for (_, p), (_, q) in zip(chunk.named_parameters(), twin.named_parameters()):
             for name, value in vars(p).items():
@@ -494,7 +495,7 @@ _WORLDS: dict[int, Any] = {}
 
 def _world(world: int) -> list[dict[str, Any]]:
     if world not in _WORLDS:
-        got = run_cases(__name__, ["case_world"], world, timeout=400)["case_world"]
+        got = run_cases(__name__, ["case_world"], world, timeout=400, prepare=import_megatron_core)["case_world"]
         problems = [f"rank {r}: {s}: {v}" for r, (s, v) in enumerate(got) if s != "ok"]
         _WORLDS[world] = problems or [v for _, v in got]
     result = _WORLDS[world]
