@@ -193,7 +193,9 @@ def cases(layout: Layout) -> dict[str, Case]:
     add("fin-config-default-sizes", fin(), config=EVERYTHING, sizes=False, tokens="int64")
     add("fin-tp-is-dp-group", fin(tp="dp"), config=ALL_ON)
     # fields never set (missing) vs set to None
-    add("fin-missing-tp_dp_cp", fin(tp_dp_cp=MISSING), config=EVERYTHING)
+    if layout == LAYOUTS[4][0]:
+        # asserted from the config and the collection alone, before anything else: one layout suffices
+        add("fin-missing-tp_dp_cp", fin(tp_dp_cp=MISSING), config=EVERYTHING)
     add("fin-missing-tp_dp_cp-bias-off", fin(tp_dp_cp=MISSING), config=ALL_ON)
     add("fin-missing-dp_cp-tokens", fin(dp_cp=MISSING, dp_cp_gtp_remat=MISSING),
         config=dict(ALL_ON, calculate_per_token_loss=True), tokens="int64")
