@@ -112,13 +112,16 @@ PRELOAD = ["torch", "torch.distributed", "numpy", "meshgrad", "torch_impl", "par
 
 
 def _context() -> Any:
-    """A fork-server context (torch imported once per test session) or, where that is not
-    available, spawn."""
+    """A fork-server context (torch imported once per test session), its server started,
+    or, where that is not available, spawn."""
     try:
         ctx = multiprocessing.get_context("forkserver")
     except ValueError:  # pragma: no cover - platforms without fork
         return multiprocessing.get_context("spawn")
     ctx.set_forkserver_preload(PRELOAD)
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()  # its one-time start does not count against a world's timeout
     return ctx
 
 
@@ -145,6 +148,7 @@ def spawn_world(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    _context()
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meshgrad-world-") as directory:
         store = os.path.join(directory, "store")
@@ -230,6 +234,8 @@ def _zygote(prepare: Callable[[], Any], world_size: int, store: str, directory: 
     import signal
 
     os.setpgrp()
+    # terminated (its parent exiting): take the ranks along
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         prepare()
@@ -242,6 +248,7 @@ def _zygote(prepare: Callable[[], Any], world_size: int, store: str, directory: 
     for rank in range(world_size):
         pid = os.fork()
         if pid == 0:  # the rank: never returns
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             code = 1
             try:
                 _worker(rank, world_size, store, directory, *rest)
