@@ -22,7 +22,7 @@ from parity_tests.invariants import scatter_pair  # noqa: E402
 from parity_tests.scenarios import all_scenarios, by_world_size  # noqa: E402
 from parity_tests.specs import scenario_dims, scenario_specs  # noqa: E402
 from parity_tests.torch_world import run_torch_world  # noqa: E402
-from tests.test_layout_invariants import _reference, check_invariants  # noqa: E402
+from tests.test_layout_invariants import check_invariants, reference_outputs  # noqa: E402
 
 SCENARIOS = all_scenarios()
 #: One world of 8 runs 116 cases (every scenario's reduce-scatter): about 2 minutes on 2
@@ -44,7 +44,7 @@ def test_torch_invariants(scenario, torch_results):
     scatter_case, forced_case = scatter_pair(scenario)
     scatter = torch_results[scatter_case.name]
     assert scatter.error is None, scatter.error
-    check_invariants(scenario, scatter.outputs, _reference(forced_case))
+    check_invariants(scenario, scatter.outputs, reference_outputs(forced_case))
 
 
 def _plans(scenario, stage: int):
