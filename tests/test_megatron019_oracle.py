@@ -5,7 +5,7 @@ The harness (:mod:`parity_tests.megatron019`) runs megatron-core 0.19.2 from its
 wheel in its own process world (one per world size; 0.16.1, the older oracle of
 ``tests/test_megatron_oracle.py``, stays installed). For each layout below every rank
 initializes megatron-core's ``parallel_state`` (gtp / egtp sizes of 2 and a non-default
-``order=`` included) and runs each case on two identical deep copies of one model -- the
+``order=`` included) and runs each case on two identical builds of one model -- the
 parameters of ``parity_tests.scenarios.gpt_params`` plus real ``TopKRouter`` modules --
 with megatron-core's own ``TransformerConfig``, ``DistributedDataParallelConfig`` and
 ``ProcessGroupCollection`` (from ``use_mpu_process_groups()``, built explicitly from

@@ -1,7 +1,7 @@
 """Black-box oracle: megatron-core's ``finalize_model_grads`` module against torch_impl.
 
 In one gloo world per size (4 and 8 ranks), Megatron's ``parallel_state`` is initialized
-for a few layouts; for each layout every rank runs, on two deep copies of one model with
+for a few layouts; for each layout every rank runs, on two builds of one model with
 identical inputs, the same call through megatron-core and through :mod:`torch_impl`, with
 the same Megatron objects (``TransformerConfig``, ``DistributedDataParallelConfig`` as
 ``chunk.ddp_config``, the ``ProcessGroupCollection`` of ``use_mpu_process_groups()``, or
@@ -21,7 +21,6 @@ comparison exercises something (a value changed, or megatron-core raised where i
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import sys
 import warnings
@@ -170,7 +169,7 @@ def _pair(
     scenario: dict[str, Any] | None = None,
     prepare: Callable[[list[Any], Any], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``call(impl, model, cfg)`` with megatron-core and with torch_impl on deep copies
+    """Run ``call(impl, model, cfg)`` with megatron-core and with torch_impl on two builds
     of one model.
 
     Args:
@@ -197,7 +196,9 @@ def _pair(
     data = make_rank_inputs(scen, env.rank)
     out: dict[str, Any] = {}
     for side, impl in (("megatron", _mf()), ("ours", torch_impl)):
-        inner = _clone(base, cfg) if side == "megatron" else base  # torch_impl, last: the original
+        # megatron-core gets a second build of the same chunks (cheaper than a deep copy);
+        # torch_impl, last, the first
+        inner = build_model(scen, env.rank, cfg) if side == "megatron" else base
         for chunk in inner:
             chunk.config = cfg  # one config object, as Megatron shares it
             if wrap != "ddp":
@@ -220,18 +221,6 @@ def _pair(
         out[side] = result
     out["inputs"] = data
     return out
-
-
-def _clone(model: list[Any], config: Any) -> list[Any]:
-    """A deep copy of the chunks, parameter attributes included (``copy.deepcopy`` of an
-    ``nn.Parameter`` drops them: the flags Megatron sets on parameters would be lost); the
-    chunks' ``config`` is shared, as Megatron shares it."""
-    clone = copy.deepcopy(model, {id(config): config})
-    for chunk, twin in zip(model, clone):
-        for (_, p), (_, q) in zip(chunk.named_parameters(), twin.named_parameters()):
-            for name, value in vars(p).items():
-                setattr(q, name, copy.deepcopy(value))
-    return clone
 
 
 def _localize(model: list[Any]) -> dict[str, Any]:
