@@ -13,7 +13,7 @@ imports triton (``megatron.core.transformer.moe.ops.paged_stash``; finalization 
 its kernels), imports megatron-core 0.19.2 and, for each layout of its world size,
 initializes ``parallel_state`` and runs every case of ``tests/test_megatron019_oracle.py``
 (:func:`cases`): the same call through megatron-core and through :mod:`torch_impl` on
-two identical deep copies of one Megatron-shaped model (real ``TopKRouter`` modules),
+two identical builds of one Megatron-shaped model (real ``TopKRouter`` modules),
 with megatron-core's own ``TransformerConfig``, ``DistributedDataParallelConfig`` and
 ``ProcessGroupCollection``. Each side leaves a :func:`snapshot` of every gradient
 (value, dtype, tensor type), every buffer and ``num_tokens``; the parent compares them bit
@@ -28,7 +28,6 @@ sides' calls are compared on.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import shutil
@@ -216,6 +215,8 @@ class Env:
             fields[name] = None if mine is None else made[mine]
         self.explicit = ProcessGroupCollection(**fields)
         self.groups = [g for g in list(vars(self.mpu).values()) + list(made.values()) if g is not None]
+        #: The config every case's routers are built from (one object, as in Megatron).
+        self.router_config = _router_config()
 
     def close(self) -> None:
         self.ps.destroy_model_parallel()
@@ -348,7 +349,7 @@ def build(env: Env, scen: Any, cfg: Any, routers: tuple[RouterSpec, ...]) -> lis
 
     base = build_model(dataclasses.replace(scen, routers=()), env.rank, cfg)
     load_inputs(base, scen, make_rank_inputs(dataclasses.replace(scen, routers=()), env.rank))
-    rcfg = _router_config()
+    rcfg = env.router_config
     dtype = getattr(torch, scen.dtype)
     for index, chunk in enumerate(base):
         for spec in routers:
@@ -370,16 +371,26 @@ def build(env: Env, scen: Any, cfg: Any, routers: tuple[RouterSpec, ...]) -> lis
     return base
 
 
-def clone(model: list[Any], env: Env, keep: list[Any]) -> list[Any]:
-    """A deep copy of the chunks, parameter attributes included (torch's deepcopy of an
-    ``nn.Parameter`` drops them); process groups and configs in ``keep`` are shared."""
-    memo = {id(x): x for x in env.groups + keep}
-    twin = copy.deepcopy(model, memo)
-    for chunk, other in zip(model, twin):
-        for (_, p), (_, q) in zip(chunk.named_parameters(), other.named_parameters()):
-            for name, value in vars(p).items():
-                setattr(q, name, copy.deepcopy(value))
+def _rebuild(env: Env, scen: Any, cfg: Any, routers: tuple[RouterSpec, ...], inputs: dict[str, Any]) -> list[Any]:
+    """A second :func:`build` of the same chunks (the one config, groups and routers' config
+    shared, as in Megatron).
+
+    Raises:
+      RuntimeError: its gradients or buffers differ from ``inputs`` (the first build's
+        snapshot).
+    """
+    twin = build(env, scen, cfg, routers)
+    again = snapshot(twin)
+    differ = sorted(k for k in set(inputs) | set(again) if k != "num_tokens" and not _same(inputs.get(k), again.get(k)))
+    if differ:
+        raise RuntimeError(f"two builds of one case differ at {differ[:4]}")
     return twin
+
+
+def _same(x: Any, y: Any) -> bool:
+    if not (isinstance(x, tuple) and isinstance(y, tuple)):
+        return x == y
+    return x[:3] == y[:3] and np.array_equal(x[3], y[3], equal_nan=True)
 
 
 def _value(t: Any) -> tuple[str, str, tuple[int, ...], np.ndarray]:
@@ -475,7 +486,9 @@ def run_case(env: Env, case: Case, mf: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"inputs": snapshot(base, tokens())}
     for side, impl in (("megatron", mf), ("ours", torch_impl)):
         side_cfg = cfg if side == "megatron" or case.ours_config is None else case.ours_config(cfg)
-        inner = clone(base, env, [cfg, ddp_cfg])
+        # megatron-core gets a second build of the same inputs (cheaper than a deep copy;
+        # checked identical); torch_impl, last, the first
+        inner = _rebuild(env, scen, cfg, case.routers, out["inputs"]) if side == "megatron" else base
         for chunk in inner:
             chunk.config = side_cfg
             chunk.ddp_config = ddp_cfg

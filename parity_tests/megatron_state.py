@@ -12,6 +12,23 @@ import warnings
 from typing import Any
 
 
+def import_megatron_core() -> None:
+    """Import the installed megatron-core's modules the test worlds use, its warnings
+    silenced: the ``prepare`` of :func:`parity_tests.torch_world.spawn_world`, so that the
+    ranks of a world are forked from one process that imported megatron-core once (each
+    rank importing it costs seconds of CPU).
+
+    Raises:
+      ImportError: megatron-core is not installed.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core.distributed  # noqa: F401
+        import megatron.core.parallel_state  # noqa: F401
+        import megatron.core.process_groups_config  # noqa: F401
+        import megatron.core.transformer.transformer_config  # noqa: F401
+
+
 def initialize_parallel_state(ps: Any, layout: Any, **extra: Any) -> None:
     """``ps.initialize_model_parallel`` for ``layout`` (its tp, pp, cp, ep, etp sizes and,
     where set, the pp stages of the embedding groups), Megatron's warnings silenced.

@@ -13,6 +13,7 @@ bug fails and is named by parameter and step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -26,7 +27,7 @@ pytest.importorskip("torch")
 
 from parity_tests import megatron019 as m19  # noqa: E402
 from parity_tests.audit import AuditError, format_report, load, main as audit_main, replay  # noqa: E402
-from parity_tests.megatron_state import fake_ddp  # noqa: E402
+from parity_tests.megatron_state import fake_ddp, import_megatron_core  # noqa: E402
 from parity_tests.scenarios import RouterLayout, Scenario, gpt_params  # noqa: E402
 from parity_tests.torch_world import spawn_world  # noqa: E402
 
@@ -247,7 +248,9 @@ def _world(world: int) -> str:
     """The directory the world of ``world`` ranks recorded into (spawned once)."""
     if world not in _WORLDS:
         directory = tempfile.mkdtemp(prefix=f"meshgrad-audit-{world}-")
-        outcome = spawn_world(audit_world, world, {"dir": directory, "megatron": _has_megatron()}, timeout=300)
+        megatron = _has_megatron()
+        outcome = spawn_world(audit_world, world, {"dir": directory, "megatron": megatron}, timeout=300,
+                              prepare=import_megatron_core if megatron else None)
         problems = [f"rank {r}: {k}: {v}" for r, res in enumerate(outcome.results) for k, v in res.items() if v != "ok"]
         problems += [f"rank {r}: {f}" for r, f in enumerate(outcome.fatal) if f]
         if outcome.timed_out:
@@ -475,7 +478,8 @@ def test_megatron019_finalize_passes() -> None:
         pytest.skip(m19.skip_reason())
     if "dir" not in _WORLD019:
         directory = tempfile.mkdtemp(prefix="meshgrad-audit-m19-")
-        outcome = spawn_world(audit019_world, 4, (str(src), directory), timeout=300)
+        outcome = spawn_world(audit019_world, 4, (str(src), directory), timeout=300,
+                              prepare=functools.partial(m19.import_megatron, str(src)))
         names = [layout.name for layout, *_ in MEGATRON019 + (BUG019,)]
         problems = [f"rank {r}: {n}: {res.get(n, 'no result')}" for r, res in enumerate(outcome.results)
                     for n in names if res.get(n) != "ok"]

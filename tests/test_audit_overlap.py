@@ -31,6 +31,7 @@ import pytest
 pytest.importorskip("torch")
 
 from parity_tests.audit import format_report, main as audit_main, replay  # noqa: E402
+from parity_tests.megatron_state import import_megatron_core  # noqa: E402
 from parity_tests.torch_world import spawn_world  # noqa: E402
 
 WORLD = 2
@@ -158,7 +159,7 @@ def world() -> Any:
         pytest.skip("megatron-core is not installed (the real DistributedDataParallel is needed)")
     directory = tempfile.mkdtemp(prefix="meshgrad-audit-overlap-")
     try:
-        outcome = spawn_world(overlap_world, WORLD, directory, timeout=600)
+        outcome = spawn_world(overlap_world, WORLD, directory, timeout=600, prepare=import_megatron_core)
         problems = [f"rank {r}: {n}: {res.get(n, 'no result')}" for r, res in enumerate(outcome.results)
                     for n in CASES if not isinstance(res.get(n), dict)]
         problems += [f"rank {r}: {f}" for r, f in enumerate(outcome.fatal) if f]

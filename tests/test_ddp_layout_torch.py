@@ -10,23 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core.distributed")
 
-import torch.multiprocessing as mp  # noqa: E402
+from parity_tests.megatron_state import import_megatron_core  # noqa: E402
+from parity_tests.torch_world import case_values, run_cases  # noqa: E402
 
 CROSS_STAGE = ("emb.weight", "pos.weight")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model():
@@ -42,9 +35,8 @@ def _model():
     return Tiny()
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+def ddp_world(rank: int, world: int) -> dict:
+    """This rank's bucket layouts and misaligned names, with and without a distributed optimizer."""
     torch.cuda.current_device = lambda: "cpu"  # megatron's DDP allocates its buffers there
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -69,16 +61,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             "misaligned": list(misaligned_in_ddp(ddp, CROSS_STAGE)),
             "forced": list(misaligned_in_ddp(ddp, CROSS_STAGE, force_all_reduce=True)),
         }
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    torch.distributed.destroy_process_group()
+    return json.loads(json.dumps(result))  # plain lists and strings, as compared below
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp_layout")
-    mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, start_method="spawn")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+def world():
+    return case_values(run_cases(__name__, ["ddp_world"], 2, timeout=300, prepare=import_megatron_core), "ddp_world")
 
 
 def test_shared_embedding_bucket_is_read_and_aligned(world):

@@ -26,7 +26,8 @@ IDS = [s.name for s in SCENARIOS]
 CROSS_STAGE = [s for s in SCENARIOS if s.pp > 1 and s.dp * s.cp > 1]
 
 
-def _reference(scenario):
+def reference_outputs(scenario):
+    """The reference's per-rank outputs of ``scenario``."""
     inputs = [make_rank_inputs(scenario, rank) for rank in range(scenario.world_size)]
     return reference_finalize(scenario, inputs).outputs
 
@@ -43,7 +44,7 @@ def check_invariants(scenario, scattered, forced) -> None:
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=IDS)
 def test_reference_invariants(scenario):
     scatter, forced = scatter_pair(scenario)
-    check_invariants(scenario, _reference(scatter), _reference(forced))
+    check_invariants(scenario, reference_outputs(scatter), reference_outputs(forced))
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from parity_tests.megatron_state import import_megatron_core  # noqa: E402
 from parity_tests.torch_world import case_values, run_cases  # noqa: E402
 
 WORLD, PP, DP = 4, 2, 2
@@ -117,7 +118,7 @@ _WORLD: dict[str, Any] = {}
 
 def _results() -> list[dict[str, Any]]:
     if "values" not in _WORLD:
-        _WORLD["values"] = case_values(run_cases(__name__, ["layout_world"], WORLD, timeout=300), "layout_world")
+        _WORLD["values"] = case_values(run_cases(__name__, ["layout_world"], WORLD, timeout=300, prepare=import_megatron_core), "layout_world")
     return _WORLD["values"]
 
 

@@ -41,6 +41,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from parity_tests.megatron_state import import_megatron_core  # noqa: E402
 from parity_tests.torch_world import case_values, run_cases  # noqa: E402
 
 WORLD = 4
@@ -222,7 +223,7 @@ _WORLD: dict[str, Any] = {}
 
 def _results() -> list[dict[str, Any]]:
     if "values" not in _WORLD:
-        _WORLD["values"] = case_values(run_cases(__name__, ["ddp_world"], WORLD, timeout=400), "ddp_world")
+        _WORLD["values"] = case_values(run_cases(__name__, ["ddp_world"], WORLD, timeout=400, prepare=import_megatron_core), "ddp_world")
     return _WORLD["values"]
 
 

@@ -22,6 +22,7 @@ Skipped when the 0.19.2 sources cannot be had.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -132,7 +133,8 @@ def _results() -> dict[str, list[Any]]:
         from parity_tests.torch_world import spawn_world
 
         wanted = {layout.name: list(cases(layout)) for layout in LAYOUTS[4]}
-        outcome = spawn_world(m19.world_main, 4, (str(src), __name__, wanted), timeout=300)
+        outcome = spawn_world(m19.world_main, 4, (str(src), __name__, wanted), timeout=300,
+                              prepare=functools.partial(m19.import_megatron, str(src)))
         fatal = next((f for f in outcome.fatal if f), None)
         _WORLD["r"] = {f"{lay}:{name}": [outcome.results[r].get(f"{lay}:{name}", ("missing", fatal))
                                           for r in range(4)] for lay, names in wanted.items() for name in names}
