@@ -24,9 +24,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity_tests.torch_world import case_values, run_cases  # noqa: E402
+from pp_stage import B, H, S, V, Stage, reference_pp, tokens  # noqa: E402  (batch, sequence, hidden, vocab)
 
 WORLD = 4
-B, S, H, V = 4, 4, 8, 6  # batch, sequence, hidden, vocab (both sharded 2 ways)
 RATE = 0.25
 
 
@@ -161,40 +161,6 @@ def _refused_divide(rank: int, mesh: Any, only_rank: int | None = None) -> dict[
     return {"message": message, "unchanged": all(np.array_equal(before[k], after[k]) for k in before)}
 
 
-class _Stage(torch.nn.Module):
-    """One pipeline stage of a tied-embedding model: stage 0 embeds, stage 1 projects onto
-    the vocabulary with its own copy of the embedding weight."""
-
-    def __init__(self, stage: int) -> None:
-        super().__init__()
-        torch.manual_seed(2)
-        self.share_embeddings_and_output_weights = True
-        self.weight = torch.nn.Parameter(torch.randn(V, H, dtype=torch.float64))
-        self.proj = torch.nn.Linear(H, H, dtype=torch.float64)
-        self.stage = stage
-
-    def shared_embedding_or_output_weight(self) -> Any:
-        return self.weight
-
-    def forward(self, x: Any) -> Any:
-        if self.stage == 0:
-            return self.proj(torch.nn.functional.embedding(x, self.weight))
-        return torch.nn.functional.linear(self.proj(x), self.weight)
-
-
-def _tokens() -> Any:
-    torch.manual_seed(3)
-    return torch.randint(0, V, (B, S))
-
-
-def _reference_pp() -> dict[str, np.ndarray]:
-    first, last = _Stage(0), _Stage(1)
-    last.weight = first.weight  # one tied weight
-    last(first(_tokens())).pow(2).sum().div(B * S).backward()
-    return {"weight": first.weight.grad.numpy().copy(), "proj0": first.proj.weight.grad.numpy().copy(),
-            "proj1": last.proj.weight.grad.numpy().copy()}
-
-
 def _run_pp(rank: int) -> dict[str, Any]:
     """pp x dp_shard = 2 x 2 (torchtitan names): stage 0 sends activations to stage 1 and
     receives their gradient back; finalize sums the tied weight over the two stages."""
@@ -207,12 +173,12 @@ def _run_pp(rank: int) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
     stage, dp = mesh["pp"].get_local_rank(), mesh["dp_shard"].get_local_rank()
-    model = _Stage(stage)
+    model = Stage(stage)
     fully_shard(model, mesh=mesh["dp_shard"])
     model.set_gradient_divide_factor(1.0)
     model.config = FinalizeConfig(calculate_per_token_loss=True)
     peer = int(mesh.mesh[1 - stage, dp])
-    x = _tokens()[dp * B // 2:(dp + 1) * B // 2]
+    x = tokens()[dp * B // 2:(dp + 1) * B // 2]
     if stage == 0:
         h = model(x)
         dist.send(h.detach().contiguous(), peer)
@@ -424,7 +390,7 @@ def test_fsdp2_divide_factor_mismatch_on_one_rank_raises_on_every_rank() -> None
 
 
 def test_fsdp2_pipeline_tied_embedding_summed_across_stages() -> None:
-    want = _reference_pp()
+    want = reference_pp()
     for rank, result in enumerate(_results()):
         got = result["pp_tied"]
         _close(got["weight"], want["weight"], f"rank {rank} tied weight")
