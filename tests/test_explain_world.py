@@ -98,7 +98,7 @@ def _explained(name: str) -> Explanation:
 def _run(name: str, rank: int) -> dict[str, Any]:
     import torch
 
-    import torch_impl.run.status as status
+    import torch_impl.run.rounds as status  # the rounds' collectives
     from bench.counting import CollectiveCounter
     from bench.explain_world import build_chunks, device_mesh, named_groups
     from meshgrad.axes import Axis

@@ -288,7 +288,7 @@ def case_check_collectives_per_mode(rank: int, world: int) -> dict[str, list[int
     """The checks' collectives (status rounds, the comparison's all-gathers) over two
     steps, per consistency_check mode, and the data collectives of the second step."""
     from bench.counting import CollectiveCounter
-    from torch_impl.run import status as consensus  # the rounds' reductions (status SUM, follow-up MAX)
+    from torch_impl.run import rounds as consensus  # the rounds' reductions (status SUM, follow-up MAX)
 
     groups = timed_collection(DP_TP)
     rounds: list[int] = []

@@ -8,7 +8,7 @@ checks by value that the round carries an integer ``num_tokens`` (the token all-
 gone from the step; gradients and the written-back count are those of a separate
 reduction), that a floating count keeps its own collective, that an error on one rank
 still makes every rank raise before anything changes, and that a healthy step reads the
-device back once (:func:`torch_impl.run.status.read_back`) and a CUDA-graph capture not
+device back once (:func:`torch_impl.run.rounds.read_back`) and a CUDA-graph capture not
 at all.
 """
 
@@ -25,7 +25,7 @@ from torch import nn  # noqa: E402
 
 from meshgrad import FinalizeConfig  # noqa: E402
 from parity_tests.torch_world import run_cases  # noqa: E402
-from torch_impl.run import status  # noqa: E402
+from torch_impl.run import rounds as status  # noqa: E402  (the round's wire format and collectives)
 
 WORLD = 4
 

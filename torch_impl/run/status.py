@@ -33,271 +33,55 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from meshgrad.axes import Group
 from meshgrad.errors import CollectiveError, ConsistencyError, FinalizeInputError
 from torch_impl.run.groups import TorchGroups, world_size
-
-#: Positions in a reduced status vector (:func:`decode`): the ranks the round reached, and
-#: how many of them failed, ask for a comparison, found NaN / Inf or are in a layout round.
-REACHED, ERROR, COMPARE, NONFINITE, KIND = range(5)
-FLAGS = (ERROR, COMPARE, NONFINITE, KIND)
-#: Bits of one count in the packed word of a route of fewer than 2**15 ranks.
-FIELD_BITS = 16
-#: A route of at most SHORT_MAX ranks sends ONE int64: the four counts and a fifth (ranks
-#: whose token count is too large to carry) in SHORT_BITS bits each, the token count from
-#: bit TOKEN_SHIFT up (each rank's below 2**31 / n, so the sum cannot overflow).
-SHORT_BITS, SHORT_MAX, TOKEN_SHIFT = 6, 63, 32
-#: int64 elements on the wire for a route of 64 to 2**15 - 1 ranks: the packed counts and
-#: the token count (on gloo a small all-reduce costs about one ring step per element; on
-#: NCCL one latency whatever the count).
-STATUS_SIZE = 2
-BIG = 1 << 40
-
-#: One hop of a route: (a name for errors, the process group, the device of its
-#: tensors, its size).
-Hop = tuple[str, Any, torch.device, int]
+from torch_impl.run.rounds import (  # the round's collectives and wire format, re-exported
+    BIG,
+    COMPARE,
+    ERROR,
+    FIELD_BITS,
+    FLAGS,
+    Hop,
+    KIND,
+    NONFINITE,
+    REACHED,
+    SHORT_BITS,
+    SHORT_MAX,
+    STATUS_SIZE,
+    TOKEN_SHIFT,
+    all_reduce_max,
+    all_reduce_status,
+    backend,
+    capturing,
+    decode,
+    device_for,
+    encode,
+    first_line,
+    gather_texts,
+    layout_digest,
+    layouts_differ,
+    lowest_flagged,
+    reached,
+    read_back,
+    reduce_max,
+    reduce_status,
+    round_failed,
+    status_vector,
+    wire_format,
+    world_route,
+)
 
 #: Groups whose sequential MAX-reduction reaches every rank of a model (docs/semantics.md (ranks, axes and groups) axes).
 SPANNING_GROUPS = (Group.TP, Group.DP_CP, Group.GTP, Group.PP)
 
 
-def capturing() -> bool:
-    """Inside a CUDA graph capture (no host sync possible: the checks are skipped)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 class AgreedInputError(FinalizeInputError):
     """Bad input that every rank raises together from one round (a DeviceMesh layout that
     differs across ranks or does not fit the mesh): nothing is left to share."""
-
-
-_PEER_HINT = (
-    "a peer rank may have died, stalled past the process-group timeout, raised before this "
-    "round, or not entered finalize (or this seed helper) at all; nothing was reduced"
-)
-
-
-def status_vector(
-    *, error: bool = False, compare: bool = False, nonfinite: bool = False, layout_round: bool = False,
-) -> list[int]:
-    """This rank's status, as the reduced vector reads (:data:`REACHED` ... :data:`KIND`):
-    itself, and each flag as a count of 0 or 1."""
-    return [1, int(error), int(compare), int(nonfinite), int(layout_round)]
-
-
-def wire_format(reached: int) -> str:
-    """How a round that reaches ``reached`` ranks (every rank of it computes the same)
-    sends its status: ``"short"`` (one int64, tokens included), ``"packed"`` (the counts in
-    one int64, the tokens in a second) or ``"wide"`` (one int64 per count, then tokens)."""
-    if reached <= SHORT_MAX:
-        return "short"
-    return "packed" if reached < 1 << (FIELD_BITS - 1) else "wide"
-
-
-def encode(status: Sequence[int], reached: int) -> np.ndarray:
-    """The int64 elements one rank contributes (its token count is added on its device by
-    :func:`reduce_status`)."""
-    fmt = wire_format(reached)
-    if fmt == "wide":
-        return np.array([*(int(status[f]) for f in FLAGS), 0], dtype=np.int64)
-    bits = SHORT_BITS if fmt == "short" else FIELD_BITS
-    word = sum(int(status[f]) << (bits * i) for i, f in enumerate(FLAGS))
-    return np.array([word] if fmt == "short" else [word, 0], dtype=np.int64)
-
-
-def decode(wire: Sequence[int], reached: int) -> list[int]:
-    """The reduced elements as counts (:data:`REACHED` ... :data:`KIND`, then the ranks whose
-    token count did not fit the short word): a SUM of packed words is the word of the sums,
-    as no count can carry into the next field."""
-    fmt = wire_format(reached)
-    if fmt == "wide":
-        return [reached, *wire[: len(FLAGS)], 0]
-    bits = SHORT_BITS if fmt == "short" else FIELD_BITS
-    fields = len(FLAGS) + (fmt == "short")
-    mask = (1 << bits) - 1
-    return [reached, *((int(wire[0]) >> (bits * i)) & mask for i in range(fields))] + ([] if fmt == "short" else [0])
-
-
-def _place_tokens(value: torch.Tensor, tokens: torch.Tensor, reached: int) -> None:
-    """Add this rank's token count to its wire elements, on their device (no host sync): in
-    the short word from :data:`TOKEN_SHIFT` up, or, when it is too large for the word to
-    hold the sum, as a count in the fifth field instead (the ranks then reduce the count
-    in a collective of its own); else in the last element."""
-    count = tokens.detach().reshape(()).to(device=value.device, dtype=torch.int64)
-    if wire_format(reached) != "short":
-        value[-1].copy_(count)
-        return
-    limit = (1 << (TOKEN_SHIFT - 1)) // reached
-    too_large = (count >= limit) | (count <= -limit)
-    flag = torch.full((), 1 << (SHORT_BITS * len(FLAGS)), dtype=torch.int64, device=value.device)
-    value[0] += torch.where(too_large, flag, count * (1 << TOKEN_SHIFT))
-
-
-def layouts_differ(reduced: Sequence[int]) -> bool:
-    """Whether the ranks were in different kinds of round (a layout round on some ranks
-    only: a layout met for the first time, or switched to, on some ranks only)."""
-    return reduced[KIND] not in (0, reduced[REACHED])
-
-
-def layout_digest(key: Any) -> int:
-    """A positive 62-bit digest of a group layout (equal layouts, equal digests)."""
-    raw = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-    return (int.from_bytes(raw, "little") >> 2) or 1
-
-
-def device_for(pg: Any) -> torch.device:
-    """Where a small tensor for a collective over ``pg`` must live."""
-    if backend(pg) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def backend(pg: Any) -> str:
-    """The backend name of a process group ("" for a fake or foreign group)."""
-    try:
-        return str(dist.get_backend(pg))
-    except Exception:  # pragma: no cover - a fake or foreign group
-        return ""
-
-
-def world_route() -> list[Hop]:
-    """The route of a round over the whole world."""
-    world = dist.group.WORLD
-    return [("the world", world, device_for(world), dist.get_world_size())]
-
-
-def _all_reduce(value: torch.Tensor, pg: Any, op: Any) -> None:
-    """All-reduce ``value`` in place over ``pg``, through the process group itself: the
-    rounds stay apart from the ``torch.distributed`` calls that move data (which tests and
-    benchmarks count) and skip their Python layer (a few microseconds a step)."""
-    options = dist.AllreduceOptions()
-    options.reduceOp = op
-    pg.allreduce([value], options).wait()
-
-
-def all_reduce_status(value: torch.Tensor, pg: Any) -> None:
-    """SUM-all-reduce a status vector in place over ``pg`` (the status round's one reduction)."""
-    _all_reduce(value, pg, dist.ReduceOp.SUM)
-
-
-def all_reduce_max(value: torch.Tensor, pg: Any) -> None:
-    """MAX-all-reduce ``value`` in place over ``pg`` (the rounds that only run after a
-    status round found something: a comparison's outcome, the rank that found NaN)."""
-    _all_reduce(value, pg, dist.ReduceOp.MAX)
-
-
-def read_back(value: torch.Tensor) -> list[int]:
-    """The reduced vector on the host: a round's one host sync (on a GPU it waits for the
-    work queued before it, as any read of a device value does)."""
-    return value.tolist()
-
-
-def _reduce(values: Sequence[int] | np.ndarray, route: Sequence[Hop], rank: int, what: str,
-            reduce: Callable[[torch.Tensor, Any], None], place: Callable[[torch.Tensor], None] | None = None,
-            ) -> tuple[list[int], torch.Tensor]:
-    value = torch.from_numpy(np.array(values, dtype=np.int64))  # a copy of the caller's values
-    device = route[0][2]
-    if device.type != "cpu":
-        value = value.to(device, non_blocking=True)
-    if place is not None:
-        place(value)
-    for name, pg, _, _ in route:
-        try:
-            reduce(value, pg)
-        except RuntimeError as err:
-            raise round_failed(rank, what, name, err) from err
-    return read_back(value), value
-
-
-def reached(route: Sequence[Hop]) -> int:
-    """How many ranks a SUM over ``route`` counts (each hop multiplies by its size: the
-    world's size for a route whose groups form a grid over it)."""
-    n = 1
-    for _, _, _, size in route:
-        n *= size
-    return n
-
-
-def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: str,
-                  tokens: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
-    """SUM-reduce a status over every hop of ``route`` in turn (:func:`encode`: one int64
-    for a route of up to :data:`SHORT_MAX` ranks, two up to 2**15, else five), with
-    ``tokens`` when given.
-
-    Args:
-      status: this rank's :func:`status_vector`.
-      route: the round's route.
-      rank: this rank (for errors).
-      what: the round's name (for errors).
-      tokens: this rank's ``num_tokens`` for the token slot (:func:`fused_tokens`), or None.
-
-    Returns:
-      (the reduced counts (:data:`REACHED` ... :data:`KIND`), the reduced token count as a
-      0-d int64 tensor on the route's device -- None when ``tokens`` is None, the route is
-      empty, or some rank's count was too large for the short word: then the caller
-      reduces the count itself, on every rank alike).
-
-    Raises:
-      CollectiveError: a hop failed (timeout): names ``what``, the hop and this rank.
-    """
-    if not route:
-        return list(status), None
-    n = reached(route)
-    place = (lambda value: _place_tokens(value, tokens, n)) if tokens is not None else None
-    wire, value = _reduce(encode(status, n), route, rank, what, all_reduce_status, place)
-    counts = decode(wire, n)
-    if tokens is None or counts[-1]:  # some rank's count did not fit: a collective of its own
-        return counts[:-1], None
-    total = value[0] >> TOKEN_SHIFT if wire_format(n) == "short" else value[-1]
-    return counts[:-1], total
-
-
-def reduce_max(values: Sequence[int], route: Sequence[Hop], rank: int, what: str) -> list[int]:
-    """MAX-reduce ``values`` over every hop of ``route`` in turn (the result is the maximum
-    over every rank the route reaches).
-
-    Raises:
-      CollectiveError: a hop failed (timeout): names ``what``, the hop and this rank.
-    """
-    if not route:
-        return list(values)
-    return _reduce(values, route, rank, what, all_reduce_max)[0]
-
-
-def lowest_flagged(flagged: bool, route: Sequence[Hop], rank: int, what: str) -> int:
-    """The lowest rank of the route that raised a flag (one MAX round, run by every rank
-    once a status round counted the flag), or -1 when none did."""
-    (value,) = reduce_max([BIG - rank if flagged else 0], route, rank, what)
-    return BIG - value if value else -1
-
-
-def gather_texts(text: str | None, route: Sequence[Hop], rank: int, what: str) -> dict[int, str]:
-    """Every rank's text (rank -> text; ranks without one left out), all-gathered over
-    each hop of ``route`` in turn; run only when a round found something to report."""
-    known = {rank: text} if text else {}
-    for name, pg, _, size in route:
-        out: list[Any] = [None] * size
-        try:
-            dist.all_gather_object(out, known, group=pg)
-        except RuntimeError as err:
-            raise round_failed(rank, f"{what} (error report)", name, err) from err
-        for item in out:
-            known.update(item or {})
-    return known
-
-
-def first_line(err: BaseException) -> str:
-    """``TypeName: first line of the message`` (what is shared with other ranks)."""
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-
-
-def round_failed(rank: int, what: str, over: str, err: BaseException) -> CollectiveError:
-    """The error of a round's collective that raised ``err`` (a peer may be gone)."""
-    return CollectiveError(f"rank {rank}: {what} over {over!r} failed: {first_line(err)} -- {_PEER_HINT}")
 
 
 def settle(
