@@ -304,6 +304,29 @@ def test_grad_watch_sees_every_shape_change(change):
     assert not watch.same()
 
 
+@pytest.mark.parametrize(
+    "param, change",
+    [
+        (lambda: nn.Parameter(torch.zeros(3, 2)), lambda p: setattr(p, "data", torch.zeros(3, 2))),  # same shape
+        (lambda: nn.Parameter(torch.zeros(3, 2)), lambda p: setattr(p, "data", torch.zeros(3, 2, dtype=torch.float64))),
+        (lambda: nn.Parameter(torch.zeros(3, 2)), lambda p: setattr(p, "data", torch.zeros(2, 3))),
+        (lambda: nn.Parameter(torch.zeros(0, 2)), lambda p: setattr(p, "data", torch.zeros(0, 3))),  # empty: by shape
+        (lambda: nn.Parameter(torch.zeros(3, 2, device="meta")), lambda p: setattr(p, "data", torch.zeros(2, 3, device="meta"))),
+    ],
+    ids=["same-shape", "dtype", "shape", "empty", "meta"],
+)
+def test_grad_watch_sees_the_parameter_data_replaced(param, change):
+    """``param.data = ...`` with the gradient left: a plain parameter is watched by its
+    data pointer (any other tensor: another shape, dtype or device), an empty or meta
+    one by its shape."""
+    p = param()
+    p.main_grad = torch.zeros(p.shape)
+    watch = GradWatch([p])
+    assert watch.same()
+    change(p)
+    assert not watch.same()
+
+
 class Router(nn.Module):
     def __init__(self) -> None:
         super().__init__()

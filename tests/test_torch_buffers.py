@@ -145,6 +145,29 @@ def test_world_of_one_token_scaling_copies_nothing_and_scales_exactly():
         assert torch.equal(model[0].get_parameter(name).main_grad, value / 4)
 
 
+def test_own_views_are_watched_by_identity_and_a_replaced_one_is_seen():
+    """meshgrad's own buffer views are watched by identity only (their storage and shape
+    are meshgrad's); a parameter given another gradient tensor is still seen: the step
+    re-binds and scales the new tensor."""
+    model = [Tiny()]
+    attach_grad_buffers(model)
+    norm, weight = model[0].norm, model[0].lin.weight
+    norm.main_grad.fill_(4.0)
+    weight.main_grad.fill_(8.0)
+    finalize_model_grads(model, num_tokens=torch.tensor(2))
+    ((_, _, watch, _),) = ModelState.of(model).found.values()
+    assert watch.grads.tensors == [] and len(watch.grads.params) == 4  # all own views
+    assert torch.equal(norm.main_grad, torch.full((3,), 2.0)) and execution_stats(model).bytes_copied == 0
+    replacement = torch.full((3,), 6.0)
+    norm.main_grad = replacement
+    finalize_model_grads(model, num_tokens=torch.tensor(2))
+    assert norm.main_grad is replacement and torch.equal(replacement, torch.full((3,), 3.0))
+    assert torch.equal(weight.main_grad, torch.full((2, 3), 2.0))
+    ((_, _, watch, _),) = ModelState.of(model).found.values()
+    assert watch.grads.tensors == [replacement]  # not an own view: watched in full
+    assert execution_stats(model).programs_bound == 2  # re-bound to the new tensor
+
+
 @pytest.mark.parametrize("keep", [True, False], ids=["kept buffer", "buffer per call"])
 @pytest.mark.parametrize("kind", ["contiguous", "mixed dtypes", "strided"])
 def test_staging_copies_in_and_back_exactly(kind, keep):

@@ -225,5 +225,6 @@ def attach_grad_buffers(
     params = {k: p for k, p in inputs.found.tensors.items() if p.requires_grad}
     layout = tuple((d, tuple(k for k in keys if k in params)) for d, keys in bound.plan.layout)
     buffers = allocate(layout, params, attr=attr, device=device, lazy=lazy)
+    inputs.state.own_views.update({id(view): view for view in buffers.views.values()})
     inputs.state.programs.clear()
     return buffers

@@ -14,6 +14,8 @@ helper group sets and embedding discoveries.
 
 from __future__ import annotations
 
+import weakref
+
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -88,6 +90,9 @@ class ModelState:
         self.group_memo = GroupMemo()  # resolved groups per source, meshes, parallel_state
         self.plan_memo = PlanMemo(self.stats)  # plans, programs, check records
         self.plans, self.programs = self.plan_memo.plans, self.plan_memo.programs
+        # The gradient views of meshgrad's own buffers (attach_grad_buffers), by id; weak:
+        # an entry goes with its view, so an id cannot be reused while it is here.
+        self.own_views: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A cache: copying or pickling the model (deepcopy, torch.save) starts it afresh
@@ -157,7 +162,7 @@ class ModelState:
         has_mtp = config.has_mtp
         watch = ModelWatch(
             found, chunks, lambda: chunk_facts(chunks, found, has_mtp, ddp_object),
-            watched_keys(found, [obj is None for obj in ddp]), candidate_keys(found),
+            watched_keys(found, [obj is None for obj in ddp]), candidate_keys(found), self.own_views,
         )
         self.found[slot] = (token, found, watch, ddp)
         return token, found, ddp

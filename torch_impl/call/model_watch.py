@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -61,17 +61,21 @@ class _Edges:
                     add(owner, leaf_kind)
         owners = list(stores.values())
         plain, exact = split(owners, (by_value(kind(owner)) for owner, kind in owners))
-        self.plain_owners, self.plain_kinds = [o for o, _ in plain], [k for _, k in plain]
-        self.copies = list(map(dict.copy, map(operator.call, self.plain_kinds, self.plain_owners)))
+        # Per kind of dict: (its getter, the owners' __dict__s, copies of their dicts).
+        self.plain: list[tuple[Any, list[dict[str, Any]], list[dict[str, Any]]]] = []
+        for kind in {id(k): k for _, k in plain}.values():
+            of_kind = [o for o, k in plain if k is kind]
+            self.plain.append((kind, of_kind, list(map(dict.copy, map(kind, of_kind)))))
         self.exact_owners, self.exact_kinds = [o for o, _ in exact], [k for _, k in exact]
-        self.exact = ExactDicts(map(operator.call, self.exact_kinds, self.exact_owners))
+        self.exact = ExactDicts(map(operator.call, self.exact_kinds, self.exact_owners)) if exact else None
 
     def same(self) -> bool:
         """Each module's dict (whichever object it now is) holds the same objects under the
         same names."""
-        return not differs(list(map(operator.call, self.plain_kinds, self.plain_owners)), self.copies) and (
-            self.exact.same(map(operator.call, self.exact_kinds, self.exact_owners))
-        )
+        for kind, owners, copies in self.plain:
+            if differs(list(map(kind, owners)), copies):
+                return False
+        return self.exact is None or self.exact.same(map(operator.call, self.exact_kinds, self.exact_owners))
 
 
 def _watched_module_ids(chunks: Sequence[Any], found: Any) -> list[int]:
@@ -161,6 +165,8 @@ class ModelWatch:
       watched: the keys of the parameters to watch.
       touched: the keys of the parameters a step besides the DP sync may touch (what a
         seed helper's plan may read: :meth:`touched_same`); None: all watched ones.
+      own_views: meshgrad's own buffer views by id, watched by identity only
+        (:class:`~torch_impl.call.watches.GradWatch`).
     """
 
     def __init__(
@@ -170,8 +176,10 @@ class ModelWatch:
         facts: Callable[[], tuple[Any, ...]],
         watched: Iterable[ParamKey],
         touched: Iterable[ParamKey] | None = None,
+        own_views: Mapping[int, Any] | None = None,
     ) -> None:
         self.found = found
+        self.own_views = own_views
         self.facts = facts
         self.chunk_facts = facts()  # held: their ids cannot be reused while watched
         self.fact_ids = tuple(map(id, self.chunk_facts))
@@ -245,7 +253,7 @@ class ModelWatch:
         return self.structure_same() and self._routers_unchanged() and full.same() and rest.same()
 
     def _grad_watch(self, keys: set[ParamKey]) -> GradWatch:
-        return GradWatch(self.found.tensors[k] for k in self.found.tensors if k in keys)
+        return GradWatch((self.found.tensors[k] for k in self.found.tensors if k in keys), self.own_views)
 
     def cover(self, keys: Iterable[ParamKey], helper: bool = False) -> None:
         """Also watch ``keys`` (what a bound plan reads or writes; a seed helper's plan:

@@ -62,6 +62,17 @@ def differs(live: Any, snapshot: Any) -> bool:
         return True
 
 
+def _has_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has a plain data pointer: strided, not a DTensor, not on meta."""
+    return tensor.layout is torch.strided and not is_dtensor(tensor) and tensor.device.type != "meta"
+
+
+def _by_pointer(param: torch.Tensor) -> bool:
+    """Whether a replacement of ``param.data`` shows in its data pointer: it has storage
+    and elements (every empty tensor's pointer is 0)."""
+    return _has_storage(param) and param.numel() != 0
+
+
 def split(items: Iterable[Any], flags: Iterable[bool]) -> tuple[list[Any], list[Any]]:
     """(the items whose flag is true, the others), each in order."""
     kept: list[Any] = []
@@ -123,18 +134,26 @@ class GradWatch:
     ``main_grad``), every attribute set on the parameter (its ``__dict__``: ``main_grad``,
     ``allreduce``, ``sequence_parallel`` and the other flags), and, for each plain
     gradient tensor, its data pointer and size (so ``grad.data = ...`` or ``resize_`` is
-    seen too), and the parameter's own shape (``param.data = ...`` of another shape). The attribute dicts are compared with copies in one list comparison: a
+    seen too), and the parameter's own data pointer (``param.data = ...``: another tensor; a
+    DTensor or meta parameter: its shape). The attribute dicts are compared with copies in
+    one list comparison: a
     value compares by identity first, a plain flag by value (an equal replacement means
     the same), a gradient tensor raises against any other tensor (a change); a dict
     holding another kind of value (a one-element tensor, a subclass) is compared key by
     key and value by identity. Everything runs as C-level loops over fixed lists: a few
     tens of nanoseconds per parameter and check.
 
+    A gradient that is one of meshgrad's own buffer views (``own_views``, made by
+    :func:`torch_impl.buffers.attach_grad_buffers`) is watched by identity only: the
+    parameter still holding that view is what the bound program depends on; the view's
+    own storage and shape are meshgrad's, changed by nothing but meshgrad.
+
     Args:
       params: the parameters (any order, fixed for this watch).
+      own_views: meshgrad's buffer views by id (None: none).
     """
 
-    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], own_views: Mapping[int, torch.Tensor] | None = None) -> None:
         self.params = tuple(params)
         self.requires = list(map(_REQUIRES_GRAD, self.params))
         dicts = list(map(vars, self.params))
@@ -142,15 +161,18 @@ class GradWatch:
         # .grad matters where main_grad is absent (its appearing changes the dict).
         self.grad_params = [p for p, d in zip(self.params, dicts) if "main_grad" not in d]
         self.grads = list(map(_GRAD, self.grad_params))
-        tensors = []
-        for p in self.params:
-            g = get_grad(p)
-            if isinstance(g, torch.Tensor) and g.layout is torch.strided and not is_dtensor(g) and g.device.type != "meta":
-                tensors.append(g)
-        self.tensors = tensors
-        self.ptrs = list(map(torch.Tensor.data_ptr, tensors))
-        self.sizes = list(map(_SHAPE, tensors))
-        self.param_sizes = list(map(_SHAPE, self.params))  # ``param.data = ...`` of another shape
+        own = own_views if own_views is not None else {}
+        self.tensors = [
+            g for g in map(get_grad, self.params)
+            if isinstance(g, torch.Tensor) and _has_storage(g) and own.get(id(g)) is not g
+        ]
+        self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
+        self.sizes = list(map(_SHAPE, self.tensors))
+        # ``param.data = ...``: a plain parameter by its data pointer (another tensor, of
+        # any shape, dtype or device), any other (DTensor, meta, sparse, empty) by its shape.
+        self.plain_params, self.other_params = split(self.params, map(_by_pointer, self.params))
+        self.param_ptrs = list(map(torch.Tensor.data_ptr, self.plain_params))
+        self.param_sizes = list(map(_SHAPE, self.other_params))
 
     def same(self) -> bool:
         """True when nothing a bound program or the plan depends on has changed."""
@@ -162,7 +184,8 @@ class GradWatch:
             # One torch.Size at a time, compared and let go of: a list of thousands of new
             # tuples would set the cyclic garbage collector off (10x the check itself).
             and all(map(operator.eq, map(_SHAPE, self.tensors), self.sizes))
-            and all(map(operator.eq, map(_SHAPE, self.params), self.param_sizes))
+            and list(map(torch.Tensor.data_ptr, self.plain_params)) == self.param_ptrs
+            and all(map(operator.eq, map(_SHAPE, self.other_params), self.param_sizes))
         )
 
     def has_dtensor(self) -> bool:
