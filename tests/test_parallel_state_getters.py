@@ -62,3 +62,33 @@ def test_an_absent_or_failing_getter():
     ps = types.SimpleNamespace(get_data_parallel_group=not_initialized, get_embedding_group=not_initialized)
     assert parallel_state_group(ps, Group.DP_CP) is UNDEFINED
     assert parallel_state_group(ps, Group.EMBD) is None  # Megatron holds none for this rank
+
+
+def test_the_groups_are_read_again_only_when_the_module_changes():
+    """``pg_collection=None`` every step: while parallel_state's globals are what they
+    were, the last groups are kept without a getter call; a changed global (a getter
+    replaced, a group set) reads them again, and keeps the last groups when the getters
+    return the same objects."""
+    from torch_impl.sources.megatron import parallel_state_keyed
+
+    calls: list[str] = []
+    ps = types.ModuleType("fake_parallel_state")
+
+    def getter(name):
+        def get_group(**kwargs):
+            calls.append(name)
+            return None  # Megatron holds none for this rank
+
+        return get_group
+
+    ps.get_tensor_model_parallel_group = getter("tp")
+    first = parallel_state_keyed(ps)
+    assert calls == ["tp"]
+    assert parallel_state_keyed(ps, first) is first and calls == ["tp"]  # nothing read
+    ps.get_tensor_model_parallel_group = getter("tp2")  # a getter replaced
+    second = parallel_state_keyed(ps, first)
+    assert calls == ["tp", "tp2"] and second[1] is first[1]  # the same groups: the same TorchGroups
+    ps._GROUP = None  # another global
+    third = parallel_state_keyed(ps, second)
+    assert calls == ["tp", "tp2", "tp2"] and third[1] is first[1]
+    assert parallel_state_keyed(ps, third) is third and len(calls) == 3

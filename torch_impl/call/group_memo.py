@@ -25,7 +25,7 @@ class GroupMemo:
     def __init__(self) -> None:
         self.groups: tuple[Snapshot, tuple[Any, ...], TorchGroups] | None = None  # the last resolved source
         self.explicit_groups: dict[tuple[Any, ...], tuple[dict[Group, Any], TorchGroups]] = {}
-        self.parallel_state: tuple[tuple[Any, ...], TorchGroups] | None = None
+        self.parallel_state: tuple[Any, ...] | None = None  # parallel_state_keyed's last result
 
     def last_resolved_groups(self, source: Any) -> TorchGroups | None:
         """The groups last resolved from ``source`` (not checked again), or None."""

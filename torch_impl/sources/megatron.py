@@ -131,30 +131,43 @@ def parallel_state_groups(ps: Any | None = None) -> TorchGroups | None:
     return found[1] if found is not None else None
 
 
-def parallel_state_keyed(
-    ps: Any | None = None, memo: tuple[tuple[Any, ...], TorchGroups] | None = None
-) -> tuple[tuple[Any, ...], TorchGroups] | None:
+def parallel_state_keyed(ps: Any | None = None, memo: tuple[Any, ...] | None = None) -> tuple[Any, ...] | None:
     """This rank's :class:`TorchGroups` from Megatron's initialized ``parallel_state``, as
     ``finalize_model_grads(pg_collection=None)`` reads it, with its key (the groups'
     identities).
 
     Args:
       ps: the ``parallel_state`` module (default: Megatron's, when imported).
-      memo: a previous result: returned again while the groups are the same objects (the
-        caller keeps it -- the model state -- so a loop passing ``pg_collection=None``
-        reuses one TorchGroups, and one cached plan, every step).
+      memo: a previous result: returned again, without calling a getter, while the
+        module's globals are what they were (its groups and getters among them), and
+        while the getters return the same objects (the caller keeps it -- the model
+        state -- so a loop passing ``pg_collection=None`` reuses one TorchGroups, and
+        one cached plan, every step).
 
     Returns:
-      (key, groups), or None when parallel_state is not initialized.
+      (key, groups, the module and a copy of its globals), or None when there is no
+      ``parallel_state``.
     """
     ps = parallel_state() if ps is None else ps
     if ps is None:
         return None
+    if memo is not None and memo[2][0] is ps and not _globals_changed(ps, memo[2][1]):
+        return memo
+    module = (ps, dict(vars(ps)))
     values = parallel_state_values(ps)
     key = tuple((g, id(v)) for g, v in values.items())
     if memo is not None and memo[0] == key:
-        return memo
-    return key, TorchGroups.from_mapping(values, source="Megatron parallel_state")  # it keeps the groups alive
+        return key, memo[1], module
+    return key, TorchGroups.from_mapping(values, source="Megatron parallel_state"), module  # it keeps the groups alive
+
+
+def _globals_changed(ps: Any, copy: dict[str, Any]) -> bool:
+    """Whether a module's globals differ from ``copy`` (one C-level dict comparison; a
+    value whose ``==`` raises counts as changed)."""
+    try:
+        return vars(ps) != copy
+    except Exception:  # noqa: BLE001 -- an elementwise comparison's error: not the same value
+        return True
 
 
 def default_group() -> ProcessGroup | None:
