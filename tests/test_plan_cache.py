@@ -443,3 +443,19 @@ def test_a_config_changed_between_steps_is_read_again():
     after = grads(model)
     for key, value in kept.items():  # nothing changed
         torch.testing.assert_close(after[key], value, rtol=0, atol=0, equal_nan=True)
+
+
+def test_named_parameters_walks_as_torch_does():
+    """Discovery's one walk of the module tree names, orders and de-duplicates the
+    parameters as ``nn.Module.named_parameters()`` does (a shared parameter once, under
+    its first name; a None entry skipped)."""
+    from torch_impl.sources.wrappers import named_parameters
+
+    shared = nn.Linear(2, 2)
+    root = nn.Sequential(nn.Linear(2, 3), nn.Sequential(shared, nn.LayerNorm(2)), shared)
+    root.extra = nn.Parameter(torch.zeros(1))
+    root[0].register_parameter("unset", None)
+    root[1][1].tied = root[0].weight  # one tensor under two names
+    expected = [(n, id(p)) for n, p in root.named_parameters()]
+    assert [(n, id(p)) for n, p in named_parameters(list(root.named_modules()))] == expected
+    assert len(expected) == 7

@@ -34,7 +34,7 @@ from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.run.grads import get_grad
 from torch_impl.sources.fsdp2 import FsdpGroup, fsdp_groups
 from torch_impl.sources.torch_ddp import TorchDdp, ddp_wrappers
-from torch_impl.sources.wrappers import attr_or, unwrap
+from torch_impl.sources.wrappers import attr_or, named_parameters, unwrap
 
 #: Parameter attributes copied into ParamSpec flags.
 FLAG_ATTRS = (
@@ -241,6 +241,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
     by_class: dict[type, dict[str, Any]] = {}
     step_defaults: dict[type, tuple[Any, ...]] = {}  # per class, its step flags' values
     per_instance: set[type] = set()  # classes defining a flag as a property (read per parameter)
+    quiet: set[type] = set()  # the other classes whose step flags are all false
     left_out = experts = False
     for index, chunk in enumerate(model):
         skip = index < len(untouched) and untouched[index]
@@ -253,13 +254,22 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
         pos = position_embedding(module)
         if pos is not None:
             roles.setdefault(id(pos), Role.POSITION_EMBEDDING)
-        for name, param in module.named_parameters():
+        submodules = list(module.named_modules())
+        for name, param in named_parameters(submodules):
             cls = type(param)
+            # touched() inlined for most parameters: no step flag, role or q / k layernorm name
+            if skip and cls in quiet and id(param) not in roles and (
+                vars(param).keys().isdisjoint(_STEP_FLAGS) and "_layernorm" not in name):
+                left_out = True
+                experts = experts or _trained_expert(param, by_class[cls])
+                continue
             if cls not in by_class:
                 by_class[cls] = _class_flags(cls)
                 step_defaults[cls] = tuple(by_class[cls][flag] for flag in FLAG_ATTRS)
                 if _per_instance(by_class[cls]):
                     per_instance.add(cls)
+                elif not any(step_defaults[cls]):
+                    quiet.add(cls)
             flags, steps = by_class[cls], step_defaults[cls]
             if cls in per_instance:  # a flag the class defines as a property: this parameter's value
                 flags = _instance_flags(param, flags)
@@ -272,7 +282,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
             spec = param_spec(name, index, param, role, flags)
             params.append(spec)
             tensors[spec.key] = param
-        for name, sub in module.named_modules():
+        for name, sub in submodules:
             spec = router_spec(name, index, sub)
             if spec is not None:
                 routers.append(spec)

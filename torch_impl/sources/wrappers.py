@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -131,4 +131,18 @@ def find_attr(module: Any, attr: str) -> Any:
     return None
 
 
-__all__ = ["attr_or", "eager_under_compile", "find_attr", "has_attr", "uncompiled", "uncompiled_name", "unwrap"]
+def named_parameters(submodules: Sequence[tuple[str, nn.Module]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module.named_parameters()`` from ``module.named_modules()`` (the same names, order
+    and de-duplication; the module tree is walked once for parameters and routers)."""
+    seen: set[int] = set()
+    for prefix, sub in submodules:
+        for key, param in sub._parameters.items():
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield (f"{prefix}.{key}" if prefix else key), param
+
+
+__all__ = [
+    "attr_or", "eager_under_compile", "find_attr", "has_attr", "named_parameters", "uncompiled", "uncompiled_name", "unwrap",
+]
