@@ -12,24 +12,16 @@ from typing import Any
 from meshgrad.actions import ExpertBiasUpdate, QbBetaUpdate, Reduction, StageReduction, TokenScale
 from meshgrad.axes import GROUP_AXES, Group
 from meshgrad.plan import FinalizePlan, GroupSizes
+from meshgrad.status_wire import ELEMENTS, SHORT_MAX, status_elements
 
 #: Bytes per element of the dtypes a finalize collective carries.
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
 
-#: The status round (torch_impl/run/status.py): one SUM all-reduce per call over the world
-#: of one int64 for up to SHORT_ROUND ranks (flags and token count in one word), else this
-#: many (the flags packed, then the token count). The one place the model of that round
-#: lives (see :func:`status_round`).
-STATUS_INT64 = 2
-SHORT_ROUND = 63
+#: The status round's wire format (:mod:`meshgrad.status_wire`, which torch_impl's rounds
+#: encode by): int64 elements beyond a one-word round, and the largest one-word route.
+STATUS_INT64 = ELEMENTS["packed"]
+SHORT_ROUND = SHORT_MAX
 
-
-def status_elements(world: int) -> int:
-    """The int64 elements of the status round over ``world`` ranks (torch_impl's
-    ``torch_impl.run.status.encode``; routes of 2**15 ranks and more send five)."""
-    if world <= SHORT_ROUND:
-        return 1
-    return STATUS_INT64 if world < 1 << 15 else 5
 
 @dataclasses.dataclass(frozen=True)
 class Launch:

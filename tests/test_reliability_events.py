@@ -433,14 +433,20 @@ def _meta(rank: int) -> Net:
     return model
 
 
+def _after_step0(rank: int) -> tuple[Any, Net]:
+    """This rank's groups and a model trained one step (step 0), its gradients then dropped."""
+    groups = timed_collection(EVENTS)
+    model = Net()
+    train(model, rank, (0,), groups)
+    model.zero_grad(set_to_none=True)
+    return groups, model
+
+
 def _bad_grad_case(kind: str, only: int | None) -> Callable[[int, int], tuple]:
     make, _, _ = BAD_GRADS[kind]
 
     def case(rank: int, world: int) -> tuple:
-        groups = timed_collection(EVENTS)
-        model = Net()
-        train(model, rank, (0,), groups)
-        model.zero_grad(set_to_none=True)
+        groups, model = _after_step0(rank)
         backward(model, rank, 1)
         kept = model.fc2.bias.data
         target = make(model, rank) if only is None or rank == only else model
@@ -470,10 +476,7 @@ def case_sparse_embedding_gradient_everywhere(rank: int, world: int) -> tuple:
 
 def _raising_property(error: BaseException) -> Callable[[int, int], tuple]:
     def case(rank: int, world: int) -> tuple:
-        groups = timed_collection(EVENTS)
-        model = Net()
-        train(model, rank, (0,), groups)
-        model.zero_grad(set_to_none=True)
+        groups, model = _after_step0(rank)
         backward(model, rank, 1)
         config = model.config
         if rank == 1:
@@ -504,10 +507,7 @@ def _raising_parameter_property(attr: str, error: BaseException) -> Callable[[in
     """On rank 1, ``fc2.weight``'s class defines ``attr`` as a property raising ``error``."""
 
     def case(rank: int, world: int) -> tuple:
-        groups = timed_collection(EVENTS)
-        model = Net()
-        train(model, rank, (0,), groups)
-        model.zero_grad(set_to_none=True)
+        groups, model = _after_step0(rank)
         backward(model, rank, 1)
         p = model.fc2.weight
         before = snapshot([model])  # (read before the property exists: it would raise here too)
@@ -535,10 +535,7 @@ case_generator_exit_from_a_flag_property_on_rank1 = _raising_parameter_property(
 
 
 def case_frozen_on_rank3_only(rank: int, world: int) -> tuple:
-    groups = timed_collection(EVENTS)
-    model = Net()
-    train(model, rank, (0,), groups)
-    model.zero_grad(set_to_none=True)
+    groups, model = _after_step0(rank)
     model.fc2.weight.requires_grad_(rank != 3)
     backward(model, rank, 1)
     outcome = attempt(model, lambda: _finalize(model, groups))
@@ -642,6 +639,20 @@ def names_error(message: str, error: str) -> bool:
     return f"failed its own checks: {error}: " in message or f"failed its own checks: {own}: " in message
 
 
+def _left_unchanged(world: Any, name: str) -> tuple[list[tuple], float]:
+    """Each rank's outcome of an error case, checked for what every such case shows: nothing
+    changed, the next clean step right, the error found promptly; with the slowest rank's
+    seconds."""
+    rows = case_values(world, name)
+    slowest = 0.0
+    for rank, (got, message, untouched, seconds, after) in enumerate(rows):
+        assert untouched, (name, rank, "changed")
+        assert after == "", (name, rank, "the next clean step:", after)
+        assert seconds < PROMPT, (name, rank, seconds)
+        slowest = max(slowest, seconds)
+    return rows, slowest
+
+
 BAD = [(k, None) for k in BAD_GRADS] + [(k, 2) for k in BAD_GRADS]
 
 
@@ -649,12 +660,8 @@ BAD = [(k, None) for k in BAD_GRADS] + [(k, 2) for k in BAD_GRADS]
 def test_gradients_finalize_cannot_reduce_raise_on_every_rank(world, reliability, kind, only):
     _, error, text = BAD_GRADS[kind]
     name = f"case_{kind}_gradient_{'on_rank2' if only is not None else 'everywhere'}"
-    slowest = 0.0
-    for rank, (got, message, untouched, seconds, after) in enumerate(case_values(world, name)):
-        assert untouched, (name, rank, "changed")
-        assert after == "", (name, rank, "the next clean step:", after)
-        assert seconds < PROMPT, (name, rank, seconds)
-        slowest = max(slowest, seconds)
+    rows, slowest = _left_unchanged(world, name)
+    for rank, (got, message, *_) in enumerate(rows):
         assert message.startswith(f"rank {rank}: "), (name, rank, message)
         if only is None or rank == only:
             assert got == error and text in message, (name, rank, got, message)
@@ -701,12 +708,8 @@ PROPERTIES = [("case_system_exit_from_a_property_on_rank1", "SystemExit", "chunk
 
 @pytest.mark.parametrize("name,kind,what", PROPERTIES, ids=[p[0][5:] for p in PROPERTIES])
 def test_a_base_exception_from_a_user_property_raises_on_every_rank(world, reliability, name, kind, what):
-    slowest = 0.0
-    for rank, (got, message, untouched, seconds, after) in enumerate(case_values(world, name)):
-        assert untouched, (name, rank, "changed")
-        assert after == "", (name, rank, "the next clean step:", after)
-        assert seconds < PROMPT, (name, rank, seconds)
-        slowest = max(slowest, seconds)
+    rows, slowest = _left_unchanged(world, name)
+    for rank, (got, message, *_) in enumerate(rows):
         if rank == 1:
             assert got == kind, (name, rank, got, message)
         else:

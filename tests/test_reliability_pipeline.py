@@ -231,13 +231,21 @@ def test_a_bad_config_value_on_one_rank_raises_its_own_error_there(world, reliab
                 f"{kind} naming the field there, ConsistencyError naming it elsewhere; nothing changed")
 
 
+def _layouts_refused(world: Any, case: str) -> list[tuple]:
+    """Each rank's outcome of a DeviceMesh layout case, checked for what every such case
+    shows: an AgreedInputError naming the layouts, and the next call right."""
+    rows = case_values(world, case)
+    for rank, (got, message, untouched, seconds, recovered) in enumerate(rows):
+        assert recovered, (rank, "the next call did not give a fresh call's numbers")
+        assert got == "AgreedInputError" and "ask for different DeviceMesh group layouts" in message, (rank, got, message)
+    return rows
+
+
 def test_a_device_mesh_layout_changed_on_one_rank_is_found_in_the_status_round(world, reliability):
     slowest = 0.0
     for rank, (got, message, untouched, seconds, recovered) in enumerate(
-        case_values(world, "case_mesh_expert_layout_changed_on_one_rank")
+        _layouts_refused(world, "case_mesh_expert_layout_changed_on_one_rank")
     ):
-        assert recovered, (rank, "the next call did not give a fresh call's numbers")
-        assert got == "AgreedInputError" and "ask for different DeviceMesh group layouts" in message, (rank, got, message)
         assert message.startswith(f"rank {rank}: "), (rank, message)
         assert seconds < 10.0, (rank, seconds)
         slowest = max(slowest, seconds)
@@ -249,10 +257,8 @@ def test_a_device_mesh_layout_changed_on_one_rank_is_found_in_the_status_round(w
 def test_a_layout_switched_back_on_one_rank_is_found_in_the_status_round(world, reliability):
     slowest = 0.0
     for rank, (got, message, untouched, seconds, recovered) in enumerate(
-        case_values(world, "case_mesh_expert_layout_switched_back_on_one_rank")
+        _layouts_refused(world, "case_mesh_expert_layout_switched_back_on_one_rank")
     ):
-        assert recovered, (rank, "the next call did not give a fresh call's numbers")
-        assert got == "AgreedInputError" and "ask for different DeviceMesh group layouts" in message, (rank, got, message)
         assert untouched, (rank, "a gradient or buffer changed")
         slowest = max(slowest, seconds)
     reliability("bad input", "DeviceMesh: rank 0 alone switched back to an expert layout used before [4 ranks]",

@@ -11,7 +11,7 @@ from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from torch_impl.sources.group_sources import MESH_KINDS, resolve_groups, source_kind
 from torch_impl.run.groups import TorchGroups, world_size
-from torch_impl.sources.megatron import parallel_state_keyed
+from torch_impl.sources.megatron import ParallelStateRead, parallel_state_keyed
 from torch_impl.sources.config import Requested
 from torch_impl.call.memo import Snapshot, put
 from torch_impl.sources.mesh_groups import mesh_groups
@@ -25,7 +25,7 @@ class GroupMemo:
     def __init__(self) -> None:
         self.groups: tuple[Snapshot, tuple[Any, ...], TorchGroups] | None = None  # the last resolved source
         self.explicit_groups: dict[tuple[Any, ...], tuple[dict[Group, Any], TorchGroups]] = {}
-        self.parallel_state: tuple[Any, ...] | None = None  # parallel_state_keyed's last result
+        self.parallel_state: ParallelStateRead | None = None
 
     def last_resolved_groups(self, source: Any) -> TorchGroups | None:
         """The groups last resolved from ``source`` (not checked again), or None."""
@@ -39,7 +39,7 @@ class GroupMemo:
         found = parallel_state_keyed(memo=self.parallel_state)
         if found is not None:
             self.parallel_state = found
-        return found[1] if found is not None else None
+        return found.groups if found is not None else None
 
     def resolve_groups(self, source: Any, config: FinalizeConfig, requested: Requested) -> TorchGroups:
         """Resolved groups, cached per group source (a DeviceMesh's groups by its

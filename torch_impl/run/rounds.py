@@ -21,21 +21,15 @@ import torch
 import torch.distributed as dist
 
 from meshgrad.errors import CollectiveError
+from meshgrad.status_wire import ELEMENTS, FIELD_BITS, SHORT_BITS, SHORT_MAX, TOKEN_SHIFT, wire_format
 
 #: Positions in a reduced status vector (:func:`decode`): the ranks the round reached, and
 #: how many of them failed, ask for a comparison, found NaN / Inf or are in a layout round.
 REACHED, ERROR, COMPARE, NONFINITE, KIND = range(5)
 FLAGS = (ERROR, COMPARE, NONFINITE, KIND)
-#: Bits of one count in the packed word of a route of fewer than 2**15 ranks.
-FIELD_BITS = 16
-#: A route of at most SHORT_MAX ranks sends ONE int64: the four counts and a fifth (ranks
-#: whose token count is too large to carry) in SHORT_BITS bits each, the token count from
-#: bit TOKEN_SHIFT up (each rank's below 2**31 / n, so the sum cannot overflow).
-SHORT_BITS, SHORT_MAX, TOKEN_SHIFT = 6, 63, 32
-#: int64 elements on the wire for a route of 64 to 2**15 - 1 ranks: the packed counts and
-#: the token count (on gloo a small all-reduce costs about one ring step per element; on
-#: NCCL one latency whatever the count).
-STATUS_SIZE = 2
+#: int64 elements on the wire for a route of 64 to 2**15 - 1 ranks (the format:
+#: :mod:`meshgrad.status_wire`).
+STATUS_SIZE = ELEMENTS["packed"]
 BIG = 1 << 40
 
 #: One hop of a route: (a name for errors, the process group, the device of its
@@ -59,15 +53,6 @@ def status_vector(
     """This rank's status, as the reduced vector reads (:data:`REACHED` ... :data:`KIND`):
     itself, and each flag as a count of 0 or 1."""
     return [1, int(error), int(compare), int(nonfinite), int(layout_round)]
-
-
-def wire_format(reached: int) -> str:
-    """How a round that reaches ``reached`` ranks (every rank of it computes the same)
-    sends its status: ``"short"`` (one int64, tokens included), ``"packed"`` (the counts in
-    one int64, the tokens in a second) or ``"wide"`` (one int64 per count, then tokens)."""
-    if reached <= SHORT_MAX:
-        return "short"
-    return "packed" if reached < 1 << (FIELD_BITS - 1) else "wide"
 
 
 def encode(status: Sequence[int], reached: int) -> np.ndarray:

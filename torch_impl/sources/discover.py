@@ -29,7 +29,7 @@ from torch import nn
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
 from meshgrad.plan import embedding_chunk
-from meshgrad.steps import may_touch
+from meshgrad.steps import is_qk_layernorm, may_touch
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.run.grads import get_grad
 from torch_impl.sources.fsdp2 import FsdpGroup, fsdp_groups
@@ -259,7 +259,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
             cls = type(param)
             # touched() inlined for most parameters: no step flag, role or q / k layernorm name
             if skip and cls in quiet and id(param) not in roles and (
-                vars(param).keys().isdisjoint(_STEP_FLAGS) and "_layernorm" not in name):
+                vars(param).keys().isdisjoint(_STEP_FLAGS) and not is_qk_layernorm(name)):
                 left_out = True
                 experts = experts or _trained_expert(param, by_class[cls])
                 continue

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable, Container
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
@@ -128,37 +128,46 @@ def parallel_state_groups(ps: Any | None = None) -> TorchGroups | None:
     (a new one; :func:`parallel_state_keyed` keeps one while the groups stay the same),
     or None when it is not initialized."""
     found = parallel_state_keyed(ps)
-    return found[1] if found is not None else None
+    return found.groups if found is not None else None
 
 
-def parallel_state_keyed(ps: Any | None = None, memo: tuple[Any, ...] | None = None) -> tuple[Any, ...] | None:
+class ParallelStateRead(NamedTuple):
+    """One read of ``parallel_state`` (:func:`parallel_state_keyed`): the groups' identities
+    (``key``), their TorchGroups, and the module with a copy of its globals then."""
+
+    key: tuple[Any, ...]
+    groups: TorchGroups
+    module: Any
+    module_globals: dict[str, Any]
+
+
+def parallel_state_keyed(ps: Any | None = None, memo: ParallelStateRead | None = None) -> ParallelStateRead | None:
     """This rank's :class:`TorchGroups` from Megatron's initialized ``parallel_state``, as
-    ``finalize_model_grads(pg_collection=None)`` reads it, with its key (the groups'
-    identities).
+    ``finalize_model_grads(pg_collection=None)`` reads it.
 
     Args:
       ps: the ``parallel_state`` module (default: Megatron's, when imported).
       memo: a previous result: returned again, without calling a getter, while the
-        module's globals are what they were (its groups and getters among them), and
-        while the getters return the same objects (the caller keeps it -- the model
-        state -- so a loop passing ``pg_collection=None`` reuses one TorchGroups, and
-        one cached plan, every step).
+        module's globals are what they were (its groups and getters among them); its
+        TorchGroups kept while the getters return the same objects (the caller keeps it --
+        the model state -- so a loop passing ``pg_collection=None`` reuses one TorchGroups,
+        and one cached plan, every step).
 
     Returns:
-      (key, groups, the module and a copy of its globals), or None when there is no
-      ``parallel_state``.
+      The :class:`ParallelStateRead`, or None when there is no ``parallel_state``.
     """
     ps = parallel_state() if ps is None else ps
     if ps is None:
         return None
-    if memo is not None and memo[2][0] is ps and not _globals_changed(ps, memo[2][1]):
+    if memo is not None and memo.module is ps and not _globals_changed(ps, memo.module_globals):
         return memo
-    module = (ps, dict(vars(ps)))
+    module_globals = dict(vars(ps))
     values = parallel_state_values(ps)
     key = tuple((g, id(v)) for g, v in values.items())
-    if memo is not None and memo[0] == key:
-        return key, memo[1], module
-    return key, TorchGroups.from_mapping(values, source="Megatron parallel_state"), module  # it keeps the groups alive
+    if memo is not None and memo.key == key:
+        return ParallelStateRead(key, memo.groups, ps, module_globals)
+    groups = TorchGroups.from_mapping(values, source="Megatron parallel_state")  # it keeps the groups alive
+    return ParallelStateRead(key, groups, ps, module_globals)
 
 
 def _globals_changed(ps: Any, copy: dict[str, Any]) -> bool:
@@ -187,6 +196,7 @@ __all__ = [
     "parallel_state",
     "parallel_state_group",
     "parallel_state_groups",
+    "ParallelStateRead",
     "parallel_state_keyed",
     "parallel_state_values",
 ]

@@ -1,0 +1,41 @@
+"""The status round's wire format: how many int64 a round over ``n`` ranks sends and how
+its counts are packed. torch_impl's rounds (:mod:`torch_impl.run.rounds`) encode by it and
+the launch model (:mod:`meshgrad.launches`) counts by it (:func:`status_elements`): one rule.
+
+A route of at most :data:`SHORT_MAX` ranks sends ONE int64: the four flag counts and a
+fifth (ranks whose token count is too large to carry) in :data:`SHORT_BITS` bits each, the
+token count from bit :data:`TOKEN_SHIFT` up (each rank's below 2**31 / n, so the sum cannot
+overflow); up to 2**15 - 1 ranks, the counts packed in :data:`FIELD_BITS`-bit fields of one
+int64, then the token count; beyond, one int64 per count, then the token count.
+"""
+
+from __future__ import annotations
+
+#: The flag counts a status carries: ranks that failed, ask for a comparison, found NaN /
+#: Inf, are in a layout round.
+FLAG_COUNT = 4
+SHORT_BITS, SHORT_MAX, TOKEN_SHIFT = 6, 63, 32
+#: Bits of one count in the packed word of a route of fewer than 2**15 ranks.
+FIELD_BITS = 16
+#: int64 elements on the wire per format (on gloo a small all-reduce costs about one ring
+#: step per element; on NCCL one latency whatever the count).
+ELEMENTS = {"short": 1, "packed": 2, "wide": FLAG_COUNT + 1}
+
+
+def wire_format(reached: int) -> str:
+    """How a round that reaches ``reached`` ranks (every rank of it computes the same)
+    sends its status: ``"short"`` (one int64, tokens included), ``"packed"`` (the counts in
+    one int64, the tokens in a second) or ``"wide"`` (one int64 per count, then tokens)."""
+    if reached <= SHORT_MAX:
+        return "short"
+    return "packed" if reached < 1 << (FIELD_BITS - 1) else "wide"
+
+
+def status_elements(reached: int) -> int:
+    """The int64 elements a round over ``reached`` ranks sends."""
+    return ELEMENTS[wire_format(reached)]
+
+
+__all__ = [
+    "ELEMENTS", "FIELD_BITS", "FLAG_COUNT", "SHORT_BITS", "SHORT_MAX", "TOKEN_SHIFT", "status_elements", "wire_format",
+]
