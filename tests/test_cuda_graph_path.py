@@ -4,8 +4,8 @@ and with it ``config.finalize_model_grads_func``) makes no host read and launche
 collectives of an eager call.
 
 "Under capture" is made with the public torch functions only: in the test process
-``torch.cuda.is_current_stream_capturing`` returns True (and ``torch.cuda.is_available``,
-which guards it). One gloo world of 4 ranks runs every case; per case and rank, on fresh
+``torch.cuda.is_current_stream_capturing`` returns True (and ``torch.cuda.is_available`` and
+``torch.cuda.is_initialized``, which guard it). One gloo world of 4 ranks runs every case; per case and rank, on fresh
 inputs each time: call 1 eager (plans and runs the first-call checks), call 2 eager (the
 steady state, what a replay must repeat), call 3 "captured". Recorded during calls 2 and 3:
 
@@ -130,19 +130,23 @@ class _Recorder:
 
 
 class _Capturing:
-    """``torch.cuda.is_current_stream_capturing()`` (and ``is_available()``) True while active."""
+    """``torch.cuda.is_current_stream_capturing()`` (and ``is_available()``,
+    ``is_initialized()``: a capture runs in an initialized context) True while active."""
+
+    _NAMES = ("is_available", "is_initialized", "is_current_stream_capturing")
 
     def __enter__(self) -> None:
         import torch
 
-        self._saved = (torch.cuda.is_available, torch.cuda.is_current_stream_capturing)
-        torch.cuda.is_available = lambda: True
-        torch.cuda.is_current_stream_capturing = lambda: True
+        self._saved = tuple(getattr(torch.cuda, name) for name in self._NAMES)
+        for name in self._NAMES:
+            setattr(torch.cuda, name, lambda: True)
 
     def __exit__(self, *exc: Any) -> None:
         import torch
 
-        torch.cuda.is_available, torch.cuda.is_current_stream_capturing = self._saved
+        for name, saved in zip(self._NAMES, self._saved):
+            setattr(torch.cuda, name, saved)
 
 
 def _run(scenario: Scenario, rank: int, cache: dict[Any, Any]) -> dict[str, Any]:

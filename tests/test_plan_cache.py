@@ -139,6 +139,32 @@ def test_new_gradient_tensors_rebind_without_replanning():
     assert (stats.plans_built, stats.programs_bound) == (1, 2)
 
 
+@pytest.mark.parametrize("attr", ["main_grad", "grad"])
+def test_a_parameter_reshaped_in_place_raises_as_a_fresh_call(attr):
+    """``param.data = param.data.view(-1)`` keeps the data pointer: the cached step sees the
+    new shape and raises the fresh call's error; nothing is scaled. Restored, the step
+    runs from its cached plan again."""
+    model = [Chunk(main_grad=attr == "main_grad")]
+    step(model)
+    param = model[0].b
+    param.data = param.data.view(-1)
+    before = grads(model)
+    with pytest.raises(ValueError) as cached:
+        finalize_model_grads(model, num_tokens=torch.tensor(2))
+    assert "(2, 2)" in str(cached.value) and "(4,)" in str(cached.value), cached.value
+    after = grads(model)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    fresh = [Chunk(main_grad=attr == "main_grad")]
+    fresh[0].b.data = fresh[0].b.data.view(-1)
+    with pytest.raises(ValueError) as first:
+        finalize_model_grads(fresh, num_tokens=torch.tensor(2))
+    assert str(first.value) == str(cached.value)
+    param.data = param.data.view(2, 2)
+    before = step(model, 4)
+    assert_scaled(model, before, 4)
+    assert execution_stats(model).plans_built == 1
+
+
 def test_a_dtype_change_replans():
     model = [Chunk()]
     step(model)
@@ -312,13 +338,17 @@ def test_grad_watch_sees_every_shape_change(change):
         (lambda: nn.Parameter(torch.zeros(3, 2)), lambda p: setattr(p, "data", torch.zeros(2, 3))),
         (lambda: nn.Parameter(torch.zeros(0, 2)), lambda p: setattr(p, "data", torch.zeros(0, 3))),  # empty: by shape
         (lambda: nn.Parameter(torch.zeros(3, 2, device="meta")), lambda p: setattr(p, "data", torch.zeros(2, 3, device="meta"))),
+        # Its own storage under another shape: the same data pointer (as a storage freed by
+        # an earlier replacement that comes back at the same address).
+        (lambda: nn.Parameter(torch.zeros(3, 2)), lambda p: setattr(p, "data", p.data.view(-1))),
+        (lambda: nn.Parameter(torch.zeros(3, 2)), lambda p: setattr(p, "data", p.data.view(2, 3))),
     ],
-    ids=["same-shape", "dtype", "shape", "empty", "meta"],
+    ids=["same-shape", "dtype", "shape", "empty", "meta", "flattened in place", "reshaped in place"],
 )
 def test_grad_watch_sees_the_parameter_data_replaced(param, change):
     """``param.data = ...`` with the gradient left: a plain parameter is watched by its
-    data pointer (any other tensor: another shape, dtype or device), an empty or meta
-    one by its shape."""
+    data pointer and shape (any other tensor: another dtype or device; its own storage
+    under another shape), an empty or meta one by its shape."""
     p = param()
     p.main_grad = torch.zeros(p.shape)
     watch = GradWatch([p])

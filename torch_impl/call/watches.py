@@ -134,8 +134,8 @@ class GradWatch:
     ``main_grad``), every attribute set on the parameter (its ``__dict__``: ``main_grad``,
     ``allreduce``, ``sequence_parallel`` and the other flags), and, for each plain
     gradient tensor, its data pointer and size (so ``grad.data = ...`` or ``resize_`` is
-    seen too), and the parameter's own data pointer (``param.data = ...``: another tensor; a
-    DTensor or meta parameter: its shape). The attribute dicts are compared with copies in
+    seen too), and the parameter's shape and own data pointer (``param.data = ...``: another
+    tensor; a DTensor, meta or empty parameter has no pointer to compare). The attribute dicts are compared with copies in
     one list comparison: a
     value compares by identity first, a plain flag by value (an equal replacement means
     the same), a gradient tensor raises against any other tensor (a change); a dict
@@ -168,11 +168,12 @@ class GradWatch:
         ]
         self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
         self.sizes = list(map(_SHAPE, self.tensors))
-        # ``param.data = ...``: a plain parameter by its data pointer (another tensor, of
-        # any shape, dtype or device), any other (DTensor, meta, sparse, empty) by its shape.
-        self.plain_params, self.other_params = split(self.params, map(_by_pointer, self.params))
+        # ``param.data = ...``: every parameter by its shape, a plain one also by its data
+        # pointer (another tensor of any dtype or device; the shape as well, because a
+        # storage freed by an earlier replacement can come back at the same address).
+        self.plain_params = [p for p in self.params if _by_pointer(p)]
         self.param_ptrs = list(map(torch.Tensor.data_ptr, self.plain_params))
-        self.param_sizes = list(map(_SHAPE, self.other_params))
+        self.param_sizes = list(map(_SHAPE, self.params))
 
     def same(self) -> bool:
         """True when nothing a bound program or the plan depends on has changed."""
@@ -185,7 +186,7 @@ class GradWatch:
             # tuples would set the cyclic garbage collector off (10x the check itself).
             and all(map(operator.eq, map(_SHAPE, self.tensors), self.sizes))
             and list(map(torch.Tensor.data_ptr, self.plain_params)) == self.param_ptrs
-            and all(map(operator.eq, map(_SHAPE, self.other_params), self.param_sizes))
+            and all(map(operator.eq, map(_SHAPE, self.params), self.param_sizes))
         )
 
     def has_dtensor(self) -> bool:

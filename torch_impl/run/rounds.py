@@ -16,7 +16,6 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -37,8 +36,10 @@ BIG = 1 << 40
 Hop = tuple[str, Any, torch.device, int]
 
 def capturing() -> bool:
-    """Inside a CUDA graph capture (no host sync possible: the checks are skipped)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Inside a CUDA graph capture (no host sync possible: the checks are skipped). A
+    capture needs an initialized CUDA context, so none is asked for before one exists
+    (``torch.cuda.is_available`` costs a device query on every call)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 _PEER_HINT = (
@@ -55,15 +56,21 @@ def status_vector(
     return [1, int(error), int(compare), int(nonfinite), int(layout_round)]
 
 
-def encode(status: Sequence[int], reached: int) -> np.ndarray:
-    """The int64 elements one rank contributes (its token count is added on its device by
-    :func:`reduce_status`)."""
+def encode(status: Sequence[int], reached: int) -> torch.Tensor:
+    """The int64 elements one rank contributes, on the host (its token count is added on
+    its device by :func:`reduce_status`); a healthy status (no flag) is all zeros."""
     fmt = wire_format(reached)
+    if not any(status[f] for f in FLAGS):
+        return torch.zeros(ELEMENTS[fmt], dtype=torch.int64)
     if fmt == "wide":
-        return np.array([*(int(status[f]) for f in FLAGS), 0], dtype=np.int64)
+        return torch.tensor([*(int(status[f]) for f in FLAGS), 0], dtype=torch.int64)
     bits = SHORT_BITS if fmt == "short" else FIELD_BITS
     word = sum(int(status[f]) << (bits * i) for i, f in enumerate(FLAGS))
-    return np.array([word] if fmt == "short" else [word, 0], dtype=np.int64)
+    return torch.tensor([word] if fmt == "short" else [word, 0], dtype=torch.int64)
+
+
+#: The bits of the packed word that hold counts (the token count lies above them).
+_COUNT_BITS = {"short": (1 << (SHORT_BITS * (len(FLAGS) + 1))) - 1, "packed": (1 << (FIELD_BITS * len(FLAGS))) - 1}
 
 
 def decode(wire: Sequence[int], reached: int) -> list[int]:
@@ -73,10 +80,13 @@ def decode(wire: Sequence[int], reached: int) -> list[int]:
     fmt = wire_format(reached)
     if fmt == "wide":
         return [reached, *wire[: len(FLAGS)], 0]
+    word = int(wire[0])
+    if not word & _COUNT_BITS[fmt]:  # a healthy round: every count zero
+        return [reached, 0, 0, 0, 0, 0]
     bits = SHORT_BITS if fmt == "short" else FIELD_BITS
     fields = len(FLAGS) + (fmt == "short")
     mask = (1 << bits) - 1
-    return [reached, *((int(wire[0]) >> (bits * i)) & mask for i in range(fields))] + ([] if fmt == "short" else [0])
+    return [reached, *((word >> (bits * i)) & mask for i in range(fields))] + ([] if fmt == "short" else [0])
 
 
 def place_tokens(value: torch.Tensor, tokens: torch.Tensor, reached: int) -> None:
@@ -153,10 +163,11 @@ def read_back(value: torch.Tensor) -> list[int]:
     return value.tolist()
 
 
-def _reduce(values: Sequence[int] | np.ndarray, route: Sequence[Hop], rank: int, what: str,
+def _reduce(value: torch.Tensor, route: Sequence[Hop], rank: int, what: str,
             reduce: Callable[[torch.Tensor, Any], None], place: Callable[[torch.Tensor], None] | None = None,
             ) -> tuple[list[int], torch.Tensor]:
-    value = torch.from_numpy(np.array(values, dtype=np.int64))  # a copy of the caller's values
+    """Reduce ``value`` (a fresh int64 host tensor, the round's own) over every hop of
+    ``route`` in turn; returns (the reduced elements on the host, the reduced tensor)."""
     device = route[0][2]
     if device.type != "cpu":
         value = value.to(device, non_blocking=True)
@@ -222,7 +233,7 @@ def reduce_max(values: Sequence[int], route: Sequence[Hop], rank: int, what: str
     """
     if not route:
         return list(values)
-    return _reduce(values, route, rank, what, all_reduce_max)[0]
+    return _reduce(torch.tensor(values, dtype=torch.int64), route, rank, what, all_reduce_max)[0]
 
 
 def lowest_flagged(flagged: bool, route: Sequence[Hop], rank: int, what: str) -> int:
