@@ -4,6 +4,7 @@ a DeviceMesh's groups are shared by every model: :func:`torch_impl.sources.mesh_
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,10 +61,11 @@ class GroupMemo:
 
     def explicit(self, values: Mapping[Group, Any]) -> TorchGroups:
         """TorchGroups from a seed helper's groups, memoized on the group objects'
-        identity (the memo holds the groups, so their ids stay theirs)."""
-        key = tuple(sorted((g.value, id(v)) for g, v in values.items()))
+        identity (the memo holds the groups, so their ids stay theirs) and the names'
+        order (each helper builds its mapping in one order)."""
+        key = (tuple(values), tuple(map(id, values.values())))
         hit = self.explicit_groups.get(key)
-        if hit is not None and all(hit[0][g] is v for g, v in values.items()):
+        if hit is not None and all(map(operator.is_, hit[0].values(), values.values())):
             return hit[1]
         resolved = TorchGroups.from_mapping(dict(values), source="the helper's groups")
         return put(self.explicit_groups, key, (dict(values), resolved))[1]
