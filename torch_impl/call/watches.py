@@ -135,13 +135,13 @@ class GradWatch:
     ``allreduce``, ``sequence_parallel`` and the other flags), and, for each plain
     gradient tensor, its data pointer and size (so ``grad.data = ...`` or ``resize_`` is
     seen too), and the parameter's shape and own data pointer (``param.data = ...``: another
-    tensor; a DTensor, meta or empty parameter has no pointer to compare). The attribute dicts are compared with copies in
-    one list comparison: a
-    value compares by identity first, a plain flag by value (an equal replacement means
-    the same), a gradient tensor raises against any other tensor (a change); a dict
-    holding another kind of value (a one-element tensor, a subclass) is compared key by
-    key and value by identity. Everything runs as C-level loops over fixed lists: a few
-    tens of nanoseconds per parameter and check.
+    tensor; a DTensor, meta or empty parameter has no pointer to compare). The attribute
+    dicts are compared with copies in one list comparison: a value compares by identity
+    first, a plain flag by value (an equal replacement means the same), a gradient tensor
+    raises against any other tensor (a change); a dict holding another kind of value (a
+    one-element tensor, a subclass) is compared key by key and value by identity.
+    Everything runs as C-level loops over fixed lists: a few tens of nanoseconds per
+    parameter and check.
 
     A gradient that is one of meshgrad's own buffer views (``own_views``, made by
     :func:`torch_impl.buffers.attach_grad_buffers`) is watched by identity only: the
