@@ -17,6 +17,8 @@ from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
 
 QK_LAYERNORM_NAMES = ("q_layernorm", "k_layernorm")
+#: A part of every q / k layernorm name (a name without it is none: a cheap first test).
+QK_MARK = "_layernorm"
 #: Steps whose actions read routers only, no gradient (their plans do not depend on the
 #: parameters).
 ROUTER_ONLY_STEPS = frozenset({Step.EXPERT_BIAS, Step.QB_BETA, Step.RESET})
@@ -24,7 +26,7 @@ ROUTER_ONLY_STEPS = frozenset({Step.EXPERT_BIAS, Step.QB_BETA, Step.RESET})
 
 def is_qk_layernorm(name: str) -> bool:
     """Whether a parameter name is a q / k layernorm's (``qk_layernorm`` sums it over tp)."""
-    return "_layernorm" in name and any(n in name for n in QK_LAYERNORM_NAMES)
+    return QK_MARK in name and any(n in name for n in QK_LAYERNORM_NAMES)
 
 
 def may_touch(name: str, role: Role, flags: Iterable[Any]) -> bool:
@@ -290,6 +292,7 @@ __all__ = [
     "CROSS_STAGE_STEPS",
     "DISTINCT_DATA_GROUP",
     "QK_LAYERNORM_NAMES",
+    "QK_MARK",
     "ROUTER_ONLY_STEPS",
     "check_unique",
     "cross_stage_keys",

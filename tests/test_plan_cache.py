@@ -475,11 +475,38 @@ def test_a_config_changed_between_steps_is_read_again():
         torch.testing.assert_close(after[key], value, rtol=0, atol=0, equal_nan=True)
 
 
+def test_discovery_leaves_out_exactly_the_untouched_parameters_of_a_ddp_chunk():
+    """On a chunk whose DDP does the DP sync, discovery keeps exactly the parameters that
+    ``touched`` (the rule, not inlined) keeps: a q / k layernorm by its module's name or
+    its own, a flagged one; the rest left out. Names as ``named_parameters()`` gives them."""
+    from torch_impl.sources.discover import _class_flags, discover, touched
+
+    root = nn.Module()
+    root.self_attention = nn.Module()
+    root.self_attention.q_layernorm = nn.LayerNorm(2)  # by its module's name
+    root.self_attention.input_layernorm = nn.LayerNorm(2)  # a layernorm, not q / k
+    root.self_attention.k_layernorm_bias = nn.Parameter(torch.zeros(2))  # by its own name
+    root.mlp = nn.Linear(2, 2)
+    root.mlp.weight.sequence_parallel = True  # flagged
+    root.q_layer = nn.Module()
+    root.q_layer.norm = nn.Parameter(torch.zeros(2))  # "q_layer.norm": no q_layernorm
+    for p in root.parameters():
+        p.main_grad = torch.zeros(p.shape)
+    found = discover([root], FinalizeConfig(), [True])
+    kept = [spec.name for spec in found.params]
+    expected = [n for n, p in root.named_parameters() if touched(n, p, _class_flags(type(p)))]
+    assert kept == expected == [
+        "self_attention.k_layernorm_bias", "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+        "mlp.weight",
+    ]
+    assert not found.complete
+
+
 def test_named_parameters_walks_as_torch_does():
     """Discovery's one walk of the module tree names, orders and de-duplicates the
     parameters as ``nn.Module.named_parameters()`` does (a shared parameter once, under
     its first name; a None entry skipped)."""
-    from torch_impl.sources.wrappers import named_parameters
+    from torch_impl.sources.wrappers import named_parameters, param_name, parameter_entries
 
     shared = nn.Linear(2, 2)
     root = nn.Sequential(nn.Linear(2, 3), nn.Sequential(shared, nn.LayerNorm(2)), shared)
@@ -489,3 +516,5 @@ def test_named_parameters_walks_as_torch_does():
     expected = [(n, id(p)) for n, p in root.named_parameters()]
     assert [(n, id(p)) for n, p in named_parameters(list(root.named_modules()))] == expected
     assert len(expected) == 7
+    entries = [(param_name(prefix, key), id(p)) for prefix, key, p in parameter_entries(list(root.named_modules()))]
+    assert entries == expected

@@ -29,12 +29,12 @@ from torch import nn
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
 from meshgrad.plan import embedding_chunk
-from meshgrad.steps import is_qk_layernorm, may_touch
+from meshgrad.steps import QK_MARK, is_qk_layernorm, may_touch
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.run.grads import get_grad
 from torch_impl.sources.fsdp2 import FsdpGroup, fsdp_groups
 from torch_impl.sources.torch_ddp import TorchDdp, ddp_wrappers
-from torch_impl.sources.wrappers import attr_or, named_parameters, unwrap
+from torch_impl.sources.wrappers import attr_or, param_name, parameter_entries, unwrap
 
 #: Parameter attributes copied into ParamSpec flags.
 FLAG_ATTRS = (
@@ -255,14 +255,16 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
         if pos is not None:
             roles.setdefault(id(pos), Role.POSITION_EMBEDDING)
         submodules = list(module.named_modules())
-        for name, param in named_parameters(submodules):
+        for prefix, key, param in parameter_entries(submodules):
             cls = type(param)
-            # touched() inlined for most parameters: no step flag, role or q / k layernorm name
-            if skip and cls in quiet and id(param) not in roles and (
-                vars(param).keys().isdisjoint(_STEP_FLAGS) and not is_qk_layernorm(name)):
+            # touched() inlined for most parameters: no step flag, role or q / k layernorm
+            # name (none without QK_MARK in it, which no joining dot can split)
+            if skip and cls in quiet and id(param) not in roles and vars(param).keys().isdisjoint(_STEP_FLAGS) and (
+                    (QK_MARK not in prefix and QK_MARK not in key) or not is_qk_layernorm(param_name(prefix, key))):
                 left_out = True
                 experts = experts or _trained_expert(param, by_class[cls])
                 continue
+            name = param_name(prefix, key)
             if cls not in by_class:
                 by_class[cls] = _class_flags(cls)
                 step_defaults[cls] = tuple(by_class[cls][flag] for flag in FLAG_ATTRS)
@@ -363,8 +365,6 @@ def one_weight(model: Sequence[Any], index: int, weight: torch.Tensor | None, ro
     name = next((n for n, p in module.named_parameters() if p is weight), "embedding.weight")
     spec = param_spec(name, 0, weight, role)
     return Discovered((spec,), (), {spec.key: weight}, {}, tuple(model))
-
-
 
 
 def candidate(spec: ParamSpec) -> bool:

@@ -131,18 +131,33 @@ def find_attr(module: Any, attr: str) -> Any:
     return None
 
 
-def named_parameters(submodules: Sequence[tuple[str, nn.Module]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``module.named_parameters()`` from ``module.named_modules()`` (the same names, order
-    and de-duplication; the module tree is walked once for parameters and routers)."""
+def parameter_entries(submodules: Sequence[tuple[str, nn.Module]]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(module prefix, key, parameter) in ``module.named_parameters()``'s order and
+    de-duplication, from ``module.named_modules()`` (the module tree is walked once for
+    parameters and routers); the name is the prefix and key joined by :func:`param_name`,
+    made only for the parameters a caller keeps."""
     seen: set[int] = set()
     for prefix, sub in submodules:
         for key, param in sub._parameters.items():
             if param is None or id(param) in seen:
                 continue
             seen.add(id(param))
-            yield (f"{prefix}.{key}" if prefix else key), param
+            yield prefix, key, param
+
+
+def param_name(prefix: str, key: str) -> str:
+    """A parameter's name as ``named_parameters()`` gives it."""
+    return f"{prefix}.{key}" if prefix else key
+
+
+def named_parameters(submodules: Sequence[tuple[str, nn.Module]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module.named_parameters()`` from ``module.named_modules()`` (the same names, order
+    and de-duplication)."""
+    for prefix, key, param in parameter_entries(submodules):
+        yield param_name(prefix, key), param
 
 
 __all__ = [
-    "attr_or", "eager_under_compile", "find_attr", "has_attr", "named_parameters", "uncompiled", "uncompiled_name", "unwrap",
+    "attr_or", "eager_under_compile", "find_attr", "has_attr", "named_parameters", "param_name", "parameter_entries",
+    "uncompiled", "uncompiled_name", "unwrap",
 ]
