@@ -12,15 +12,14 @@ from typing import Any
 from meshgrad.actions import ExpertBiasUpdate, QbBetaUpdate, Reduction, StageReduction, TokenScale
 from meshgrad.axes import GROUP_AXES, Group
 from meshgrad.plan import FinalizePlan, GroupSizes
-from meshgrad.status_wire import ELEMENTS, SHORT_MAX, status_elements
+from meshgrad.status_wire import ELEMENTS, status_elements
 
 #: Bytes per element of the dtypes a finalize collective carries.
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
 
-#: The status round's wire format (:mod:`meshgrad.status_wire`, which torch_impl's rounds
-#: encode by): int64 elements beyond a one-word round, and the largest one-word route.
+#: The status round's int64 elements beyond a one-word round (the wire format:
+#: :mod:`meshgrad.status_wire`, which torch_impl's rounds encode by).
 STATUS_INT64 = ELEMENTS["packed"]
-SHORT_ROUND = SHORT_MAX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +145,6 @@ def status_round(world: int) -> tuple[Launch, ...]:
 
 
 __all__ = [
-    "ITEMSIZE", "Launch", "SHORT_ROUND", "STATUS_INT64", "human_bytes", "launch", "launches", "status_elements",
+    "ITEMSIZE", "Launch", "STATUS_INT64", "human_bytes", "launch", "launches", "status_elements",
     "status_round", "tokens_in_round",
 ]

@@ -20,6 +20,9 @@ FIELD_BITS = 16
 #: int64 elements on the wire per format (on gloo a small all-reduce costs about one ring
 #: step per element; on NCCL one latency whatever the count).
 ELEMENTS = {"short": 1, "packed": 2, "wide": FLAG_COUNT + 1}
+#: The bits of a format's first word that hold counts (the token count lies above them): the
+#: four flags and the too-large count in a short word, the four flags in a packed one.
+COUNT_MASK = {"short": (1 << (SHORT_BITS * (FLAG_COUNT + 1))) - 1, "packed": (1 << (FIELD_BITS * FLAG_COUNT)) - 1}
 
 
 def wire_format(reached: int) -> str:
@@ -37,5 +40,5 @@ def status_elements(reached: int) -> int:
 
 
 __all__ = [
-    "ELEMENTS", "FIELD_BITS", "FLAG_COUNT", "SHORT_BITS", "SHORT_MAX", "TOKEN_SHIFT", "status_elements", "wire_format",
+    "COUNT_MASK", "ELEMENTS", "FIELD_BITS", "FLAG_COUNT", "SHORT_BITS", "SHORT_MAX", "TOKEN_SHIFT", "status_elements", "wire_format",
 ]

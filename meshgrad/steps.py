@@ -17,7 +17,8 @@ from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
 
 QK_LAYERNORM_NAMES = ("q_layernorm", "k_layernorm")
-#: A part of every q / k layernorm name (a name without it is none: a cheap first test).
+#: A part of every q / k layernorm name, without a dot: a dotted name without it in any
+#: of its parts is none (a cheap first test before :func:`is_qk_layernorm`).
 QK_MARK = "_layernorm"
 #: Steps whose actions read routers only, no gradient (their plans do not depend on the
 #: parameters).

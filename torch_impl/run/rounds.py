@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from meshgrad.errors import CollectiveError
-from meshgrad.status_wire import ELEMENTS, FIELD_BITS, SHORT_BITS, SHORT_MAX, TOKEN_SHIFT, wire_format
+from meshgrad.status_wire import COUNT_MASK, ELEMENTS, FIELD_BITS, SHORT_BITS, SHORT_MAX, TOKEN_SHIFT, wire_format
 
 #: Positions in a reduced status vector (:func:`decode`): the ranks the round reached, and
 #: how many of them failed, ask for a comparison, found NaN / Inf or are in a layout round.
@@ -69,10 +69,6 @@ def encode(status: Sequence[int], reached: int) -> torch.Tensor:
     return torch.tensor([word] if fmt == "short" else [word, 0], dtype=torch.int64)
 
 
-#: The bits of the packed word that hold counts (the token count lies above them).
-_COUNT_BITS = {"short": (1 << (SHORT_BITS * (len(FLAGS) + 1))) - 1, "packed": (1 << (FIELD_BITS * len(FLAGS))) - 1}
-
-
 def decode(wire: Sequence[int], reached: int) -> list[int]:
     """The reduced elements as counts (:data:`REACHED` ... :data:`KIND`, then the ranks whose
     token count did not fit the short word): a SUM of packed words is the word of the sums,
@@ -81,7 +77,7 @@ def decode(wire: Sequence[int], reached: int) -> list[int]:
     if fmt == "wide":
         return [reached, *wire[: len(FLAGS)], 0]
     word = int(wire[0])
-    if not word & _COUNT_BITS[fmt]:  # a healthy round: every count zero
+    if not word & COUNT_MASK[fmt]:  # a healthy round: every count zero
         return [reached, 0, 0, 0, 0, 0]
     bits = SHORT_BITS if fmt == "short" else FIELD_BITS
     fields = len(FLAGS) + (fmt == "short")

@@ -257,8 +257,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
         submodules = list(module.named_modules())
         for prefix, key, param in parameter_entries(submodules):
             cls = type(param)
-            # touched() inlined for most parameters: no step flag, role or q / k layernorm
-            # name (none without QK_MARK in it, which no joining dot can split)
+            # touched() inlined for most parameters: no step flag, role or q / k layernorm name
             if skip and cls in quiet and id(param) not in roles and vars(param).keys().isdisjoint(_STEP_FLAGS) and (
                     (QK_MARK not in prefix and QK_MARK not in key) or not is_qk_layernorm(param_name(prefix, key))):
                 left_out = True

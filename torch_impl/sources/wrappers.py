@@ -8,6 +8,8 @@
   discovery names parameters as the uncompiled model does (no ``_orig_mod.`` prefix).
 * :func:`uncompiled_name`: the same for a name read from above such a wrapper (a Megatron
   DDP wrapping a compiled module names its parameters ``_orig_mod.*``).
+* :func:`parameter_entries` / :func:`param_name`: ``named_parameters()`` from one walk of
+  ``named_modules()``, a name made only for the parameters a caller keeps.
 * :func:`eager_under_compile`: a decorator for the public entry points. Called while
   dynamo traces (``torch.compile`` of a training step), the call is a graph break and runs
   eagerly, untraced (``torch.compiler.disable``); called eagerly, it is a plain call. It
@@ -150,14 +152,7 @@ def param_name(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
-def named_parameters(submodules: Sequence[tuple[str, nn.Module]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``module.named_parameters()`` from ``module.named_modules()`` (the same names, order
-    and de-duplication)."""
-    for prefix, key, param in parameter_entries(submodules):
-        yield param_name(prefix, key), param
-
-
 __all__ = [
-    "attr_or", "eager_under_compile", "find_attr", "has_attr", "named_parameters", "param_name", "parameter_entries",
+    "attr_or", "eager_under_compile", "find_attr", "has_attr", "param_name", "parameter_entries",
     "uncompiled", "uncompiled_name", "unwrap",
 ]
