@@ -113,7 +113,8 @@ class _Row:
 
 def _build_row(layers: int, experts: int, fmg: Any, repeats: int) -> _Row:
     """Builds every model of a row and times each one's first finalize call (``repeats``
-    fresh models of each meshgrad kind, the last one kept for the steady state)."""
+    fresh models of each kind, megatron-core's too, the last one kept for the steady
+    state)."""
     import torch_impl
     from torch_impl.buffers import attach_grad_buffers
 
@@ -144,11 +145,12 @@ def _build_row(layers: int, experts: int, fmg: Any, repeats: int) -> _Row:
             first.setdefault(kind, []).append(_timed_first(fn))
         models[kind], steps[kind] = model, fn
     steps["floor"] = copy_floor([p.main_grad for p in non_tp_params(models["DDP chunks"][0].module)], pgc.tp)
-    if fmg is not None:
-        mc = make("megatron")
+    if fmg is not None:  # as many fresh models as each meshgrad kind: its first call varies 2x too
         mpgc = _megatron_groups(pgc)
-        steps["megatron"] = lambda: fmg.finalize_model_grads(mc, None, mpgc)
-        first["megatron"] = [_timed_first(steps["megatron"])]
+        for _ in range(repeats):
+            mc = make("megatron")
+            steps["megatron"] = lambda mc=mc: fmg.finalize_model_grads(mc, None, mpgc)  # noqa: E731
+            first.setdefault("megatron", []).append(_timed_first(steps["megatron"]))
         models["megatron"] = mc
     return _Row(lay, pgc, models, steps, first, keep, statistics.median(attach) if attach else None)
 

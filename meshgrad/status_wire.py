@@ -23,6 +23,9 @@ ELEMENTS = {"short": 1, "packed": 2, "wide": FLAG_COUNT + 1}
 #: The bits of a format's first word that hold counts (the token count lies above them): the
 #: four flags and the too-large count in a short word, the four flags in a packed one.
 COUNT_MASK = {"short": (1 << (SHORT_BITS * (FLAG_COUNT + 1))) - 1, "packed": (1 << (FIELD_BITS * FLAG_COUNT)) - 1}
+#: What a rank whose token count is too large for the short word adds instead of the count:
+#: one in the fifth field (the ranks then reduce the count in a collective of its own).
+TOO_LARGE = 1 << (SHORT_BITS * FLAG_COUNT)
 
 
 def wire_format(reached: int) -> str:
@@ -34,11 +37,25 @@ def wire_format(reached: int) -> str:
     return "packed" if reached < 1 << (FIELD_BITS - 1) else "wide"
 
 
+def token_limit(reached: int) -> int:
+    """The bound on one rank's token count in a short word: with every count below it in
+    magnitude, the SUM of ``reached`` counts fits the bits from :data:`TOKEN_SHIFT` up."""
+    return (1 << (TOKEN_SHIFT - 1)) // reached
+
+
+def token_bits(count: int, reached: int) -> int:
+    """What an int64 token ``count`` adds to a short word: the count from
+    :data:`TOKEN_SHIFT` up, or :data:`TOO_LARGE` when it is too large for the word."""
+    limit = token_limit(reached)
+    return count << TOKEN_SHIFT if -limit < count < limit else TOO_LARGE
+
+
 def status_elements(reached: int) -> int:
     """The int64 elements a round over ``reached`` ranks sends."""
     return ELEMENTS[wire_format(reached)]
 
 
 __all__ = [
-    "COUNT_MASK", "ELEMENTS", "FIELD_BITS", "FLAG_COUNT", "SHORT_BITS", "SHORT_MAX", "TOKEN_SHIFT", "status_elements", "wire_format",
+    "COUNT_MASK", "ELEMENTS", "FIELD_BITS", "FLAG_COUNT", "SHORT_BITS", "SHORT_MAX", "TOKEN_SHIFT", "TOO_LARGE",
+    "status_elements", "token_bits", "token_limit", "wire_format",
 ]

@@ -68,6 +68,31 @@ def test_counts_never_carry_into_the_next_field_up_to_each_format_limit():
         assert len(status.encode(everything, n)) == {"short": 1, "packed": 2, "wide": 5}[fmt]
 
 
+@pytest.mark.parametrize("reached", [1, 4, status.SHORT_MAX, status.SHORT_MAX + 1, 1 << (status.FIELD_BITS - 1)])
+def test_a_host_token_count_encodes_as_the_device_placement_does(reached: int):
+    """A host count on a host route is encoded without tensor work (:func:`encode` with
+    ``tokens``); it must give the wire the device placement gives, at and around the short
+    word's limit, negative, of every integer dtype the host path takes (uint64, whose
+    values int64 may not hold, keeps the device placement)."""
+    limit = status.token_limit(reached)
+    counts = [(0, torch.int64), (1, torch.int32), (limit - 1, torch.int64), (limit, torch.int64),
+              (-limit + 1, torch.int64), (-limit, torch.int64), (-3, torch.int8), (255, torch.uint8),
+              ((1 << 62) + 7, torch.int64), (-(1 << 63), torch.int64), (-30000, torch.int16)]
+    flagged = status.status_vector(error=True, nonfinite=True)
+    for vector in (status.status_vector(), flagged):
+        for count, dtype in counts:
+            tokens = torch.tensor([count], dtype=dtype)
+            device = status.encode(vector, reached)
+            status.place_tokens(device, tokens, reached)
+            host = status.encode(vector, reached, int(tokens))
+            assert host.tolist() == device.tolist(), (reached, count, dtype, vector)
+    # What the short word carries decodes back: the count, or the too-large count instead.
+    word = status.encode(flagged, 4, 1234)
+    assert int(word[0]) >> status.TOKEN_SHIFT == 1234 and status.decode(word.tolist(), 4)[-1] == 0
+    big = status.encode(status.status_vector(), 4, status.token_limit(4))
+    assert status.decode(big.tolist(), 4) == [4, 0, 0, 0, 0, 1]
+
+
 # --------------------------------------------------------------------------- world cases
 
 H = 6  # rows of the one weight

@@ -20,7 +20,10 @@ import torch
 import torch.distributed as dist
 
 from meshgrad.errors import CollectiveError
-from meshgrad.status_wire import COUNT_MASK, ELEMENTS, FIELD_BITS, SHORT_BITS, SHORT_MAX, TOKEN_SHIFT, wire_format
+from meshgrad.status_wire import (
+    COUNT_MASK, ELEMENTS, FIELD_BITS, SHORT_BITS, SHORT_MAX, TOKEN_SHIFT, TOO_LARGE, token_bits, token_limit,
+    wire_format,
+)
 
 #: Positions in a reduced status vector (:func:`decode`): the ranks the round reached, and
 #: how many of them failed, ask for a comparison, found NaN / Inf or are in a layout round.
@@ -56,17 +59,24 @@ def status_vector(
     return [1, int(error), int(compare), int(nonfinite), int(layout_round)]
 
 
-def encode(status: Sequence[int], reached: int) -> torch.Tensor:
-    """The int64 elements one rank contributes, on the host (its token count is added on
-    its device by :func:`reduce_status`); a healthy status (no flag) is all zeros."""
+def encode(status: Sequence[int], reached: int, tokens: int | None = None) -> torch.Tensor:
+    """The int64 elements one rank contributes, on the host: a healthy status (no flag) is
+    all zeros. ``tokens``: this rank's token count (an int64 value) known on the host
+    (:func:`token_bits`); None: none, or one added on its device by :func:`place_tokens`."""
     fmt = wire_format(reached)
-    if not any(status[f] for f in FLAGS):
+    if tokens is None and not any(status[f] for f in FLAGS):
         return torch.zeros(ELEMENTS[fmt], dtype=torch.int64)
     if fmt == "wide":
-        return torch.tensor([*(int(status[f]) for f in FLAGS), 0], dtype=torch.int64)
-    bits = SHORT_BITS if fmt == "short" else FIELD_BITS
-    word = sum(int(status[f]) << (bits * i) for i, f in enumerate(FLAGS))
-    return torch.tensor([word] if fmt == "short" else [word, 0], dtype=torch.int64)
+        words = [*(int(status[f]) for f in FLAGS), 0]
+    else:
+        bits = SHORT_BITS if fmt == "short" else FIELD_BITS
+        words = [sum(int(status[f]) << (bits * i) for i, f in enumerate(FLAGS))] + ([] if fmt == "short" else [0])
+    if tokens is not None:
+        if fmt == "short":
+            words[0] += token_bits(tokens, reached)
+        else:
+            words[-1] = tokens
+    return torch.tensor(words, dtype=torch.int64)
 
 
 def decode(wire: Sequence[int], reached: int) -> list[int]:
@@ -86,17 +96,15 @@ def decode(wire: Sequence[int], reached: int) -> list[int]:
 
 
 def place_tokens(value: torch.Tensor, tokens: torch.Tensor, reached: int) -> None:
-    """Add this rank's token count to its wire elements, on their device (no host sync): in
-    the short word from :data:`TOKEN_SHIFT` up, or, when it is too large for the word to
-    hold the sum, as a count in the fifth field instead (the ranks then reduce the count
-    in a collective of its own); else in the last element."""
+    """Add this rank's token count to its wire elements on their device (no host sync), as
+    :func:`encode` does on the host."""
     count = tokens.detach().reshape(()).to(device=value.device, dtype=torch.int64)
     if wire_format(reached) != "short":
         value[-1].copy_(count)
         return
-    limit = (1 << (TOKEN_SHIFT - 1)) // reached
+    limit = token_limit(reached)
     too_large = (count >= limit) | (count <= -limit)
-    flag = torch.full((), 1 << (SHORT_BITS * len(FLAGS)), dtype=torch.int64, device=value.device)
+    flag = torch.full((), TOO_LARGE, dtype=torch.int64, device=value.device)
     value[0] += torch.where(too_large, flag, count * (1 << TOKEN_SHIFT))
 
 
@@ -211,8 +219,13 @@ def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: 
     if not route:
         return list(status), None
     n = reached(route)
-    place = (lambda value: place_tokens(value, tokens, n)) if tokens is not None else None
-    wire, value = _reduce(encode(status, n), route, rank, what, all_reduce_status, place)
+    place = None
+    if tokens is not None and tokens.device.type == "cpu" == route[0][2].type and tokens.dtype != torch.uint64:
+        value = encode(status, n, int(tokens))  # a host count on a host route (int64 holds it): no tensor op
+    else:
+        value = encode(status, n)
+        place = (lambda wire: place_tokens(wire, tokens, n)) if tokens is not None else None
+    wire, value = _reduce(value, route, rank, what, all_reduce_status, place)
     counts = decode(wire, n)
     if tokens is None or counts[-1]:  # some rank's count did not fit: a collective of its own
         return counts[:-1], None
@@ -267,8 +280,9 @@ def round_failed(rank: int, what: str, over: str, err: BaseException) -> Collect
 
 __all__ = [
     "BIG", "COMPARE", "ERROR", "FIELD_BITS", "FLAGS", "Hop", "KIND", "NONFINITE", "REACHED", "SHORT_BITS",
-    "SHORT_MAX", "STATUS_SIZE", "TOKEN_SHIFT", "all_reduce_max", "all_reduce_status", "backend", "capturing",
+    "SHORT_MAX", "STATUS_SIZE", "TOKEN_SHIFT", "TOO_LARGE", "all_reduce_max", "all_reduce_status", "backend",
+    "capturing",
     "decode", "device_for", "encode", "first_line", "gather_texts", "layout_digest", "layouts_differ",
     "lowest_flagged", "place_tokens", "reached", "read_back", "reduce_max", "reduce_status", "round_failed",
-    "wire_format", "world_route",
+    "token_bits", "token_limit", "wire_format", "world_route",
 ]
