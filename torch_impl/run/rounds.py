@@ -103,9 +103,8 @@ def place_tokens(value: torch.Tensor, tokens: torch.Tensor, reached: int) -> Non
         value[-1].copy_(count)
         return
     limit = token_limit(reached)
-    too_large = (count >= limit) | (count <= -limit)
-    flag = torch.full((), TOO_LARGE, dtype=torch.int64, device=value.device)
-    value[0] += torch.where(too_large, flag, count * (1 << TOKEN_SHIFT))
+    kept = count.clamp(1 - limit, limit - 1)  # equal to the count exactly when it fits
+    value[0] += torch.where(kept == count, kept * (1 << TOKEN_SHIFT), TOO_LARGE)
 
 
 def layouts_differ(reduced: Sequence[int]) -> bool:
