@@ -6,8 +6,9 @@ collectives of an eager call.
 "Under capture" is made with the public torch functions only: in the test process
 ``torch.cuda.is_current_stream_capturing`` returns True (and ``torch.cuda.is_available`` and
 ``torch.cuda.is_initialized``, which guard it). One gloo world of 4 ranks runs every case;
-per case and rank, on fresh inputs each time: call 1 eager (plans and runs the first-call checks), call 2 eager (the
-steady state, what a replay must repeat), call 3 "captured". Recorded during calls 2 and 3:
+per case and rank, on fresh inputs each time: call 1 eager (plans and runs the first-call
+checks), call 2 eager (the steady state, what a replay must repeat), call 3 "captured".
+Recorded during calls 2 and 3:
 
 * host reads of a tensor: ``aten._local_scalar_dense`` / ``is_nonzero`` / ``equal`` (what
   ``.item()``, ``bool(tensor)``, ``int()`` / ``float()`` and ``torch.equal`` dispatch to)

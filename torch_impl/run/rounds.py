@@ -68,9 +68,9 @@ def encode(status: Sequence[int], reached: int, tokens: int | None = None) -> to
         return torch.zeros(ELEMENTS[fmt], dtype=torch.int64)
     if fmt == "wide":
         words = [*(int(status[f]) for f in FLAGS), 0]
-    else:
+    else:  # the counts in one word, then the token element of a packed round
         bits = SHORT_BITS if fmt == "short" else FIELD_BITS
-        words = [sum(int(status[f]) << (bits * i) for i, f in enumerate(FLAGS))] + ([] if fmt == "short" else [0])
+        words = [sum(int(status[f]) << (bits * i) for i, f in enumerate(FLAGS))] + [0] * (ELEMENTS[fmt] - 1)
     if tokens is not None:
         if fmt == "short":
             words[0] += token_bits(tokens, reached)
@@ -193,6 +193,12 @@ def reached(route: Sequence[Hop]) -> int:
     return n
 
 
+def _host_count(tokens: torch.Tensor, route: Sequence[Hop]) -> bool:
+    """Whether a token count is encoded on the host: it and the route are on the CPU (its
+    read syncs nothing) and int64 holds every value of its dtype (not uint64)."""
+    return tokens.device.type == "cpu" == route[0][2].type and tokens.dtype != torch.uint64
+
+
 def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: str,
                   tokens: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
     """SUM-reduce a status over every hop of ``route`` in turn (:func:`encode`: one int64
@@ -219,11 +225,11 @@ def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: 
         return list(status), None
     n = reached(route)
     place = None
-    if tokens is not None and tokens.device.type == "cpu" == route[0][2].type and tokens.dtype != torch.uint64:
-        value = encode(status, n, int(tokens))  # a host count on a host route (int64 holds it): no tensor op
+    if tokens is not None and _host_count(tokens, route):
+        value = encode(status, n, int(tokens))  # no tensor op
     else:
         value = encode(status, n)
-        place = (lambda wire: place_tokens(wire, tokens, n)) if tokens is not None else None
+        place = (lambda elements: place_tokens(elements, tokens, n)) if tokens is not None else None
     wire, value = _reduce(value, route, rank, what, all_reduce_status, place)
     counts = decode(wire, n)
     if tokens is None or counts[-1]:  # some rank's count did not fit: a collective of its own
@@ -280,8 +286,7 @@ def round_failed(rank: int, what: str, over: str, err: BaseException) -> Collect
 __all__ = [
     "BIG", "COMPARE", "ERROR", "FIELD_BITS", "FLAGS", "Hop", "KIND", "NONFINITE", "REACHED", "SHORT_BITS",
     "SHORT_MAX", "STATUS_SIZE", "TOKEN_SHIFT", "TOO_LARGE", "all_reduce_max", "all_reduce_status", "backend",
-    "capturing",
-    "decode", "device_for", "encode", "first_line", "gather_texts", "layout_digest", "layouts_differ",
+    "capturing", "decode", "device_for", "encode", "first_line", "gather_texts", "layout_digest", "layouts_differ",
     "lowest_flagged", "place_tokens", "reached", "read_back", "reduce_max", "reduce_status", "round_failed",
     "token_bits", "token_limit", "wire_format", "world_route",
 ]
