@@ -6,13 +6,14 @@ parameters), :class:`DictWatch` / :class:`ExactDicts` (dicts compared with copie
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
 
+from torch_impl.call.tensor_guard import metadata_guard
 from torch_impl.run.grads import get_grad, is_dtensor
 
 
@@ -71,6 +72,13 @@ def _by_pointer(param: torch.Tensor) -> bool:
     """Whether a replacement of ``param.data`` shows in its data pointer: it has storage
     and elements (every empty tensor's pointer is 0)."""
     return _has_storage(param) and param.numel() != 0
+
+
+def _sizes_same(tensors: Sequence[torch.Tensor], sizes: Sequence[torch.Size]) -> bool:
+    """Each tensor's shape equals its recorded one: one torch.Size at a time, compared and
+    let go of (a list of thousands of new tuples would set the cyclic garbage collector
+    off: 10x the check itself)."""
+    return all(map(operator.eq, map(_SHAPE, tensors), sizes))
 
 
 def split(items: Iterable[Any], flags: Iterable[bool]) -> tuple[list[Any], list[Any]]:
@@ -141,7 +149,9 @@ class GradWatch:
     raises against any other tensor (a change); a dict holding another kind of value (a
     one-element tensor, a subclass) is compared key by key and value by identity.
     Everything runs as C-level loops over fixed lists: a few tens of nanoseconds per
-    parameter and check.
+    parameter and check; ``requires_grad`` and the shapes of parameters and gradient
+    tensors in one C++ call each where torch has its compiled tensor guard
+    (:func:`~torch_impl.call.tensor_guard.metadata_guard`).
 
     A gradient that is one of meshgrad's own buffer views (``own_views``, made by
     :func:`torch_impl.buffers.attach_grad_buffers`) is watched by identity only: the
@@ -174,20 +184,40 @@ class GradWatch:
         self.plain_params = [p for p in self.params if _by_pointer(p)]
         self.param_ptrs = list(map(torch.Tensor.data_ptr, self.plain_params))
         self.param_sizes = list(map(_SHAPE, self.params))
+        # requires_grad and shapes in one C++ call where torch has the guard (else None).
+        self.param_guard = metadata_guard(self.params)
+        self.grad_guard = metadata_guard(self.tensors)
 
     def same(self) -> bool:
         """True when nothing a bound program or the plan depends on has changed."""
         return (
-            list(map(_REQUIRES_GRAD, self.params)) == self.requires
+            self._params_same()
             and self.attributes.same()
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
             and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
-            # One torch.Size at a time, compared and let go of: a list of thousands of new
-            # tuples would set the cyclic garbage collector off (10x the check itself).
-            and all(map(operator.eq, map(_SHAPE, self.tensors), self.sizes))
+            and self._grad_sizes_same()
             and list(map(torch.Tensor.data_ptr, self.plain_params)) == self.param_ptrs
-            and all(map(operator.eq, map(_SHAPE, self.params), self.param_sizes))
         )
+
+    def _params_same(self) -> bool:
+        """The parameters' requires_grad and shapes: the guard's one call, or, where it
+        fails or is absent, attribute by attribute (a pass there re-arms the guard on what
+        the parameters are now: a stricter fact changed, say strides)."""
+        if self.param_guard is not None and self.param_guard.check(*self.params):
+            return True
+        same = list(map(_REQUIRES_GRAD, self.params)) == self.requires and _sizes_same(self.params, self.param_sizes)
+        if same and self.param_guard is not None:
+            self.param_guard = metadata_guard(self.params)
+        return same
+
+    def _grad_sizes_same(self) -> bool:
+        """The plain gradient tensors' shapes, as :meth:`_params_same` (their own guard)."""
+        if self.grad_guard is not None and self.grad_guard.check(*self.tensors):
+            return True
+        same = _sizes_same(self.tensors, self.sizes)
+        if same and self.grad_guard is not None:
+            self.grad_guard = metadata_guard(self.tensors)
+        return same
 
     def has_dtensor(self) -> bool:
         return any(is_dtensor(g) for g in map(get_grad, self.params))

@@ -1,0 +1,121 @@
+"""The compiled metadata guard of the watches (torch_impl.call.tensor_guard) and the
+gradient watch on both of its paths: through the guard, and attribute by attribute where
+torch has none (the guard replaced by None). Every change must be seen on each path."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from torch_impl.call.tensor_guard import metadata_guard  # noqa: E402
+from torch_impl.call.watches import GradWatch  # noqa: E402
+
+watches_module = importlib.import_module("torch_impl.call.watches")
+
+
+def test_this_torch_has_a_usable_guard():
+    """The probe accepts torch's guard on the pinned torch, so the fast path is the one
+    the other tests (and the benchmarks) run."""
+    p = nn.Parameter(torch.zeros(2, 3))
+    assert metadata_guard([p]) is not None
+
+
+@pytest.mark.parametrize(
+    "change, seen",
+    [
+        (lambda ts: None, False),
+        (lambda ts: ts[1].requires_grad_(False), True),
+        (lambda ts: setattr(ts[0], "data", torch.zeros(5, 3)), True),  # other sizes, the same strides
+        (lambda ts: setattr(ts[0], "data", torch.zeros(3, 2)), True),
+        (lambda ts: setattr(ts[1], "data", torch.zeros(4, dtype=torch.float64)), True),
+        (lambda ts: setattr(ts[0], "data", torch.zeros(3, 2).t()), True),  # the same shape, other strides
+        (lambda ts: setattr(ts[0], "data", torch.ones(2, 3)), False),  # same metadata, other values
+    ],
+    ids=["unchanged", "requires_grad", "sizes", "shape", "dtype", "strides", "values"],
+)
+def test_the_guard_fails_exactly_on_a_metadata_change(change, seen):
+    tensors = [nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(4))]
+    guard = metadata_guard(tensors)
+    change(tensors)
+    assert guard.check(*tensors) is not seen
+
+
+def test_the_guard_sees_requires_grad_flipped_under_no_grad():
+    p = nn.Parameter(torch.zeros(3))
+    with torch.no_grad():
+        guard = metadata_guard([p])
+        p.requires_grad_(False)
+        assert guard.check(p) is False
+        p.requires_grad_(True)
+        assert guard.check(p) is True
+
+
+def test_no_guard_for_nothing_or_what_it_cannot_describe():
+    assert metadata_guard([]) is None
+    with warnings.catch_warnings():  # torch's prototype notice for nested tensors
+        warnings.simplefilter("ignore")
+        ragged = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])  # no sizes
+    assert metadata_guard([nn.Parameter(torch.zeros(2)), ragged]) is None
+
+
+@pytest.fixture(params=["guard", "attributes"])
+def path(request, monkeypatch):
+    """The watch's path: torch's guard, or attribute by attribute (no guard)."""
+    if request.param == "attributes":
+        monkeypatch.setattr(watches_module, "metadata_guard", lambda tensors: None)
+    return request.param
+
+
+def _watched(grad_shapes):
+    params = [nn.Parameter(torch.zeros(s)) for s in grad_shapes]
+    for p in params:
+        p.main_grad = torch.zeros(p.shape)
+    return params, GradWatch(params)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda ps: ps[1].requires_grad_(False),
+        lambda ps: setattr(ps[0], "data", torch.zeros(3, 2)),
+        lambda ps: setattr(ps[0], "data", ps[0].data.view(6)),  # its own storage, another shape
+        lambda ps: ps[1].main_grad.resize_(2),
+        lambda ps: ps[0].main_grad.unsqueeze_(0),
+    ],
+    ids=["requires_grad", "param shape", "param view", "grad resized", "grad unsqueezed"],
+)
+def test_the_watch_sees_each_change_on_each_path(path, change):
+    params, watch = _watched([(2, 3), (4,)])
+    assert (watch.param_guard is not None) is (path == "guard")
+    assert watch.same()
+    change(params)
+    assert not watch.same()
+    assert not watch.same()  # and stays changed
+
+
+def test_the_watch_sees_requires_grad_flipped_under_no_grad(path):
+    params, watch = _watched([(3,)])
+    with torch.no_grad():
+        assert watch.same()
+        params[0].requires_grad_(False)
+        assert not watch.same()
+
+
+def test_a_stricter_change_falls_back_to_the_attributes_and_re_arms_the_guard():
+    """Strides, which the guard checks and the watch does not: the guard fails, the
+    attribute path says the same, and the guard is rebuilt on the new strides (the next
+    check is the guard's one call again); a later shape change is still seen."""
+    params, watch = _watched([(2, 3)])
+    params[0].data = params[0].data.as_strided((2, 3), (1, 2))  # its own storage, other strides
+    old_guard = watch.param_guard
+    assert not old_guard.check(*watch.params)
+    assert watch.same()
+    assert watch.param_guard is not old_guard and watch.param_guard.check(*watch.params)
+    assert watch.same()
+    params[0].data = params[0].data.as_strided((3, 2), (2, 1))
+    assert not watch.same()

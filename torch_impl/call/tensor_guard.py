@@ -1,0 +1,81 @@
+"""One C++ call that says whether many tensors keep their metadata (:func:`metadata_guard`).
+
+torch.compile checks its inputs' metadata between calls with a compiled guard
+(``torch._C._dynamo.guards.TensorGuards``): per tensor its Python type, dispatch keys,
+dtype, device, ``requires_grad``, sizes and strides, in one C++ loop. The watches use it
+as a fast path for the same questions they otherwise ask one attribute at a time: where
+the guard passes, nothing it checks changed; where it fails (a stricter fact changed, such
+as strides or the thread's dispatch state), or where torch has no such guard, the caller
+asks the attribute-by-attribute questions. The guard is private to torch, so it is used
+only after a probe shows that it sees what the watches need it to see.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def _build(guard_type: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """A guard on ``tensors`` as they are now: every size and stride static."""
+    return guard_type(
+        *tensors,
+        dynamic_dims_sizes=[list(t.size()) for t in tensors],
+        dynamic_dims_strides=[list(t.stride()) for t in tensors],
+    )
+
+
+def _sees_changes(guard_type: Any) -> bool:
+    """Whether a guard built by :func:`_build` fails on each change the watches rely on it
+    for (``requires_grad`` flipped, under no_grad as well; another shape; another dtype),
+    and passes on the unchanged tensor."""
+    param = torch.nn.Parameter(torch.zeros(2, 3))
+    with torch.no_grad():
+        guard = _build(guard_type, [param])
+        if not guard.check(param):
+            return False
+        param.requires_grad_(False)
+        flipped = guard.check(param)
+        param.requires_grad_(True)
+    resized = torch.nn.Parameter(torch.zeros(5, 3))  # the same strides
+    retyped = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))
+    return not (flipped or guard.check(resized) or guard.check(retyped))
+
+
+@functools.cache
+def _guard_type() -> Any:
+    """torch's compiled tensor guard, or None where this torch has none that passes the
+    probe (:func:`_sees_changes`)."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards  # noqa: PLC0415 -- private: probed before use
+
+        return TensorGuards if _sees_changes(TensorGuards) else None
+    except Exception:  # noqa: BLE001 -- any failure: the attribute-by-attribute path
+        return None
+
+
+def metadata_guard(tensors: Sequence[torch.Tensor]) -> Any:
+    """A guard whose ``check(*tensors)`` is True only while each tensor keeps its Python
+    type, dtype, device, ``requires_grad``, sizes and strides (False also on a change the
+    watches ignore).
+
+    Args:
+      tensors: the tensors, in the order ``check`` will get them.
+
+    Returns:
+      The guard, or None: no tensors, no usable guard in this torch, or tensors it cannot
+      describe (a sparse one has no strides).
+    """
+    guard_type = _guard_type()
+    if guard_type is None or not tensors:
+        return None
+    try:
+        return _build(guard_type, tensors)
+    except Exception:  # noqa: BLE001 -- a tensor the guard cannot describe
+        return None
+
+
+__all__ = ["metadata_guard"]
