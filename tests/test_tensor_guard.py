@@ -12,10 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from torch_impl.call.tensor_guard import metadata_guard  # noqa: E402
+from torch_impl.call.tensor_guard import GuardedCheck, metadata_guard  # noqa: E402
 from torch_impl.call.watches import GradWatch  # noqa: E402
 
-watches_module = importlib.import_module("torch_impl.call.watches")
+guard_module = importlib.import_module("torch_impl.call.tensor_guard")
 
 
 def test_this_torch_has_a_usable_guard():
@@ -67,7 +67,7 @@ def test_no_guard_for_nothing_or_what_it_cannot_describe():
 def path(request, monkeypatch):
     """The watch's path: torch's guard, or attribute by attribute (no guard)."""
     if request.param == "attributes":
-        monkeypatch.setattr(watches_module, "metadata_guard", lambda tensors: None)
+        monkeypatch.setattr(guard_module, "metadata_guard", lambda tensors: None)
     return request.param
 
 
@@ -91,7 +91,9 @@ def _watched(grad_shapes):
 )
 def test_the_watch_sees_each_change_on_each_path(path, change):
     params, watch = _watched([(2, 3), (4,)])
-    assert (watch.param_guard is not None) is (path == "guard")
+    assert watch.param_check.guard is None  # armed by the first check that passes
+    assert watch.same()
+    assert (watch.param_check.guard is not None) is (path == "guard")
     assert watch.same()
     change(params)
     assert not watch.same()
@@ -111,11 +113,24 @@ def test_a_stricter_change_falls_back_to_the_attributes_and_re_arms_the_guard():
     attribute path says the same, and the guard is rebuilt on the new strides (the next
     check is the guard's one call again); a later shape change is still seen."""
     params, watch = _watched([(2, 3)])
+    assert watch.same()
     params[0].data = params[0].data.as_strided((2, 3), (1, 2))  # its own storage, other strides
-    old_guard = watch.param_guard
+    old_guard = watch.param_check.guard
     assert not old_guard.check(*watch.params)
     assert watch.same()
-    assert watch.param_guard is not old_guard and watch.param_guard.check(*watch.params)
+    assert watch.param_check.guard is not old_guard and watch.param_check.guard.check(*watch.params)
     assert watch.same()
     params[0].data = params[0].data.as_strided((3, 2), (2, 1))
     assert not watch.same()
+
+
+def test_a_check_without_a_guard_answers_by_the_slow_check_and_stops_trying():
+    """Tensors the guard cannot describe: the slow check answers every time (its value
+    is the answer), and no guard is built again after the first try."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tensors = [nn.Parameter(torch.zeros(2)), torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])]
+    check = GuardedCheck()
+    answers = iter([True, False, True])
+    assert [check.same(tensors, lambda: next(answers)) for _ in range(3)] == [True, False, True]
+    assert check.guard is None and check.usable is False

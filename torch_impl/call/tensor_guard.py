@@ -13,7 +13,7 @@ only after a probe shows that it sees what the watches need it to see.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -78,4 +78,31 @@ def metadata_guard(tensors: Sequence[torch.Tensor]) -> Any:
         return None
 
 
-__all__ = ["metadata_guard"]
+class GuardedCheck:
+    """A check of some tensors' metadata answered by one guard call once armed, else by
+    the caller's own attribute-by-attribute check: its first pass arms a guard on the
+    tensors as they are then (so a check made once never pays for a guard), and a pass
+    after the guard failed (a fact it checks and the caller does not: strides) re-arms it.
+    Where no guard can be made, the caller's check answers from then on."""
+
+    def __init__(self) -> None:
+        self.guard: Any = None
+        self.usable = True
+
+    def same(self, tensors: Sequence[torch.Tensor], slow_same: Callable[[], bool]) -> bool:
+        """Whether ``tensors`` keep what ``slow_same`` checks.
+
+        Args:
+          tensors: the tensors, always in the same order.
+          slow_same: the attribute-by-attribute check (the answer where the guard fails).
+        """
+        if self.guard is not None and self.guard.check(*tensors):
+            return True
+        same = slow_same()
+        if same and self.usable:
+            self.guard = metadata_guard(tensors)
+            self.usable = self.guard is not None
+        return same
+
+
+__all__ = ["GuardedCheck", "metadata_guard"]

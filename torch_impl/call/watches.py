@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch_impl.call.tensor_guard import metadata_guard
+from torch_impl.call.tensor_guard import GuardedCheck
 from torch_impl.run.grads import get_grad, is_dtensor
 
 
@@ -184,9 +184,8 @@ class GradWatch:
         self.plain_params = [p for p in self.params if _by_pointer(p)]
         self.param_ptrs = list(map(torch.Tensor.data_ptr, self.plain_params))
         self.param_sizes = list(map(_SHAPE, self.params))
-        # requires_grad and shapes in one C++ call where torch has the guard (else None).
-        self.param_guard = metadata_guard(self.params)
-        self.grad_guard = metadata_guard(self.tensors)
+        # requires_grad and shapes in one C++ call where torch has the guard.
+        self.param_check, self.grad_check = GuardedCheck(), GuardedCheck()
 
     def same(self) -> bool:
         """True when nothing a bound program or the plan depends on has changed."""
@@ -200,24 +199,14 @@ class GradWatch:
         )
 
     def _params_same(self) -> bool:
-        """The parameters' requires_grad and shapes: the guard's one call, or, where it
-        fails or is absent, attribute by attribute (a pass there re-arms the guard on what
-        the parameters are now: a stricter fact changed, say strides)."""
-        if self.param_guard is not None and self.param_guard.check(*self.params):
-            return True
-        same = list(map(_REQUIRES_GRAD, self.params)) == self.requires and _sizes_same(self.params, self.param_sizes)
-        if same and self.param_guard is not None:
-            self.param_guard = metadata_guard(self.params)
-        return same
+        """The parameters' requires_grad and shapes (one guard call once armed)."""
+        return self.param_check.same(self.params, lambda: (
+            list(map(_REQUIRES_GRAD, self.params)) == self.requires and _sizes_same(self.params, self.param_sizes)
+        ))
 
     def _grad_sizes_same(self) -> bool:
-        """The plain gradient tensors' shapes, as :meth:`_params_same` (their own guard)."""
-        if self.grad_guard is not None and self.grad_guard.check(*self.tensors):
-            return True
-        same = _sizes_same(self.tensors, self.sizes)
-        if same and self.grad_guard is not None:
-            self.grad_guard = metadata_guard(self.tensors)
-        return same
+        """The plain gradient tensors' shapes (one guard call once armed)."""
+        return self.grad_check.same(self.tensors, lambda: _sizes_same(self.tensors, self.sizes))
 
     def has_dtensor(self) -> bool:
         return any(is_dtensor(g) for g in map(get_grad, self.params))
