@@ -506,14 +506,13 @@ def test_named_parameters_walks_as_torch_does():
     """Discovery's one walk of the module tree names, orders and de-duplicates the
     parameters as ``nn.Module.named_parameters()`` does (a shared parameter once, under
     its first name; a None entry skipped)."""
-    from torch_impl.sources.wrappers import param_name, parameter_entries
-
     shared = nn.Linear(2, 2)
     root = nn.Sequential(nn.Linear(2, 3), nn.Sequential(shared, nn.LayerNorm(2)), shared)
     root.extra = nn.Parameter(torch.zeros(1))
     root[0].register_parameter("unset", None)
     root[1][1].tied = root[0].weight  # one tensor under two names
     expected = [(n, id(p)) for n, p in root.named_parameters()]
-    entries = [(param_name(prefix, key), id(p)) for prefix, key, p in parameter_entries(list(root.named_modules()))]
+    found = discover_module.discover([root], FinalizeConfig())
+    entries = [(spec.name, id(found.tensors[spec.key])) for spec in found.params]
     assert entries == expected
     assert len(expected) == 7

@@ -1,7 +1,7 @@
 """Megatron's helper functions (the ``_allreduce_*`` / ``_update_*`` ones) over the call
 pipeline: a helper's steps run over its own groups (:func:`run_helper`); the embedding
 helpers' groups and request (:func:`embedding_grad`: the read stage picks the chunk and
-its weight, :func:`torch_impl.sources.discover.embedding_weight`)."""
+its weight, :func:`torch_impl.sources.embedding_read.embedding_weight`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from meshgrad.params import Role
 from meshgrad.plan import Step
 from torch_impl.call.pipeline import call
 from torch_impl.call.read import Request
-from torch_impl.sources.discover import EmbeddingRead
+from torch_impl.sources.embedding_read import EmbeddingRead
 from torch_impl.run.groups import TorchGroups, world_rank
 
 ProcessGroup = Any

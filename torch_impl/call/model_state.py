@@ -21,9 +21,8 @@ from typing import Any, Literal
 
 from meshgrad.config import FinalizeConfig
 from torch_impl.call.config_memo import ConfigMemo
-from torch_impl.sources.discover import (
-    Discovered, EmbeddingRead, candidate_keys, chunk_facts, discover, embedding_weight, one_weight, watched_keys,
-)
+from torch_impl.sources.discover import Discovered, candidate_keys, chunk_facts, discover, watched_keys
+from torch_impl.sources.embedding_read import EmbeddingRead, embedding_weight, one_weight
 from torch_impl.run.stats import ExecStats
 from torch_impl.run.grads import get_grad, is_dtensor
 from torch_impl.call.group_memo import GroupMemo

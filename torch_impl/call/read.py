@@ -24,7 +24,8 @@ from meshgrad.steps import ROUTER_ONLY_STEPS
 from torch_impl.call.model_state import ModelState, Reads
 from torch_impl.run.groups import TorchGroups, world_rank
 from torch_impl.sources.config import Requested, chunk_configs
-from torch_impl.sources.discover import Discovered, EmbeddingRead, discover, dtype_name
+from torch_impl.sources.discover import Discovered, discover, dtype_name
+from torch_impl.sources.embedding_read import EmbeddingRead
 
 
 @dataclasses.dataclass(frozen=True)

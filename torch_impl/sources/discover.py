@@ -21,20 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
-from meshgrad.plan import embedding_chunk
 from meshgrad.steps import QK_MARK, is_qk_layernorm, may_touch
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.run.grads import get_grad
 from torch_impl.sources.fsdp2 import FsdpGroup, fsdp_groups
 from torch_impl.sources.torch_ddp import TorchDdp, ddp_wrappers
-from torch_impl.sources.wrappers import attr_or, param_name, parameter_entries, unwrap
+from torch_impl.sources.wrappers import attr_or, param_name, unwrap
 
 #: Parameter attributes copied into ParamSpec flags.
 FLAG_ATTRS = (
@@ -134,6 +133,9 @@ def position_embedding(module: Any) -> torch.Tensor | None:
     return attr_or(emb, "weight", None) if emb is not None else None
 
 
+_ABSENT = object()
+
+
 def router_spec(name: str, chunk: int, module: nn.Module) -> RouterSpec | None:
     """The RouterSpec of a module, or None when it holds no router state.
 
@@ -141,11 +143,14 @@ def router_spec(name: str, chunk: int, module: nn.Module) -> RouterSpec | None:
       ValueError: its per-expert buffers disagree in length, or expert_bias comes
         without local_tokens_per_expert.
     """
-    bias = getattr(module, "expert_bias", None)
-    qb = getattr(module, "qb_beta", None)
-    reset = getattr(module, "reset_global_aux_loss_tracker", None)
-    if not (hasattr(module, "expert_bias") or hasattr(module, "qb_beta") or callable(reset)):
+    # attr_or: a miss costs no AttributeError (every submodule is asked, once per discovery)
+    bias = attr_or(module, "expert_bias", _ABSENT)
+    qb = attr_or(module, "qb_beta", _ABSENT)
+    reset = attr_or(module, "reset_global_aux_loss_tracker", None)
+    if bias is _ABSENT and qb is _ABSENT and not callable(reset):
         return None
+    bias = None if bias is _ABSENT else bias
+    qb = None if qb is _ABSENT else qb
     lengths = {}
     for attr in ("expert_bias", "local_tokens_per_expert", "qb_beta", "qb_beta_accum"):
         value = getattr(module, attr, None)
@@ -255,34 +260,44 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
         if pos is not None:
             roles.setdefault(id(pos), Role.POSITION_EMBEDDING)
         submodules = list(module.named_modules())
-        for prefix, key, param in parameter_entries(submodules):
-            cls = type(param)
-            # touched() inlined for most parameters: no step flag, role or q / k layernorm name
-            if skip and cls in quiet and id(param) not in roles and vars(param).keys().isdisjoint(_STEP_FLAGS) and (
-                    (QK_MARK not in prefix and QK_MARK not in key) or not is_qk_layernorm(param_name(prefix, key))):
-                left_out = True
-                experts = experts or _trained_expert(param, by_class[cls])
-                continue
-            name = param_name(prefix, key)
-            if cls not in by_class:
-                by_class[cls] = _class_flags(cls)
-                step_defaults[cls] = tuple(by_class[cls][flag] for flag in FLAG_ATTRS)
-                if _per_instance(by_class[cls]):
-                    per_instance.add(cls)
-                elif not any(step_defaults[cls]):
-                    quiet.add(cls)
-            flags, steps = by_class[cls], step_defaults[cls]
-            if cls in per_instance:  # a flag the class defines as a property: this parameter's value
-                flags = _instance_flags(param, flags)
-                steps = tuple(flags[flag] for flag in FLAG_ATTRS)
-            role = roles.get(id(param), Role.NONE)
-            if skip and role is Role.NONE and not touched(name, param, flags, steps):
-                left_out = True
-                experts = experts or _trained_expert(param, flags)
-                continue
-            spec = param_spec(name, index, param, role, flags)
-            params.append(spec)
-            tensors[spec.key] = param
+        seen: set[int] = set()
+        # named_parameters() from the one walk of the module tree: its order, a shared
+        # parameter once under its first name, None entries skipped; names made only for
+        # the parameters kept, the prefix tested once per module.
+        for prefix, sub in submodules:
+            marked = QK_MARK in prefix
+            for key, param in sub._parameters.items():
+                pid = id(param)
+                if param is None or pid in seen:
+                    continue
+                seen.add(pid)
+                cls = type(param)
+                # touched() inlined for most parameters: no step flag, role or q / k layernorm name
+                if skip and cls in quiet and pid not in roles and vars(param).keys().isdisjoint(_STEP_FLAGS) and (
+                        (not marked and QK_MARK not in key) or not is_qk_layernorm(param_name(prefix, key))):
+                    left_out = True
+                    experts = experts or _trained_expert(param, by_class[cls])
+                    continue
+                name = param_name(prefix, key)
+                if cls not in by_class:
+                    by_class[cls] = _class_flags(cls)
+                    step_defaults[cls] = tuple(by_class[cls][flag] for flag in FLAG_ATTRS)
+                    if _per_instance(by_class[cls]):
+                        per_instance.add(cls)
+                    elif not any(step_defaults[cls]):
+                        quiet.add(cls)
+                flags, steps = by_class[cls], step_defaults[cls]
+                if cls in per_instance:  # a flag the class defines as a property: this parameter's value
+                    flags = _instance_flags(param, flags)
+                    steps = tuple(flags[flag] for flag in FLAG_ATTRS)
+                role = roles.get(id(param), Role.NONE)
+                if skip and role is Role.NONE and not touched(name, param, flags, steps):
+                    left_out = True
+                    experts = experts or _trained_expert(param, flags)
+                    continue
+                spec = param_spec(name, index, param, role, flags)
+                params.append(spec)
+                tensors[spec.key] = param
         for name, sub in submodules:
             spec = router_spec(name, index, sub)
             if spec is not None:
@@ -318,52 +333,6 @@ def touched(
 def _trained_expert(param: torch.Tensor, class_flags: Mapping[str, Any]) -> bool:
     """An expert parameter (``allreduce`` false) that trains and has a gradient."""
     return not _flag(vars(param), class_flags, "allreduce") and bool(param.requires_grad) and get_grad(param) is not None
-
-
-class EmbeddingRead(NamedTuple):
-    """What an embedding helper reads, done by the read stage.
-
-    Args:
-      role: the weight's role (word or position embedding).
-      getter: returns the weight of an unwrapped chunk, or None.
-      required: a missing weight is an error (else nothing is reduced).
-      has_mtp: the MTP chunk rule applies (Megatron's word-embedding helper).
-      pp_given: the helper was given a pp group (None: the rank counts as the first stage).
-    """
-
-    role: Role
-    getter: Callable[[Any], Any]
-    required: bool
-    has_mtp: bool
-    pp_given: bool
-
-
-def embedding_weight(model: Sequence[Any], stage: int, pp: int, read: EmbeddingRead, rank: int) -> tuple[int, Any]:
-    """(the chunk Megatron's rule picks at this pp stage, the weight ``read.getter`` gives
-    for it).
-
-    Raises:
-      ValueError: the weight is required and the chunk has none.
-    """
-    index = embedding_chunk(stage, pp, len(model), read.has_mtp)
-    weight = read.getter(unwrap(model[index]))
-    if weight is None and read.required:
-        raise FinalizeInputError(f"rank {rank}: pp stage {stage}: chunk {index} has no embedding weight to reduce")
-    return index, weight
-
-
-def one_weight(model: Sequence[Any], index: int, weight: torch.Tensor | None, role: Role) -> Discovered:
-    """The discovery of an embedding helper: the one weight it reduces (none: nothing).
-
-    The helper already chose chunk ``index`` (Megatron's chunk rule); the weight is
-    labelled chunk 0 so that the plan's chunk rule keeps it.
-    """
-    if weight is None:
-        return Discovered((), (), {}, {}, tuple(model))
-    module = unwrap(model[index])
-    name = next((n for n, p in module.named_parameters() if p is weight), "embedding.weight")
-    spec = param_spec(name, 0, weight, role)
-    return Discovered((spec,), (), {spec.key: weight}, {}, tuple(model))
 
 
 def candidate(spec: ParamSpec) -> bool:

@@ -8,8 +8,8 @@
   discovery names parameters as the uncompiled model does (no ``_orig_mod.`` prefix).
 * :func:`uncompiled_name`: the same for a name read from above such a wrapper (a Megatron
   DDP wrapping a compiled module names its parameters ``_orig_mod.*``).
-* :func:`parameter_entries` / :func:`param_name`: ``named_parameters()`` from one walk of
-  ``named_modules()``, a name made only for the parameters a caller keeps.
+* :func:`param_name`: a parameter's name as ``named_parameters()`` gives it, from its
+  module's prefix and its key (discovery makes one only for the parameters it keeps).
 * :func:`eager_under_compile`: a decorator for the public entry points. Called while
   dynamo traces (``torch.compile`` of a training step), the call is a graph break and runs
   eagerly, untraced (``torch.compiler.disable``); called eagerly, it is a plain call. It
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -133,26 +133,12 @@ def find_attr(module: Any, attr: str) -> Any:
     return None
 
 
-def parameter_entries(submodules: Sequence[tuple[str, nn.Module]]) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(module prefix, key, parameter) in ``module.named_parameters()``'s order and
-    de-duplication, from ``module.named_modules()`` (the module tree is walked once for
-    parameters and routers); the name is the prefix and key joined by :func:`param_name`,
-    made only for the parameters a caller keeps."""
-    seen: set[int] = set()
-    for prefix, sub in submodules:
-        for key, param in sub._parameters.items():
-            if param is None or id(param) in seen:
-                continue
-            seen.add(id(param))
-            yield prefix, key, param
-
-
 def param_name(prefix: str, key: str) -> str:
     """A parameter's name as ``named_parameters()`` gives it."""
     return f"{prefix}.{key}" if prefix else key
 
 
 __all__ = [
-    "attr_or", "eager_under_compile", "find_attr", "has_attr", "param_name", "parameter_entries",
+    "attr_or", "eager_under_compile", "find_attr", "has_attr", "param_name",
     "uncompiled", "uncompiled_name", "unwrap",
 ]
