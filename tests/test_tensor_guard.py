@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from torch_impl.call.tensor_guard import GuardedCheck, metadata_guard  # noqa: E402
+from torch_impl.call.tensor_guard import MAX_REARMS, GuardedCheck, metadata_guard  # noqa: E402
 from torch_impl.call.watches import GradWatch  # noqa: E402
 
 guard_module = importlib.import_module("torch_impl.call.tensor_guard")
@@ -134,3 +134,20 @@ def test_a_check_without_a_guard_answers_by_the_slow_check_and_stops_trying():
     answers = iter([True, False, True])
     assert [check.same(tensors, lambda: next(answers)) for _ in range(3)] == [True, False, True]
     assert check.guard is None and check.usable is False
+
+
+def test_strides_that_keep_changing_stop_the_re_arming():
+    """A parameter whose strides flip between two layouts every check: the guard is
+    re-armed MAX_REARMS times, then dropped; every answer stays right (the same while
+    only strides change, changed once the shape does)."""
+    params, watch = _watched([(2, 3)])
+    storage = params[0].data
+    layouts = [storage.as_strided((2, 3), (1, 2)), storage.as_strided((2, 3), (3, 1))]
+    assert watch.same()
+    for i in range(MAX_REARMS + 3):
+        params[0].data = layouts[i % 2]
+        assert watch.same()
+    assert watch.param_check.guard is None and watch.param_check.usable is False
+    assert watch.param_check.rearms == MAX_REARMS + 1
+    params[0].data = storage.as_strided((3, 2), (2, 1))
+    assert not watch.same()

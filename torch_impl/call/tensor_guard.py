@@ -67,7 +67,7 @@ def metadata_guard(tensors: Sequence[torch.Tensor]) -> Any:
 
     Returns:
       The guard, or None: no tensors, no usable guard in this torch, or tensors it cannot
-      describe (a sparse one has no strides).
+      describe (a nested tensor has no sizes).
     """
     guard_type = _guard_type()
     if guard_type is None or not tensors:
@@ -78,16 +78,24 @@ def metadata_guard(tensors: Sequence[torch.Tensor]) -> Any:
         return None
 
 
+#: How often a guard may fail on a fact the caller does not check and be re-armed before
+#: the caller's check answers for good (tensors whose strides, or calls whose dispatch
+#: state, keep changing would otherwise pay a guard's build on every check).
+MAX_REARMS = 3
+
+
 class GuardedCheck:
     """A check of some tensors' metadata answered by one guard call once armed, else by
     the caller's own attribute-by-attribute check: its first pass arms a guard on the
     tensors as they are then (so a check made once never pays for a guard), and a pass
-    after the guard failed (a fact it checks and the caller does not: strides) re-arms it.
-    Where no guard can be made, the caller's check answers from then on."""
+    after the guard failed (a fact it checks and the caller does not: strides) re-arms it,
+    up to :data:`MAX_REARMS` times. Where no guard can be made, or after that, the
+    caller's check answers from then on."""
 
     def __init__(self) -> None:
         self.guard: Any = None
         self.usable = True
+        self.rearms = 0
 
     def same(self, tensors: Sequence[torch.Tensor], slow_same: Callable[[], bool]) -> bool:
         """Whether ``tensors`` keep what ``slow_same`` checks.
@@ -100,9 +108,11 @@ class GuardedCheck:
             return True
         same = slow_same()
         if same and self.usable:
-            self.guard = metadata_guard(tensors)
+            if self.guard is not None:  # it failed where the caller's check passed
+                self.rearms += 1
+            self.guard = metadata_guard(tensors) if self.rearms <= MAX_REARMS else None
             self.usable = self.guard is not None
         return same
 
 
-__all__ = ["GuardedCheck", "metadata_guard"]
+__all__ = ["MAX_REARMS", "GuardedCheck", "metadata_guard"]

@@ -290,7 +290,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
                 if cls in per_instance:  # a flag the class defines as a property: this parameter's value
                     flags = _instance_flags(param, flags)
                     steps = tuple(flags[flag] for flag in FLAG_ATTRS)
-                role = roles.get(id(param), Role.NONE)
+                role = roles.get(pid, Role.NONE)
                 if skip and role is Role.NONE and not touched(name, param, flags, steps):
                     left_out = True
                     experts = experts or _trained_expert(param, flags)
