@@ -33,7 +33,7 @@ from meshgrad.errors import FinalizeInputError, FinalizeTypeError
 from torch_impl.run.grads import get_grad
 from torch_impl.sources.fsdp2 import FsdpGroup, fsdp_groups
 from torch_impl.sources.torch_ddp import TorchDdp, ddp_wrappers
-from torch_impl.sources.wrappers import attr_or, param_name, unwrap
+from torch_impl.sources.wrappers import NO_ATTR, attr_or, param_name, unwrap
 
 #: Parameter attributes copied into ParamSpec flags.
 FLAG_ATTRS = (
@@ -133,9 +133,6 @@ def position_embedding(module: Any) -> torch.Tensor | None:
     return attr_or(emb, "weight", None) if emb is not None else None
 
 
-_ABSENT = object()
-
-
 def router_spec(name: str, chunk: int, module: nn.Module) -> RouterSpec | None:
     """The RouterSpec of a module, or None when it holds no router state.
 
@@ -144,31 +141,33 @@ def router_spec(name: str, chunk: int, module: nn.Module) -> RouterSpec | None:
         without local_tokens_per_expert.
     """
     # attr_or: a miss costs no AttributeError (every submodule is asked, once per discovery)
-    bias = attr_or(module, "expert_bias", _ABSENT)
-    qb = attr_or(module, "qb_beta", _ABSENT)
+    bias = attr_or(module, "expert_bias", NO_ATTR)
+    qb = attr_or(module, "qb_beta", NO_ATTR)
     reset = attr_or(module, "reset_global_aux_loss_tracker", None)
-    if bias is _ABSENT and qb is _ABSENT and not callable(reset):
+    if bias is NO_ATTR and qb is NO_ATTR and not callable(reset):
         return None
-    bias = None if bias is _ABSENT else bias
-    qb = None if qb is _ABSENT else qb
-    lengths = {}
-    for attr in ("expert_bias", "local_tokens_per_expert", "qb_beta", "qb_beta_accum"):
-        value = getattr(module, attr, None)
-        if isinstance(value, torch.Tensor):
-            lengths[attr] = int(value.shape[-1]) if value.dim() else 1
+    bias = None if bias is NO_ATTR else bias
+    qb = None if qb is NO_ATTR else qb
+    local = attr_or(module, "local_tokens_per_expert", None)
+    accum = attr_or(module, "qb_beta_accum", None)
+    buffers = {"expert_bias": bias, "local_tokens_per_expert": local, "qb_beta": qb, "qb_beta_accum": accum}
+    lengths = {
+        attr: int(value.shape[-1]) if value.dim() else 1
+        for attr, value in buffers.items() if isinstance(value, torch.Tensor)
+    }
     if len(set(lengths.values())) > 1:
         raise FinalizeInputError(f"router {name!r} (chunk {chunk}): per-expert buffers differ in length: {lengths}")
-    if bias is not None and not isinstance(getattr(module, "local_tokens_per_expert", None), torch.Tensor):
+    if bias is not None and not isinstance(local, torch.Tensor):
         raise FinalizeInputError(f"router {name!r} (chunk {chunk}) has expert_bias but no local_tokens_per_expert tensor")
     return RouterSpec(
         name=name,
         chunk=chunk,
         num_experts=next(iter(lengths.values()), 1),
-        training=bool(getattr(module, "training", True)),
+        training=bool(attr_or(module, "training", True)),
         has_expert_bias=bias is not None,
-        frozen_expert_bias=bool(getattr(module, "frozen_expert_bias", False)),
+        frozen_expert_bias=bool(attr_or(module, "frozen_expert_bias", False)),
         has_qb_beta=qb is not None,
-        qb_accum_present=getattr(module, "qb_beta_accum", None) is not None,
+        qb_accum_present=accum is not None,
         has_aux_loss_tracker=callable(reset),
     )
 

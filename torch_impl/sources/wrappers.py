@@ -75,7 +75,8 @@ def eager_under_compile(fn: F) -> F:
 
 
 _MODULE_GETATTR = nn.Module.__getattr__
-_NO_ATTR = object()
+#: The default that tells a missing attribute from one set to None (:func:`attr_or`).
+NO_ATTR = object()
 
 
 def attr_or(obj: Any, name: str, default: Any = None) -> Any:
@@ -97,7 +98,7 @@ def attr_or(obj: Any, name: str, default: Any = None) -> Any:
 
 def has_attr(obj: Any, name: str) -> bool:
     """``hasattr(obj, name)``, a miss answered as :func:`attr_or` does."""
-    return attr_or(obj, name, _NO_ATTR) is not _NO_ATTR
+    return attr_or(obj, name, NO_ATTR) is not NO_ATTR
 
 
 def unwrap(module: Any, attr: str = "pre_process") -> Any:
@@ -123,11 +124,11 @@ def find_attr(module: Any, attr: str) -> Any:
     """The first ``attr`` found along the ``.module`` chain of ``module`` (None if absent)."""
     for _ in range(64):
         module = uncompiled(module)
-        value = attr_or(module, attr, _NO_ATTR)
-        if value is not _NO_ATTR:
+        value = attr_or(module, attr, NO_ATTR)
+        if value is not NO_ATTR:
             return value
-        inner = attr_or(module, "module", _NO_ATTR)
-        if inner is _NO_ATTR:
+        inner = attr_or(module, "module", NO_ATTR)
+        if inner is NO_ATTR:
             return None
         module = inner
     return None
@@ -139,6 +140,6 @@ def param_name(prefix: str, key: str) -> str:
 
 
 __all__ = [
-    "attr_or", "eager_under_compile", "find_attr", "has_attr", "param_name",
+    "NO_ATTR", "attr_or", "eager_under_compile", "find_attr", "has_attr", "param_name",
     "uncompiled", "uncompiled_name", "unwrap",
 ]
