@@ -107,7 +107,7 @@ def finalize_explanation() -> Explanation:
 
 def measure(reps: int = 15, finalize_reps: int = 9) -> dict[str, Any]:
     """Parts 1 and 2: measured rows, the fitted link, predicted against measured."""
-    from parity_tests.torch_world import spawn_world
+    from parity_tests.process_world import spawn_world
 
     rows: list[tuple[str, int, int, float]] = []
     finalize_measured = None

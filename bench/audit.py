@@ -105,7 +105,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
 
 def run(layout: Layout, sample: int, rounds: int) -> dict[str, Any]:
     """One layout's world; returns medians, ratio and the file size."""
-    from parity_tests.torch_world import spawn_world
+    from parity_tests.process_world import spawn_world
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="meshgrad-audit-bench-") as directory:

@@ -48,7 +48,7 @@ def _fill(tensors: list[Any], seed: int) -> None:
 
 
 def world_main(rank: int, world: int, payload: Any, sink: Any) -> None:
-    """One rank of the benchmark world (``parity_tests.torch_world.spawn_world`` target)."""
+    """One rank of the benchmark world (``parity_tests.process_world.spawn_world`` target)."""
     import torch
     import torch.distributed as dist
 
@@ -147,7 +147,7 @@ def world_main(rank: int, world: int, payload: Any, sink: Any) -> None:
 
 def run_gloo(lay: Layout, *, rounds: int, batch: int, timeout: float = 900.0, megatron: bool = True) -> dict[str, Any]:
     """Spawn a gloo world of ``lay.world`` ranks and return rank 0's measurements."""
-    from parity_tests.torch_world import spawn_world
+    from parity_tests.process_world import spawn_world
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     outcome = spawn_world(

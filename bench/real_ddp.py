@@ -74,7 +74,7 @@ def _grads(ddp: Any) -> Any:
 
 
 def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> None:
-    """One rank (``parity_tests.torch_world.spawn_world`` target)."""
+    """One rank (``parity_tests.process_world.spawn_world`` target)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -184,7 +184,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
 def run_real_ddp(*, world: int = 4, layers: int = 8, hidden: int = 256, rounds: int = 7, batch: int = 10,
                  timeout: float = 600.0) -> dict[str, Any]:
     """Run the benchmark world; its result, or ``{"error": ...}`` when the world failed."""
-    from parity_tests.torch_world import spawn_world
+    from parity_tests.process_world import spawn_world
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch)

@@ -7,7 +7,7 @@ megatron-core 0.19.2 is published as a Python 3.12 wheel only; its Python source
 parity_tests.megatron019 fetch`` is the CI step (``make setup``); it is idempotent and
 quiet when offline. ``MESHGRAD_MEGATRON019_SRC`` may point at an unpacked copy instead.
 
-Worker side (:func:`world_main`, run by :func:`parity_tests.torch_world.spawn_world`):
+Worker side (:func:`world_main`, run by :func:`parity_tests.process_world.spawn_world`):
 every rank puts the unpacked folder first on ``sys.path``, stubs the one module that
 imports triton (``megatron.core.transformer.moe.ops.paged_stash``; finalization never runs
 its kernels), imports megatron-core 0.19.2 and, for each layout of its world size,

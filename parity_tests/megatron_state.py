@@ -14,7 +14,7 @@ from typing import Any
 
 def import_megatron_core() -> None:
     """Import the installed megatron-core's modules the test worlds use, its warnings
-    silenced: the ``prepare`` of :func:`parity_tests.torch_world.spawn_world`, so that the
+    silenced: the ``prepare`` of :func:`parity_tests.process_world.spawn_world`, so that the
     ranks of a world are forked from one process that imported megatron-core once (each
     rank importing it costs seconds of CPU).
 

@@ -281,7 +281,7 @@ def run_plan_torch(
         for inputs that do not fit the plan.
       RuntimeError: a rank failed or the world timed out (with the first rank's error).
     """
-    from parity_tests.torch_world import spawn_world
+    from parity_tests.process_world import spawn_world
 
     routers = {k: dict(v) for k, v in (routers or {}).items()}
     tokens = _check_torch_inputs(plan, dims, grads, routers, num_tokens)
@@ -292,8 +292,8 @@ def run_plan_torch(
     failed = [r for r in range(dims.world_size) if "grads" not in outcome.results[r]]
     if failed:
         why = next((f for f in outcome.fatal if f), None) or (
-            "timed out" if outcome.timed_out else f"exit codes {outcome.exitcodes} (a script that calls this "
-            "needs an `if __name__ == '__main__':` guard: the ranks are started by multiprocessing)")
+            outcome.why() if outcome.timed_out or outcome.crashed() else f"exit codes {outcome.exitcodes} (a script "
+            "that calls this needs an `if __name__ == '__main__':` guard: the ranks are started by multiprocessing)")
         raise RuntimeError(f"run_plan_torch: ranks {failed} did not finish: {why}")
     ranks = outcome.results
     out_grads = {k: np.stack([r["grads"][k] for r in ranks]).astype(np.float32) for k in grads}

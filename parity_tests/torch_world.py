@@ -9,26 +9,19 @@ calls :func:`torch_impl.finalize_model_grads` and writes its outputs to a temp f
 scenario that raises records its error; the other scenarios still run. The whole world is
 killed when it outlives ``timeout``.
 
-:func:`spawn_world` is the generic part (also used by the unit tests): run a picklable
-function on every rank of a fresh gloo world and collect what it emits.
+The world itself is :func:`parity_tests.process_world.spawn_world`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import multiprocessing
-import os
-import pickle
-import tempfile
 import time
-import traceback
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from parity_tests.process_world import Sink, spawn_world
 from parity_tests.results import ScenarioResult
 from parity_tests.scenarios import (
     RankData,
@@ -38,250 +31,8 @@ from parity_tests.scenarios import (
     make_rank_inputs,
 )
 
-# --------------------------------------------------------------------------- generic world
-
-
-class Sink:
-    """Where a rank emits results: one pickle file per (rank, key), written atomically."""
-
-    def __init__(self, directory: str, rank: int) -> None:
-        self.directory = directory
-        self.rank = rank
-
-    def put(self, key: int | str, value: Any) -> None:
-        path = os.path.join(self.directory, f"r{self.rank}-{key}.pkl")
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(value, f)
-        os.replace(tmp, path)
-
-
-def _worker(
-    rank: int,
-    world_size: int,
-    store: str,
-    directory: str,
-    target: Callable[[int, int, Any, Sink], None],
-    payload: Any,
-    pg_timeout: float,
-) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    sink = Sink(directory, rank)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
-        target(rank, world_size, payload, sink)
-    except BaseException:  # report, then exit non-zero
-        sink.put("fatal", traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-@dataclasses.dataclass
-class WorldOutcome:
-    """What a spawned world left behind.
-
-    Args:
-      results: per rank, ``{key: value}`` of everything the rank emitted.
-      fatal: per rank, the traceback of an uncaught error, if any.
-      timed_out: the world was killed after ``timeout`` seconds.
-      exitcodes: per rank, the process exit code (None when killed before exiting).
-      seconds: wall time of the whole world.
-    """
-
-    results: list[dict[Any, Any]]
-    fatal: list[str | None]
-    timed_out: bool
-    exitcodes: list[int | None]
-    seconds: float
-
-
-#: Modules the fork server imports once, so that every world's processes start warm.
-PRELOAD = ["torch", "torch.distributed", "numpy", "meshgrad", "torch_impl", "parity_tests.torch_world"]
-
-
-def _context() -> Any:
-    """A fork-server context (torch imported once per test session), its server started,
-    or, where that is not available, spawn."""
-    try:
-        ctx = multiprocessing.get_context("forkserver")
-    except ValueError:  # pragma: no cover - platforms without fork
-        return multiprocessing.get_context("spawn")
-    ctx.set_forkserver_preload(PRELOAD)
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()  # its one-time start does not count against a world's timeout
-    return ctx
-
-
-def spawn_world(
-    target: Callable[[int, int, Any, Sink], None],
-    world_size: int,
-    payload: Any = None,
-    timeout: float = 600.0,
-    prepare: Callable[[], Any] | None = None,
-) -> WorldOutcome:
-    """Run ``target(rank, world_size, payload, sink)`` on every rank of a new gloo world.
-
-    Args:
-      target: a module-level (picklable) function; it emits results with ``sink.put``.
-      world_size: number of processes.
-      payload: picklable argument passed to every rank.
-      timeout: seconds before every process of the world is killed.
-      prepare: a picklable set-up (e.g. importing megatron-core) run once, in one process
-        that then forks every rank: the ranks start with its result in memory instead of
-        each repeating it (see :func:`_zygote`).
-
-    Returns:
-      A :class:`WorldOutcome`; emitted results survive a timeout or a crash.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    _context()
-    start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="meshgrad-world-") as directory:
-        store = os.path.join(directory, "store")
-        pg_timeout = max(30.0, min(timeout, 300.0))
-        args = (world_size, store, directory, target, payload, pg_timeout)
-        if prepare is None:
-            timed_out, exitcodes = _run_ranks(args, start + timeout)
-        else:
-            timed_out, exitcodes = _run_zygote(args, prepare, start + timeout)
-        results: list[dict[Any, Any]] = [{} for _ in range(world_size)]
-        fatal: list[str | None] = [None] * world_size
-        for name in os.listdir(directory):
-            if not (name.startswith("r") and name.endswith(".pkl")):
-                continue
-            rank_text, key_text = name[1:-4].split("-", 1)
-            with open(os.path.join(directory, name), "rb") as f:
-                value = pickle.load(f)
-            rank = int(rank_text)
-            if key_text == "fatal":
-                fatal[rank] = value
-            else:
-                results[rank][int(key_text) if key_text.isdigit() else key_text] = value
-    return WorldOutcome(results, fatal, timed_out, exitcodes, time.monotonic() - start)
-
-
-#: Seconds the other ranks get once one rank died (they may wait for it forever).
-GRACE = 5.0
-
-
-def _run_ranks(args: tuple[Any, ...], deadline: float) -> tuple[bool, list[int | None]]:
-    """Every rank a process of the fork server; (timed out, exit codes)."""
-    ctx = _context()
-    world_size = args[0]
-    procs = [ctx.Process(target=_worker, args=(rank, *args), daemon=True) for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    timed_out = False
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            timed_out = True
-            break
-    if not timed_out and any(p.exitcode for p in procs):
-        for p in procs:
-            p.join(max(0.0, min(GRACE, deadline - time.monotonic())))
-    for p in procs:
-        if p.is_alive():
-            timed_out = timed_out or time.monotonic() >= deadline
-            p.kill()
-            p.join(5.0)
-    return timed_out, [p.exitcode for p in procs]
-
-
-def _run_zygote(
-    args: tuple[Any, ...], prepare: Callable[[], Any], deadline: float
-) -> tuple[bool, list[int | None]]:
-    """One fork-server process runs ``prepare`` and forks every rank (:func:`_zygote`);
-    the whole process group is killed at ``deadline``. Returns (timed out, exit codes)."""
-    import signal
-
-    world_size, directory = args[0], args[2]
-    zygote = _context().Process(target=_zygote, args=(prepare, *args), daemon=True)
-    zygote.start()
-    zygote.join(max(0.0, deadline - time.monotonic()))
-    timed_out = zygote.is_alive()
-    if timed_out:
-        try:
-            os.killpg(zygote.pid, signal.SIGKILL)  # the zygote leads its ranks' group
-        except ProcessLookupError:  # pragma: no cover - killed before it made the group
-            zygote.kill()
-        zygote.join(5.0)
-    path = os.path.join(directory, "exitcodes.pkl")
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            return timed_out, pickle.load(f)
-    return timed_out, [None] * world_size
-
-
-def _zygote(prepare: Callable[[], Any], world_size: int, store: str, directory: str, *rest: Any) -> None:
-    """Run ``prepare`` once, fork every rank (each runs :func:`_worker`), reap them and
-    write their exit codes; ranks still running ``GRACE`` seconds after one died are killed.
-    A failing ``prepare`` leaves its traceback as every rank's fatal error."""
-    import signal
-
-    os.setpgrp()
-    # terminated (its parent exiting): take the ranks along
-    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        prepare()
-    except BaseException:
-        text = traceback.format_exc()
-        for rank in range(world_size):
-            Sink(directory, rank).put("fatal", f"prepare failed: {text}")
-        raise
-    pids: dict[int, int] = {}
-    for rank in range(world_size):
-        pid = os.fork()
-        if pid == 0:  # the rank: never returns
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            code = 1
-            try:
-                _worker(rank, world_size, store, directory, *rest)
-                code = 0
-            except SystemExit as err:
-                code = err.code if isinstance(err.code, int) else 1
-            except BaseException:  # already reported by _worker
-                pass
-            finally:
-                os._exit(code)
-        pids[pid] = rank
-    codes: list[int | None] = [None] * world_size
-    give_up: float | None = None
-    while pids:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            if give_up is not None and time.monotonic() > give_up:
-                for other in pids:
-                    os.kill(other, signal.SIGKILL)
-                give_up = None
-            time.sleep(0.05)
-            continue
-        rank = pids.pop(pid)
-        codes[rank] = os.waitstatus_to_exitcode(status)
-        if codes[rank] and give_up is None:
-            give_up = time.monotonic() + GRACE
-    path = os.path.join(directory, "exitcodes.pkl")
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(codes, f)
-    os.replace(path + ".tmp", path)
-
-
 # --------------------------------------------------------------------------- models
+
 
 def _child(root: Any, path: str) -> Any:
     """The submodule at dotted ``path`` of ``root``, created (empty) where missing."""
@@ -564,7 +315,7 @@ def run_torch_world(
     Returns:
       ``{scenario name: ScenarioResult}``; ``seconds`` is the slowest rank's finalize time.
     """
-    outcome = spawn_world(_run_scenarios, world_size, list(scenarios), timeout)
+    outcome = spawn_world(_run_scenarios, world_size, list(scenarios), timeout, crash_retries=1)
     out: dict[str, ScenarioResult] = {}
     for index, scenario in enumerate(scenarios):
         per_rank = [outcome.results[r].get(index) for r in range(world_size)]
@@ -573,71 +324,11 @@ def run_torch_world(
         if errors:
             out[scenario.name] = ScenarioResult(None, error=errors[0])
         elif missing:
-            why = "timed out" if outcome.timed_out else "died"
-            fatal = next((f for f in outcome.fatal if f), "")
             out[scenario.name] = ScenarioResult(
-                None, error=f"torch world {why} before ranks {missing} finished\n{fatal}".strip()
+                None, error=f"torch world stopped before ranks {missing} finished: {outcome.why()}"
             )
         else:
             out[scenario.name] = ScenarioResult(
                 [v[1] for v in per_rank], seconds=max(v[2] for v in per_rank)
             )
     return out
-
-
-# --------------------------------------------------------------------------- unit-test cases
-
-
-def _call_cases(rank: int, world_size: int, payload: tuple[str, list[str]], sink: Sink) -> None:
-    import importlib
-
-    module_name, names = payload
-    module = importlib.import_module(module_name)
-    for name in names:
-        try:
-            value: tuple[str, Any] = ("ok", getattr(module, name)(rank, world_size))
-        except Exception as err:  # recorded per rank; the next case still runs
-            value = ("error", f"{type(err).__name__}: {err}")
-        sink.put(name, value)
-
-
-def run_cases(
-    module_name: str,
-    names: Sequence[str],
-    world_size: int,
-    timeout: float = 300.0,
-    prepare: Callable[[], Any] | None = None,
-) -> dict[str, list[tuple[str, Any]]]:
-    """Run functions ``module.name(rank, world_size)`` on every rank of one gloo world.
-
-    Every rank runs every case in order (cases must make the same collective calls on
-    every rank).
-
-    Args:
-      module_name: importable module holding the case functions.
-      names: function names, run in this order.
-      world_size: number of processes.
-      timeout: seconds before the world is killed.
-      prepare: set-up run once before the ranks are forked (:func:`spawn_world`).
-
-    Returns:
-      ``{name: [(status, value) per rank]}`` with status ``"ok"`` (value = the return
-      value), ``"error"`` (value = the error text) or ``"missing"`` (the rank never
-      reported: timeout or crash).
-    """
-    outcome = spawn_world(_call_cases, world_size, (module_name, list(names)), timeout, prepare)
-    fatal = next((f for f in outcome.fatal if f), None)
-    why = "timed out" if outcome.timed_out else f"world died: {fatal}"
-    return {
-        name: [outcome.results[r].get(name, ("missing", why)) for r in range(world_size)] for name in names
-    }
-
-
-def case_values(world: dict[str, list[tuple[str, Any]]], name: str) -> list[Any]:
-    """Per-rank values of case ``name`` from :func:`run_cases`; fails (pytest) naming every
-    rank whose case did not return "ok"."""
-    results = world[name]
-    problems = [f"rank {r}: {s}: {v}" for r, (s, v) in enumerate(results) if s != "ok"]
-    if problems:
-        raise AssertionError("\n".join(problems))
-    return [v for _, v in results]

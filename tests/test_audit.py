@@ -29,7 +29,7 @@ from parity_tests import megatron019 as m19  # noqa: E402
 from parity_tests.audit import AuditError, format_report, load, main as audit_main, replay  # noqa: E402
 from parity_tests.megatron_state import fake_ddp, import_megatron_core  # noqa: E402
 from parity_tests.scenarios import RouterLayout, Scenario, gpt_params  # noqa: E402
-from parity_tests.torch_world import spawn_world  # noqa: E402
+from parity_tests.process_world import spawn_world  # noqa: E402
 
 ROUTERS = (RouterLayout("decoder.layers.0.mlp.router", 4), RouterLayout("decoder.layers.1.mlp.router", 4))
 BIAS = dict(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.25)
@@ -250,11 +250,10 @@ def _world(world: int) -> str:
         directory = tempfile.mkdtemp(prefix=f"meshgrad-audit-{world}-")
         megatron = _has_megatron()
         outcome = spawn_world(audit_world, world, {"dir": directory, "megatron": megatron}, timeout=300,
-                              prepare=import_megatron_core if megatron else None)
+                              prepare=import_megatron_core if megatron else None, crash_retries=1)
         problems = [f"rank {r}: {k}: {v}" for r, res in enumerate(outcome.results) for k, v in res.items() if v != "ok"]
-        problems += [f"rank {r}: {f}" for r, f in enumerate(outcome.fatal) if f]
-        if outcome.timed_out:
-            problems.append("world timed out")
+        if any(outcome.exitcodes) or outcome.timed_out:
+            problems.append(outcome.why())
         assert not problems, "\n".join(problems)
         _WORLDS[world] = directory
     return _WORLDS[world]
@@ -479,12 +478,13 @@ def test_megatron019_finalize_passes() -> None:
     if "dir" not in _WORLD019:
         directory = tempfile.mkdtemp(prefix="meshgrad-audit-m19-")
         outcome = spawn_world(audit019_world, 4, (str(src), directory), timeout=300,
-                              prepare=functools.partial(m19.import_megatron, str(src)))
+                              prepare=functools.partial(m19.import_megatron, str(src)), crash_retries=1)
         names = [layout.name for layout, *_ in MEGATRON019 + (BUG019,)]
         problems = [f"rank {r}: {n}: {res.get(n, 'no result')}" for r, res in enumerate(outcome.results)
                     for n in names if res.get(n) != "ok"]
-        problems += [f"rank {r}: {f}" for r, f in enumerate(outcome.fatal) if f]
-        assert len(outcome.results) == 4 and not problems and not outcome.timed_out, "\n".join(problems) or "world timed out"
+        if any(outcome.exitcodes) or outcome.timed_out:
+            problems.append(outcome.why())
+        assert len(outcome.results) == 4 and not problems, "\n".join(problems)
         _WORLD019["dir"] = directory
     for layout, config, _, _ in MEGATRON019:
         result = replay(os.path.join(_WORLD019["dir"], layout.name))

@@ -32,7 +32,7 @@ pytest.importorskip("torch")
 
 from parity_tests.audit import format_report, main as audit_main, replay  # noqa: E402
 from parity_tests.megatron_state import import_megatron_core  # noqa: E402
-from parity_tests.torch_world import spawn_world  # noqa: E402
+from parity_tests.process_world import spawn_world  # noqa: E402
 
 WORLD = 2
 STEPS = 3

@@ -23,7 +23,7 @@ pytest.importorskip("torch")
 
 from parity_tests.audit import format_report, replay  # noqa: E402
 from parity_tests.scenarios import Scenario, gpt_params  # noqa: E402
-from parity_tests.torch_world import spawn_world  # noqa: E402
+from parity_tests.process_world import spawn_world  # noqa: E402
 
 WORD = "embedding.word_embeddings.weight"
 DISTOPT = dict(use_distributed_optimizer=True, position_embedding_stages=(0, 1))

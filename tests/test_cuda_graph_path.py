@@ -37,7 +37,7 @@ import pytest
 pytest.importorskip("torch")
 
 from parity_tests.scenarios import Scenario, gpt_params, moe_routers  # noqa: E402
-from parity_tests.torch_world import case_values, run_cases  # noqa: E402
+from parity_tests.world_cases import case_values, run_cases  # noqa: E402
 
 WORLD = 4
 SCENARIOS = {

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core.distributed")
 
 from parity_tests.megatron_state import import_megatron_core  # noqa: E402
-from parity_tests.torch_world import case_values, run_cases  # noqa: E402
+from parity_tests.world_cases import case_values, run_cases  # noqa: E402
 
 CROSS_STAGE = ("emb.weight", "pos.weight")
 

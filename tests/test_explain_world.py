@@ -26,7 +26,7 @@ from meshgrad.config import FinalizeConfig
 from meshgrad.explain import Explanation, Layout, explain, model_stages
 from meshgrad.params import Role
 from meshgrad.presets import PRESETS
-from parity_tests.torch_world import case_values, run_cases
+from parity_tests.world_cases import case_values, run_cases
 
 WORLD = 8
 

@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from parity_tests.megatron_state import import_megatron_core  # noqa: E402
-from parity_tests.torch_world import case_values, run_cases  # noqa: E402
+from parity_tests.world_cases import case_values, run_cases  # noqa: E402
 
 WORLD, PP, DP = 4, 2, 2
 STEPS = 2

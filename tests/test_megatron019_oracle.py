@@ -247,13 +247,12 @@ def _world(world: int) -> dict[str, list[Any]]:
     if src is None:
         pytest.skip(m19.skip_reason())
     if world not in _WORLDS:
-        from parity_tests.torch_world import spawn_world
+        from parity_tests.process_world import spawn_world
 
         wanted = {layout.name: [n for n in cases(layout) if _only(f"{layout.name}:{n}")] for layout in LAYOUTS[world]}
         outcome = spawn_world(m19.world_main, world, (str(src), __name__, wanted), timeout=420,
-                              prepare=functools.partial(m19.import_megatron, str(src)))
-        fatal = next((f for f in outcome.fatal if f), None)
-        why = "timed out" if outcome.timed_out else f"world died (exit codes {outcome.exitcodes}): {fatal}"
+                              prepare=functools.partial(m19.import_megatron, str(src)), crash_retries=1)
+        why = outcome.why()
         _WORLDS[world] = {
             name: [outcome.results[r].get(name, ("missing", why)) for r in range(world)] for name in _names(world)
         }

@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_reliability_inputs import kind_of  # noqa: E402
-from parity_tests.torch_world import case_values, run_cases  # noqa: E402
+from parity_tests.world_cases import case_values, run_cases  # noqa: E402
 
 WORLD = 4
 FIELDS = ("tp", "pp", "embd", "pos_embd", "dp_cp", "dp_cp_gtp_remat", "tp_dp_cp", "expt_dp", "gtp_remat",

@@ -130,7 +130,7 @@ def _results() -> dict[str, list[Any]]:
     if src is None:
         pytest.skip(m19.skip_reason())
     if "r" not in _WORLD:
-        from parity_tests.torch_world import spawn_world
+        from parity_tests.process_world import spawn_world
 
         wanted = {layout.name: list(cases(layout)) for layout in LAYOUTS[4]}
         outcome = spawn_world(m19.world_main, 4, (str(src), __name__, wanted), timeout=300,

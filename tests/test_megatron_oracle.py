@@ -43,7 +43,8 @@ from parity_tests.scenarios import (  # noqa: E402
     gpt_params,
     make_rank_inputs,
 )
-from parity_tests.torch_world import build_model, load_inputs, read_outputs, run_cases  # noqa: E402
+from parity_tests.torch_world import build_model, load_inputs, read_outputs  # noqa: E402
+from parity_tests.world_cases import run_cases  # noqa: E402
 from parity_tests.megatron_state import fake_ddp, import_megatron_core, initialize_parallel_state  # noqa: E402
 
 

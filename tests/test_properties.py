@@ -363,7 +363,7 @@ def _torch_examples(rank: int, world: int, examples: list[Example], sink: Any) -
 
 def run_torch(examples: list[Example]) -> tuple[list[Any], float]:
     """Per example, per rank: ("ok", RankData) or ("error", text); one world per size."""
-    from parity_tests.torch_world import spawn_world
+    from parity_tests.process_world import spawn_world
 
     results: list[Any] = [None] * len(examples)
     start = time.monotonic()

@@ -28,7 +28,8 @@ torch = pytest.importorskip("torch")
 from parity_tests.compare import compare_ranks  # noqa: E402
 from parity_tests.reference import reference_finalize  # noqa: E402
 from parity_tests.scenarios import ParamLayout, Scenario, gpt_params, make_rank_inputs, moe_routers  # noqa: E402
-from parity_tests.torch_world import build_model, load_inputs, read_outputs, run_cases, scenario_config  # noqa: E402
+from parity_tests.torch_world import build_model, load_inputs, read_outputs, scenario_config  # noqa: E402
+from parity_tests.world_cases import run_cases  # noqa: E402
 from test_reliability_inputs import LINEAR, snapshot  # noqa: E402
 
 WORLD = 4

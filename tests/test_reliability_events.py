@@ -41,7 +41,8 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from meshgrad import FinalizeConfig  # noqa: E402
 from parity_tests.scenarios import Scenario  # noqa: E402
-from parity_tests.torch_world import case_values, device_mesh, run_cases  # noqa: E402
+from parity_tests.torch_world import device_mesh  # noqa: E402
+from parity_tests.world_cases import case_values, run_cases  # noqa: E402
 from test_reliability_inputs import DP_TP, TIMEOUT, kind_of, setup_model, snapshot, timed_collection  # noqa: E402
 from torch_impl import finalize_model_grads  # noqa: E402
 

@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parity_tests.torch_world import spawn_world  # noqa: E402
+from parity_tests.process_world import spawn_world  # noqa: E402
 from test_reliability_inputs import DP_TP, PP_TP, kind_of, setup_model, timed_collection  # noqa: E402
 
 WORLD = 4

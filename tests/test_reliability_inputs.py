@@ -36,7 +36,8 @@ from parity_tests.scenarios import (  # noqa: E402
     make_rank_inputs,
     moe_routers,
 )
-from parity_tests.torch_world import build_model, load_inputs, run_cases, scenario_config  # noqa: E402
+from parity_tests.torch_world import build_model, load_inputs, scenario_config  # noqa: E402
+from parity_tests.world_cases import run_cases  # noqa: E402
 from torch_impl import finalize_model_grads  # noqa: E402
 from torch_impl.run.errors import CollectiveError, ConsistencyError, NonFiniteGradError  # noqa: E402
 

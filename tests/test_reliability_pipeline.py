@@ -24,7 +24,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity_tests.scenarios import make_rank_inputs  # noqa: E402
-from parity_tests.torch_world import case_values, device_mesh, load_inputs, run_cases  # noqa: E402
+from parity_tests.torch_world import device_mesh, load_inputs  # noqa: E402
+from parity_tests.world_cases import case_values, run_cases  # noqa: E402
 from test_reliability_inputs import DP_TP, LINEAR, PP_TP, TIMEOUT, kind_of, param, setup_model, snapshot, timed_collection  # noqa: E402
 from test_reliability_steps import live_vs_fresh  # noqa: E402
 from torch_impl import finalize_model_grads  # noqa: E402

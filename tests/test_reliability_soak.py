@@ -43,9 +43,8 @@ from torch import nn  # noqa: E402
 from parity_tests.compare import compare_ranks  # noqa: E402
 from parity_tests.reference import reference_finalize  # noqa: E402
 from parity_tests.scenarios import ParamLayout, Scenario, gpt_params, make_rank_inputs, moe_routers  # noqa: E402
-from parity_tests.torch_world import (  # noqa: E402
-    build_model, device_mesh, load_inputs, read_outputs, run_cases, scenario_config,
-)
+from parity_tests.torch_world import build_model, device_mesh, load_inputs, read_outputs, scenario_config  # noqa: E402
+from parity_tests.world_cases import run_cases  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("MESHGRAD_SOAK") != "1", reason="opt-in soak: MESHGRAD_SOAK=1")
 

@@ -37,7 +37,8 @@ from torch import nn  # noqa: E402
 
 from meshgrad import FinalizeConfig  # noqa: E402
 from parity_tests.scenarios import make_rank_inputs  # noqa: E402
-from parity_tests.torch_world import case_values, load_inputs, run_cases  # noqa: E402
+from parity_tests.torch_world import load_inputs  # noqa: E402
+from parity_tests.world_cases import case_values, run_cases  # noqa: E402
 from test_reliability_inputs import (  # noqa: E402
     DP_TP,
     LINEAR,

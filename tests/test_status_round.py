@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from meshgrad import FinalizeConfig  # noqa: E402
-from parity_tests.torch_world import run_cases  # noqa: E402
+from parity_tests.world_cases import run_cases  # noqa: E402
 from torch_impl.run import rounds as status  # noqa: E402  (the round's wire format and collectives)
 
 WORLD = 4

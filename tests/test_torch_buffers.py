@@ -22,7 +22,8 @@ from meshgrad import FinalizeConfig, Reduction  # noqa: E402
 from parity_tests.compare import compare_ranks  # noqa: E402
 from parity_tests.reference import reference_finalize  # noqa: E402
 from parity_tests.scenarios import RankData, Scenario, gpt_params, make_rank_inputs  # noqa: E402
-from parity_tests.torch_world import build_model, case_values, collection, load_inputs, read_outputs, run_cases  # noqa: E402
+from parity_tests.torch_world import build_model, collection, load_inputs, read_outputs  # noqa: E402
+from parity_tests.world_cases import case_values, run_cases  # noqa: E402
 from torch_impl import finalize_model_grads  # noqa: E402
 from torch_impl.buffers import attach_grad_buffers  # noqa: E402
 from torch_impl.finalize import ModelState, execution_stats  # noqa: E402

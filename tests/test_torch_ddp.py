@@ -22,7 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parity_tests.torch_world import case_values, run_cases  # noqa: E402
+from parity_tests.world_cases import case_values, run_cases  # noqa: E402
 from pp_stage import B, H, S, V, Stage, reference_pp, tokens  # noqa: E402  (batch, sequence, hidden, vocab)
 
 WORLD = 4

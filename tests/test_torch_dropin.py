@@ -27,7 +27,8 @@ torch = pytest.importorskip("torch")
 import torch_impl  # noqa: E402
 from parity_tests.scenarios import RankData, Scenario, gpt_params, make_rank_inputs, moe_routers  # noqa: E402
 from test_reliability_inputs import kind_of  # noqa: E402
-from parity_tests.torch_world import build_model, collection, load_inputs, read_outputs, run_cases  # noqa: E402
+from parity_tests.torch_world import build_model, collection, load_inputs, read_outputs  # noqa: E402
+from parity_tests.world_cases import run_cases  # noqa: E402
 
 #: Parameter names, in order, of every function of the seed API page (megatron-core).
 SEED_SIGNATURES = {

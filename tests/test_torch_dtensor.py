@@ -27,7 +27,8 @@ torch = pytest.importorskip("torch")
 
 from parity_tests.specs import scenario_dims  # noqa: E402
 from parity_tests.scenarios import RankData, Scenario, gpt_params, make_rank_inputs, moe_routers  # noqa: E402
-from parity_tests.torch_world import build_model, read_outputs, run_cases  # noqa: E402
+from parity_tests.torch_world import build_model, read_outputs  # noqa: E402
+from parity_tests.world_cases import run_cases  # noqa: E402
 
 ALL_ON = dict(sequence_parallel=True, qk_layernorm=True, has_cond_embedder=True, flextron=True)
 

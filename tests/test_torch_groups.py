@@ -17,15 +17,8 @@ torch = pytest.importorskip("torch")
 
 from meshgrad import Group, ParallelDims, stage_set  # noqa: E402
 from parity_tests.scenarios import Scenario, gpt_params, make_rank_inputs, moe_routers  # noqa: E402
-from parity_tests.torch_world import (  # noqa: E402
-    build_model,
-    case_values,
-    collection,
-    load_inputs,
-    read_outputs,
-    run_cases,
-    scenario_config,
-)
+from parity_tests.torch_world import build_model, collection, load_inputs, read_outputs, scenario_config  # noqa: E402
+from parity_tests.world_cases import case_values, run_cases  # noqa: E402
 
 WORLD = 8
 _CACHE: dict[Any, Any] = {}  # per worker process (tests only)

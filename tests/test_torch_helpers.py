@@ -28,7 +28,8 @@ from parity_tests.scenarios import (  # noqa: E402
     make_rank_inputs,
     moe_routers,
 )
-from parity_tests.torch_world import build_model, case_values, collection, load_inputs, read_outputs, run_cases  # noqa: E402
+from parity_tests.torch_world import build_model, collection, load_inputs, read_outputs  # noqa: E402
+from parity_tests.world_cases import case_values, run_cases  # noqa: E402
 
 WORLD = 4
 _GROUPS: dict[Any, Any] = {}  # per worker process: groups per mesh (tests only)

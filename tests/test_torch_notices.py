@@ -102,7 +102,7 @@ def sequence_parallel_world(rank: int, world: int) -> dict:
 
 
 def test_sequence_parallel_flags_without_config_warn_at_tp2_and_keep_megatrons_numbers():
-    from parity_tests.torch_world import case_values, run_cases
+    from parity_tests.world_cases import case_values, run_cases
 
     results = case_values(run_cases(__name__, ["sequence_parallel_world"], 2, timeout=120), "sequence_parallel_world")
     for rank, result in enumerate(results):

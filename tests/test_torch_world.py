@@ -10,7 +10,9 @@ import pytest
 pytest.importorskip("torch")
 
 from parity_tests.scenarios import Scenario, gpt_params  # noqa: E402
-from parity_tests.torch_world import run_cases, run_torch_world, spawn_world  # noqa: E402
+from parity_tests.process_world import spawn_world  # noqa: E402
+from parity_tests.torch_world import run_torch_world  # noqa: E402
+from parity_tests.world_cases import run_cases  # noqa: E402
 
 
 def _hang_after_emit(rank: int, world_size: int, payload: object, sink) -> None:
