@@ -3,10 +3,11 @@
 :func:`spawn_world` is the generic part of every multi-process test and of the parity
 report: ranks are forked from a fork server that imported torch once per session (or, with
 a ``prepare``, from one process that ran it), join one gloo process group and emit results
-through a :class:`Sink`. :func:`run_cases` runs many named case functions in one world
-(spawning is the slow part). A rank that dies without a Python error (a signal: a crash in
-native code, the OOM killer) leaves its exit code, its stderr and faulthandler's dump of
-its stack in the outcome, and such a world may be run once more (``crash_retries``).
+through a :class:`Sink` (:func:`parity_tests.world_cases.run_cases` runs many named cases
+in one world: spawning is the slow part). A rank that dies without a Python error (a
+signal: a crash in native code, the OOM killer) leaves its exit code, its stderr and
+faulthandler's dump of its stack in the outcome, and such a world may be run once more
+(``crash_retries``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 
@@ -210,18 +211,19 @@ def spawn_world(
     if crash_retries < 0:
         raise ValueError(f"crash_retries must be >= 0, got {crash_retries}")
     _context()
-    for attempt in range(1, crash_retries + 2):
-        outcome = _spawn_once(target, world_size, payload, timeout, prepare)
-        outcome.attempts = attempt
-        if not outcome.crashed() or attempt > crash_retries:
-            return outcome
+    outcome = _spawn_once(target, world_size, payload, timeout, prepare)
+    for attempt in range(2, crash_retries + 2):
+        if not outcome.crashed():
+            break
         warnings.warn(
             f"a world of {world_size} running {getattr(target, '__name__', target)} crashed and is run again: "
             f"{outcome.why()}",
             RuntimeWarning,
             stacklevel=2,
         )
-    raise AssertionError("unreachable")  # pragma: no cover - the loop returns on its last attempt
+        outcome = _spawn_once(target, world_size, payload, timeout, prepare)
+        outcome.attempts = attempt
+    return outcome
 
 
 def _spawn_once(

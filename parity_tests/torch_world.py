@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np

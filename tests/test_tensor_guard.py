@@ -151,3 +151,16 @@ def test_strides_that_keep_changing_stop_the_re_arming():
     assert watch.param_check.rearms == MAX_REARMS + 1
     params[0].data = storage.as_strided((3, 2), (2, 1))
     assert not watch.same()
+
+
+def test_a_tensor_listed_twice_fails_the_guard_and_the_slow_check_answers():
+    """torch's guard requires distinct tensors: with one tensor twice it never passes, so
+    every answer is the slow check's (right both ways), and after MAX_REARMS re-arms no
+    guard is built again."""
+    tensor = torch.zeros(2, 3)
+    assert metadata_guard([tensor, tensor]).check(tensor, tensor) is False
+    check = GuardedCheck()
+    answers = [True] * (MAX_REARMS + 3) + [False]
+    got = [check.same([tensor, tensor], lambda a=a: a) for a in answers]
+    assert got == answers
+    assert check.guard is None and check.usable is False and check.rearms == MAX_REARMS + 1

@@ -60,7 +60,8 @@ def _guard_type() -> Any:
 def metadata_guard(tensors: Sequence[torch.Tensor]) -> Any:
     """A guard whose ``check(*tensors)`` is True only while each tensor keeps its Python
     type, dtype, device, ``requires_grad``, sizes and strides (False also on a change the
-    watches ignore).
+    watches ignore, and always where one tensor is in ``tensors`` twice: torch's guard
+    requires distinct tensors).
 
     Args:
       tensors: the tensors, in the order ``check`` will get them.
