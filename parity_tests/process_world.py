@@ -4,10 +4,9 @@
 report: ranks are forked from a fork server that imported torch once per session (or, with
 a ``prepare``, from one process that ran it), join one gloo process group and emit results
 through a :class:`Sink` (:func:`parity_tests.world_cases.run_cases` runs many named cases
-in one world: spawning is the slow part). A rank that dies without a Python error (a
-signal: a crash in native code, the OOM killer) leaves its exit code, its stderr and
-faulthandler's dump of its stack in the outcome, and such a world may be run once more
-(``crash_retries``).
+in one world: spawning is the slow part). A rank ended by a signal (a crash in native
+code, the OOM killer) leaves its exit code, its stderr and faulthandler's dump of its
+stack in the outcome, and such a world may be run once more (``crash_retries``).
 """
 
 from __future__ import annotations
@@ -199,9 +198,9 @@ def spawn_world(
         that then forks every rank: the ranks start with its result in memory instead of
         each repeating it (see :func:`_zygote`).
       crash_retries: how many times a world is run again after it crashed
-        (:meth:`WorldOutcome.crashed`: a rank killed by a signal, no Python error, no
-        timeout), with a RuntimeWarning quoting the crash; a Python error or a timeout is
-        never retried.
+        (:meth:`WorldOutcome.crashed`: a rank ended by a signal the world did not send, no
+        timeout), with a RuntimeWarning quoting the crash; a world whose ranks only raised
+        Python errors, or that timed out, is never run again.
 
     Returns:
       A :class:`WorldOutcome` of the last run; emitted results survive a timeout or a crash.

@@ -46,7 +46,7 @@ def run_cases(
       world_size: number of processes.
       timeout: seconds before the world is killed.
       prepare: set-up run once before the ranks are forked (:func:`spawn_world`).
-      crash_retries: runs again after a rank died by a signal without a Python error
+      crash_retries: runs again after a rank died by a signal the world did not send
         (:func:`spawn_world`; the cases are run from the first again).
 
     Returns:
