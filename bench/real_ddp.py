@@ -25,7 +25,12 @@ backward (the DDP's hooks start the reduction during backward), for all alike.
 Without it the calls repeat on the reduced buffers; every rank passes one token, so the
 scale ``1 / world`` undoes the sum over ranks and the values keep their magnitude.
 Times are interleaved rounds (``bench.timing.interleaved``), the slowest rank's median per
-call.
+call; each ratio is the median over rounds of the two candidates' times in the same round
+(:data:`PAIRS`), averaged over the ranks: on two cores shared by four ranks the machine's
+speed drifts between rounds, and a ratio of two medians carries that drift. Under each
+row, the CPU time the calling thread spent in one finalize (``time.thread_time``; waiting
+in a collective costs none), the mean over calls and ranks: with four ranks on two cores,
+one rank's CPU before a collective keeps the others waiting.
 
 Values, not timing: before and after the timed calls, the megatron-core and torch_impl twins
 each run one step on the same per-rank input (zero, forward, backward, finalize); their
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +57,11 @@ MODES: dict[str, dict[str, bool]] = {
     "distributed optimizer": {"use_distributed_optimizer": True},
     "bf16, fp32 reduce": {"grad_reduce_in_fp32": True, "bf16": True},
 }
+#: The ratios reported, each the median over rounds of the two candidates' times in the
+#: same round (``bench.timing.paired_ratio``: a slow phase of the machine cancels out),
+#: averaged over the ranks.
+PAIRS = (("torch_impl", "megatron-core"), ("torch_impl", "floor"), ("megatron-core", "floor"),
+         ("torch_impl no round", "megatron-core"))
 #: torch_impl / floor and torch_impl / megatron-core: the full contract (status round on)
 #: at megatron-core's speed.
 GOALS = {"floor": 1.2, "megatron-core": 1.05}
@@ -80,7 +91,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
     from torch import nn
 
     import torch_impl
-    from bench.timing import interleaved
+    from bench.timing import interleaved, paired_ratio
     from parity_tests.megatron_state import megatron_on_cpu
 
     with warnings.catch_warnings():
@@ -148,18 +159,32 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         for name in NAMES if not overlap else ():  # gradients in the buffers (overlap: each call's own)
             backward(name)
 
+        cpu = {n: [0.0, 0] for n in NAMES}  # this thread's CPU seconds in the finalize calls, and their count
+
         def call(name: str) -> Callable[[], None]:
+            spent = cpu[name]
+
             def run() -> None:
                 if overlap:  # each call needs a started reduction: backward's hooks start it
                     backward(name)
-                finals[name]([models[name]], num_tokens=one.clone())
+                tokens = one.clone()
+                start = time.thread_time()
+                finals[name]([models[name]], num_tokens=tokens)
+                spent[0] += time.thread_time() - start
+                spent[1] += 1
 
             return run
 
         timed = interleaved({n: call(n) for n in NAMES}, rounds=payload["rounds"], batch=payload["batch"])
+        busy = torch.tensor([cpu[n][0] / cpu[n][1] for n in NAMES], dtype=torch.float64)
+        dist.all_reduce(busy)
+        busy /= world
         checks.append(check())
         medians = torch.tensor([timed[n]["median"] for n in NAMES], dtype=torch.float64)
         dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+        pairs = torch.tensor([paired_ratio(timed[a], timed[b]) for a, b in PAIRS], dtype=torch.float64)
+        dist.all_reduce(pairs)  # the ranks' mean (every call syncs them: their ratios differ by noise)
+        pairs /= world
         values = torch.tensor([max(c[0] for c in checks), min(c[1] for c in checks)], dtype=torch.float64)
         worst = values.clone()
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the largest difference of any rank
@@ -167,10 +192,8 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         seconds = {n: float(m) for n, m in zip(NAMES, medians)}
         out[key] = {
             "seconds per call": seconds,
-            "torch_impl / megatron-core": seconds["torch_impl"] / seconds["megatron-core"],
-            "torch_impl / floor": seconds["torch_impl"] / seconds["floor"],
-            "megatron-core / floor": seconds["megatron-core"] / seconds["floor"],
-            "torch_impl no round / floor": seconds["torch_impl no round"] / seconds["floor"],
+            "cpu seconds per call": {n: float(b) for n, b in zip(NAMES, busy)},
+            **{f"{a} / {b}": float(r) for (a, b), r in zip(PAIRS, pairs)},
             "values": {"steps compared": len(checks), "max_abs_diff": float(worst[0]),
                        "identical": float(worst[0]) == 0.0, "grad_abs_max": float(values[1])},
         }
@@ -201,21 +224,28 @@ def name_of(result: dict[str, Any]) -> str:
 
 
 def format_real_ddp(result: dict[str, Any]) -> str:
-    """One row per mode: ms per call of each twin and the floor, ratios, the value check."""
+    """One row per mode: ms per call of each twin and the floor, the paired ratios
+    (:data:`PAIRS`), the value check."""
     if "error" in result:
         return f"real-DDP benchmark world failed: {result['error']}"
-    lines = [f"{name_of(result)}  (megatron-core DDP, {result['parameters']} params per rank, per-token loss)",
+    ratios = (("torch_impl / megatron-core", "ours/mcore"), ("torch_impl / floor", "ours/floor"),
+              ("megatron-core / floor", "mcore/floor"), ("torch_impl no round / megatron-core", "no round/mcore"))
+    lines = [f"{name_of(result)}  (megatron-core DDP, {result['parameters']} params per rank, per-token loss; "
+             "ratios: median of same-round ratios, mean of the ranks)",
              f"  {'mode':<21}" + "".join(f"{n + ' ms':>{max(18, len(n) + 5)}}" for n in NAMES)
-             + f"{'ours/mcore':>12}{'ours/floor':>12}{'mcore/floor':>13}  gradients ours vs mcore"]
+             + "".join(f"{short:>{len(short) + 2}}" for _, short in ratios) + "  gradients ours vs mcore"]
     for mode, row in result["modes"].items():
         t, v = row["seconds per call"], row["values"]
         same = "bit-identical" if v["identical"] else "DIFFER"
         lines.append(
             f"  {mode:<21}" + "".join(f"{1e3 * t[n]:>{max(18, len(n) + 5)}.4f}" for n in NAMES)
-            + f"{row['torch_impl / megatron-core']:>12.3f}{row['torch_impl / floor']:>12.3f}"
-            + f"{row['megatron-core / floor']:>13.3f}  {same} (max abs diff {v['max_abs_diff']:g}, "
+            + "".join(f"{row[key]:>{len(short) + 2}.3f}" for key, short in ratios)
+            + f"  {same} (max abs diff {v['max_abs_diff']:g}, "
             + f"{v['steps compared']} steps, max |grad| {v['grad_abs_max']:.3g})"
         )
+        busy = row["cpu seconds per call"]
+        lines.append(f"  {'':<21}" + "".join(f"{1e3 * busy[n]:>{max(18, len(n) + 5)}.4f}" for n in NAMES)
+                     + "  <- CPU ms of the calling thread (mean of the ranks)")
     return "\n".join(lines)
 
 
@@ -240,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)

@@ -152,7 +152,8 @@ def _real_ddp(args: argparse.Namespace, quick: bool) -> dict[str, Any]:
         print(f"  skipped: {reason}", flush=True)
         return {"skipped": reason}
     layers, hidden = (int(v) for v in (args.real_ddp_size or ("4x256" if quick else "8x256")).split("x"))
-    result = run_real_ddp(layers=layers, hidden=hidden, rounds=args.rounds or (5 if quick else 9), batch=5 if quick else 10)
+    result = run_real_ddp(layers=layers, hidden=hidden, rounds=args.rounds or (25 if quick else 31),
+                          batch=4 if quick else 8)
     result["goals"] = real_ddp_goals(result)
     print(format_real_ddp(result), flush=True)
     return result

@@ -113,8 +113,8 @@ def agree_call(findings: Findings, spec: CheckSpec, plan: FinalizePlan, groups: 
     stage uses its result instead of a collective of its own.
 
     Returns:
-      The global token count (a 0-d int64 tensor on the round's device) when the round
-      carried it, else None.
+      The global token count when the round carried it (an int when it was encoded on
+      the host, else a 0-d int64 tensor on the round's device), else None.
 
     Raises:
       TypeError / ValueError: this rank's local check failed (its own error, after the round).

@@ -200,7 +200,7 @@ def _host_count(tokens: torch.Tensor, route: Sequence[Hop]) -> bool:
 
 
 def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: str,
-                  tokens: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
+                  tokens: torch.Tensor | None = None) -> tuple[list[int], int | torch.Tensor | None]:
     """SUM-reduce a status over every hop of ``route`` in turn (:func:`encode`: one int64
     for a route of up to :data:`SHORT_MAX` ranks, two up to 2**15, else five), with
     ``tokens`` when given.
@@ -213,10 +213,11 @@ def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: 
       tokens: this rank's ``num_tokens`` for the token slot (:func:`fused_tokens`), or None.
 
     Returns:
-      (the reduced counts (:data:`REACHED` ... :data:`KIND`), the reduced token count as a
-      0-d int64 tensor on the route's device -- None when ``tokens`` is None, the route is
-      empty, or some rank's count was too large for the short word: then the caller
-      reduces the count itself, on every rank alike).
+      (the reduced counts (:data:`REACHED` ... :data:`KIND`), the reduced token count: an
+      int when it was encoded on the host (the read-back wire holds it), else a 0-d int64
+      tensor on the route's device -- None when ``tokens`` is None, the route is empty, or
+      some rank's count was too large for the short word: then the caller reduces the
+      count itself, on every rank alike).
 
     Raises:
       CollectiveError: a hop failed (timeout): names ``what``, the hop and this rank.
@@ -234,8 +235,10 @@ def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: 
     counts = decode(wire, n)
     if tokens is None or counts[-1]:  # some rank's count did not fit: a collective of its own
         return counts[:-1], None
-    total = value[0] >> TOKEN_SHIFT if wire_format(n) == "short" else value[-1]
-    return counts[:-1], total
+    short = wire_format(n) == "short"
+    if place is None:  # encoded on the host: the read-back wire holds the count
+        return counts[:-1], int(wire[0]) >> TOKEN_SHIFT if short else int(wire[-1])
+    return counts[:-1], value[0] >> TOKEN_SHIFT if short else value[-1]
 
 
 def reduce_max(values: Sequence[int], route: Sequence[Hop], rank: int, what: str) -> list[int]:

@@ -17,12 +17,13 @@ from torch_impl.run.groups import TorchGroups
 
 
 def global_token_scale(
-    num_tokens: torch.Tensor, action: TokenScale, groups: TorchGroups, reduced: torch.Tensor | None = None
+    num_tokens: torch.Tensor, action: TokenScale, groups: TorchGroups, reduced: int | torch.Tensor | None = None
 ) -> torch.Tensor:
     """Per-token scaling: broadcast num_tokens from the last pp stage, SUM it over the
     planned group, and return the factor that divides every gradient (no host sync).
     ``reduced``: the SUM already computed by the call's status round
-    (:func:`torch_impl.run.status.fused_tokens`), used instead of the collectives.
+    (:func:`torch_impl.run.status.fused_tokens`), used instead of the collectives (an int:
+    known on the host, :func:`host_scale`).
 
     The count is reduced in int64 (float64 for floating input), so int8..int32 counts do
     not overflow, and written back into ``num_tokens``, which holds the global count
@@ -30,6 +31,11 @@ def global_token_scale(
     Megatron's ``1.0 / clamp(n, min=1)``: in ``num_tokens``' floating dtype, or the default
     float dtype (float32) for integer counts, with ``num_tokens``' shape.
     """
+    if isinstance(reduced, int):
+        factor = host_scale(num_tokens, reduced)
+        if factor is not None:
+            return factor
+        reduced = torch.tensor(reduced, dtype=torch.int64)
     wide = torch.float64 if num_tokens.is_floating_point() else torch.int64
     if reduced is not None:
         total = reduced.to(device=num_tokens.device, dtype=wide).reshape(num_tokens.shape)
@@ -48,13 +54,41 @@ def global_token_scale(
     return torch.clamp(counted, min=1).reciprocal()
 
 
+#: The integer dtypes :func:`host_scale` writes a count into, with the values they hold.
+_HOST_COUNTS = {torch.int64: (-(1 << 63), (1 << 63) - 1), torch.int32: (-(1 << 31), (1 << 31) - 1)}
+#: Counts up to this are exact in every float dtype :func:`host_scale` computes in.
+_EXACT_COUNT = 1 << 24
+
+
+def host_scale(num_tokens: torch.Tensor, total: int) -> torch.Tensor | None:
+    """The factor of :func:`global_token_scale` from a global count known on the host
+    (the status round read it back), with ``total`` written into ``num_tokens``: two
+    tensor operations instead of the device path's conversions. None where the device
+    path must answer instead (a count its dtype or the float dtype cannot hold exactly).
+
+    The factor equals the device path's bit for bit: ``1 / max(n, 1)`` is computed in
+    float64 and rounded once more to float32, and a double rounding of a quotient is the
+    correctly rounded quotient when the wider format has at least 2 * 24 + 2 bits
+    (float64 has 53); the device path rounds the same quotient once. Every count up to
+    2**24 is exact in float32.
+    """
+    dtype = torch.get_default_dtype()
+    bounds = _HOST_COUNTS.get(num_tokens.dtype)
+    if bounds is None or not bounds[0] <= total <= bounds[1] or total > _EXACT_COUNT:
+        return None
+    if dtype not in (torch.float32, torch.float64) or num_tokens.device.type != "cpu":
+        return None
+    num_tokens.fill_(total)  # an integer tensor: it cannot require grad
+    return torch.full(num_tokens.shape, 1.0 / max(total, 1), dtype=dtype)
+
+
 def scale_by_tokens(
     num_tokens: torch.Tensor,
     action: TokenScale,
     groups: TorchGroups,
     ddp: Sequence[Any],
     apply: Callable[[torch.Tensor], None],
-    reduced: torch.Tensor | None = None,
+    reduced: int | torch.Tensor | None = None,
 ) -> None:
     """Step 11 of a call: the global token count (:func:`global_token_scale`) and
     ``1 / max(n, 1)`` on every gradient: each Megatron DDP's own ``scale_gradients``, then
@@ -66,7 +100,8 @@ def scale_by_tokens(
       groups: this rank's groups.
       ddp: the Megatron DDP objects of the chunks they sync.
       apply: multiplies the gradients meshgrad scales by the factor.
-      reduced: the global count when the status round carried it (no collective here).
+      reduced: the global count when the status round carried it (no collective here;
+        an int when known on the host).
     """
     what = f"token_scale: num_tokens broadcast over 'pp' and sum over {action.group.value!r}"
     with collective_guard(what, groups):

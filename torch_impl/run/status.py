@@ -324,7 +324,7 @@ def status_round(
     compared: Sequence[Group] | None = None,
     tokens: torch.Tensor | None = None,
     doubt: Callable[[], BaseException | None] | None = None,
-) -> tuple[list[int], torch.Tensor | None]:
+) -> tuple[list[int], int | torch.Tensor | None]:
     """A call's status round over the route of ``over`` (:func:`status_route`): this
     rank's status (:func:`status_vector`, with ``tokens`` in the token slot) SUM-reduced
     (:func:`reduce_status`), then the same path
@@ -345,7 +345,7 @@ def status_round(
         (:func:`compare_round`).
 
     Returns:
-      (the reduced vector, the global token count on the route's device or None).
+      (the reduced vector, the global token count (:func:`reduce_status`) or None).
     """
     route = status_route(groups, over)
     mine = status_vector(error=error is not None, compare=compare, nonfinite=nonfinite)

@@ -1,0 +1,84 @@
+"""The token scale from a count the status round read back on the host
+(``torch_impl.run.scaling.host_scale``) against the device path, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshgrad.axes import Group
+from meshgrad.plan import TokenScale
+from torch_impl.run.scaling import global_token_scale, host_scale
+
+
+#: The plan's token-scale action (the device path only reads its group when it reduces).
+ACTION = TokenScale(keys=(), group=Group.DP_CP)
+
+
+def device_path(num_tokens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factor and the written-back count of the device path (the round's reduced tensor)."""
+    tokens = num_tokens.clone()
+    factor = global_token_scale(tokens, ACTION, None, torch.tensor(total, dtype=torch.int64))
+    return factor, tokens
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.numpy().tobytes()
+
+
+@pytest.fixture(params=[torch.float32, torch.float64], ids=["float32", "float64"])
+def default_dtype(request: pytest.FixtureRequest):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(request.param)
+    yield request.param
+    torch.set_default_dtype(before)
+
+
+def test_the_double_rounded_quotient_is_the_device_reciprocal_for_every_count_up_to_2_24() -> None:
+    counts = torch.arange(1, (1 << 24) + 1, dtype=torch.int64)
+    device = counts.reciprocal()  # what the device path computes for an int64 count (float32)
+    host = (1.0 / counts.to(torch.float64)).to(torch.float32)  # 1 / n in float64, rounded once more
+    assert torch.equal(device.view(torch.int32), host.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_host_scale_equals_the_device_path(default_dtype: torch.dtype, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    rng = torch.Generator().manual_seed(0)
+    totals = [-(1 << 31), -7, -1, 0, 1, 2, 3, 7, 1000, 4093, (1 << 24) - 1, 1 << 24]
+    totals += torch.randint(1, 1 << 24, (200,), generator=rng).tolist()
+    for total in totals:
+        mine = torch.zeros(shape, dtype=dtype)
+        factor = host_scale(mine, total)
+        expected, written = device_path(torch.zeros(shape, dtype=dtype), total)
+        assert factor is not None, total
+        assert factor.dtype == expected.dtype == default_dtype and factor.shape == expected.shape == shape
+        assert bits(factor) == bits(expected), total
+        assert mine.tolist() == written.tolist() and int(mine.reshape(())) == total
+
+
+@pytest.mark.parametrize(
+    "dtype, total",
+    [(torch.int64, (1 << 24) + 1), (torch.int64, 1 << 40), (torch.int32, 1 << 31), (torch.int8, 3), (torch.int16, 3),
+     (torch.uint8, 3)],
+)
+def test_the_device_path_answers_where_the_host_cannot_be_exact(dtype: torch.dtype, total: int) -> None:
+    mine = torch.zeros((), dtype=dtype)
+    assert host_scale(mine, total) is None and int(mine) == 0  # nothing written
+    # given the int, global_token_scale falls back to the device path: the same numbers
+    factor = global_token_scale(mine, ACTION, None, total)
+    expected, written = device_path(torch.zeros((), dtype=dtype), total)
+    assert bits(factor) == bits(expected) and bits(mine) == bits(written)
+
+
+def test_another_default_dtype_goes_to_the_device_path() -> None:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        mine = torch.zeros((), dtype=torch.int64)
+        assert host_scale(mine, 3) is None
+        factor = global_token_scale(mine, ACTION, None, 3)
+        assert factor.dtype == torch.bfloat16 and float(factor) == float(torch.tensor(3).reciprocal())
+        assert int(mine) == 3
+    finally:
+        torch.set_default_dtype(before)
