@@ -35,7 +35,7 @@ class ConfigMemo:
             and hit[0].same() and hit[1].same()
         ):
             return hit[2]
-        snapshots = Snapshot(raw, _CONFIG_FIELDS), Snapshot(ddp_config, _CONFIG_FIELDS)
+        snapshots = Snapshot(raw, _CONFIG_FIELDS, by_names=True), Snapshot(ddp_config, _CONFIG_FIELDS, by_names=True)
         resolved = resolve_config(raw, ddp_config)
         self.last_config = (*snapshots, resolved)
         return resolved
@@ -61,7 +61,7 @@ class ConfigMemo:
         hit = self.last_requested
         if hit is not None and hit[0].source is raw and hit[0].same():
             return hit[1]
-        snapshot = Snapshot(raw, CONFIG_SIZES)
+        snapshot = Snapshot(raw, CONFIG_SIZES, by_names=True)
         requested = Requested.from_config(raw)
         self.last_requested = (snapshot, requested)
         return requested
