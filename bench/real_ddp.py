@@ -62,6 +62,9 @@ MODES: dict[str, dict[str, bool]] = {
 #: averaged over the ranks.
 PAIRS = (("torch_impl", "megatron-core"), ("torch_impl", "floor"), ("megatron-core", "floor"),
          ("torch_impl no round", "megatron-core"))
+#: The ratio columns printed, with their headers.
+RATIO_COLUMNS = (("torch_impl / megatron-core", "ours/mcore"), ("torch_impl / floor", "ours/floor"),
+                 ("megatron-core / floor", "mcore/floor"), ("torch_impl no round / megatron-core", "no round/mcore"))
 #: torch_impl / floor and torch_impl / megatron-core: the full contract (status round on)
 #: at megatron-core's speed.
 GOALS = {"floor": 1.2, "megatron-core": 1.05}
@@ -108,6 +111,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         ps.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     dp_group = ps.get_data_parallel_group()
     hidden = payload["hidden"]
+    names = tuple(payload.get("names", NAMES))
 
     def build(mode: dict[str, bool], round_off: bool) -> Any:
         torch.manual_seed(0)
@@ -136,10 +140,11 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
     x32 = torch.randn(4, hidden, generator=torch.Generator().manual_seed(rank))
     one = torch.tensor(1)
     out: dict[str, Any] = {}
-    for key, mode in MODES.items():
+    for key in payload.get("modes", MODES):
+        mode = MODES[key]
         overlap = bool(mode.get("overlap_grad_reduce"))
         x = x32.to(torch.bfloat16) if mode.get("bf16") else x32
-        models = {name: build(mode, name == "torch_impl no round") for name in NAMES}
+        models = {name: build(mode, name == "torch_impl no round") for name in names}
 
         def backward(name: str) -> None:
             models[name].zero_grad_buffer()
@@ -156,10 +161,10 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
             return diff, float(grads["torch_impl"].abs().max())
 
         checks = [check()]
-        for name in NAMES if not overlap else ():  # gradients in the buffers (overlap: each call's own)
+        for name in names if not overlap else ():  # gradients in the buffers (overlap: each call's own)
             backward(name)
 
-        cpu = {n: [0.0, 0] for n in NAMES}  # this thread's CPU seconds in the finalize calls, and their count
+        cpu = {n: [0.0, 0] for n in names}  # this thread's CPU seconds in the finalize calls, and their count
 
         def call(name: str) -> Callable[[], None]:
             spent = cpu[name]
@@ -175,25 +180,26 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
 
             return run
 
-        timed = interleaved({n: call(n) for n in NAMES}, rounds=payload["rounds"], batch=payload["batch"])
-        busy = torch.tensor([cpu[n][0] / cpu[n][1] for n in NAMES], dtype=torch.float64)
+        timed = interleaved({n: call(n) for n in names}, rounds=payload["rounds"], batch=payload["batch"])
+        busy = torch.tensor([cpu[n][0] / cpu[n][1] for n in names], dtype=torch.float64)
         dist.all_reduce(busy)
         busy /= world
         checks.append(check())
-        medians = torch.tensor([timed[n]["median"] for n in NAMES], dtype=torch.float64)
+        medians = torch.tensor([timed[n]["median"] for n in names], dtype=torch.float64)
         dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-        pairs = torch.tensor([paired_ratio(timed[a], timed[b]) for a, b in PAIRS], dtype=torch.float64)
+        paired = [(a, b) for a, b in PAIRS if a in names and b in names]
+        pairs = torch.tensor([paired_ratio(timed[a], timed[b]) for a, b in paired], dtype=torch.float64)
         dist.all_reduce(pairs)  # the ranks' mean (every call syncs them: their ratios differ by noise)
         pairs /= world
         values = torch.tensor([max(c[0] for c in checks), min(c[1] for c in checks)], dtype=torch.float64)
         worst = values.clone()
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the largest difference of any rank
         dist.all_reduce(values, op=dist.ReduceOp.MIN)  # the smallest gradient of any rank
-        seconds = {n: float(m) for n, m in zip(NAMES, medians)}
+        seconds = {n: float(m) for n, m in zip(names, medians)}
         out[key] = {
             "seconds per call": seconds,
-            "cpu seconds per call": {n: float(b) for n, b in zip(NAMES, busy)},
-            **{f"{a} / {b}": float(r) for (a, b), r in zip(PAIRS, pairs)},
+            "cpu seconds per call": {n: float(b) for n, b in zip(names, busy)},
+            **{f"{a} / {b}": float(r) for (a, b), r in zip(paired, pairs)},
             "values": {"steps compared": len(checks), "max_abs_diff": float(worst[0]),
                        "identical": float(worst[0]) == 0.0, "grad_abs_max": float(values[1])},
         }
@@ -201,16 +207,25 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
     if rank == 0:
         params = payload["layers"] * (hidden**2 + hidden)
         sink.put("result", {"world": world, "layers": payload["layers"], "hidden": hidden, "parameters": params,
+                            "names": list(names),
                             "modes": out})
 
 
 def run_real_ddp(*, world: int = 4, layers: int = 8, hidden: int = 256, rounds: int = 7, batch: int = 10,
-                 timeout: float = 600.0) -> dict[str, Any]:
-    """Run the benchmark world; its result, or ``{"error": ...}`` when the world failed."""
+                 timeout: float = 600.0, names: tuple[str, ...] = NAMES,
+                 modes: tuple[str, ...] = tuple(MODES)) -> dict[str, Any]:
+    """Run the benchmark world; its result, or ``{"error": ...}`` when the world failed.
+
+    Args:
+      names: the candidates timed (megatron-core and torch_impl always: the value check
+        compares them).
+      modes: the settings run (keys of :data:`MODES`).
+    """
     from parity_tests.process_world import spawn_world
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch)
+    names = tuple(n for n in NAMES if n in {*names, "megatron-core", "torch_impl"})
+    payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch, names=names, modes=modes)
     outcome = spawn_world(world_main, world, payload, timeout=timeout)
     fatal = next((f for f in outcome.fatal if f), None)
     if fatal or "result" not in outcome.results[0]:
@@ -228,23 +243,23 @@ def format_real_ddp(result: dict[str, Any]) -> str:
     (:data:`PAIRS`), the value check."""
     if "error" in result:
         return f"real-DDP benchmark world failed: {result['error']}"
-    ratios = (("torch_impl / megatron-core", "ours/mcore"), ("torch_impl / floor", "ours/floor"),
-              ("megatron-core / floor", "mcore/floor"), ("torch_impl no round / megatron-core", "no round/mcore"))
+    names = result.get("names", NAMES)
+    ratios = [(key, short) for key, short in RATIO_COLUMNS if key in next(iter(result["modes"].values()), {})]
     lines = [f"{name_of(result)}  (megatron-core DDP, {result['parameters']} params per rank, per-token loss; "
              "ratios: median of same-round ratios, mean of the ranks)",
-             f"  {'mode':<21}" + "".join(f"{n + ' ms':>{max(18, len(n) + 5)}}" for n in NAMES)
+             f"  {'mode':<21}" + "".join(f"{n + ' ms':>{max(18, len(n) + 5)}}" for n in names)
              + "".join(f"{short:>{len(short) + 2}}" for _, short in ratios) + "  gradients ours vs mcore"]
     for mode, row in result["modes"].items():
         t, v = row["seconds per call"], row["values"]
         same = "bit-identical" if v["identical"] else "DIFFER"
         lines.append(
-            f"  {mode:<21}" + "".join(f"{1e3 * t[n]:>{max(18, len(n) + 5)}.4f}" for n in NAMES)
+            f"  {mode:<21}" + "".join(f"{1e3 * t[n]:>{max(18, len(n) + 5)}.4f}" for n in names)
             + "".join(f"{row[key]:>{len(short) + 2}.3f}" for key, short in ratios)
             + f"  {same} (max abs diff {v['max_abs_diff']:g}, "
             + f"{v['steps compared']} steps, max |grad| {v['grad_abs_max']:.3g})"
         )
         busy = row["cpu seconds per call"]
-        lines.append(f"  {'':<21}" + "".join(f"{1e3 * busy[n]:>{max(18, len(n) + 5)}.4f}" for n in NAMES)
+        lines.append(f"  {'':<21}" + "".join(f"{1e3 * busy[n]:>{max(18, len(n) + 5)}.4f}" for n in names)
                      + "  <- CPU ms of the calling thread (mean of the ranks)")
     return "\n".join(lines)
 
@@ -255,11 +270,13 @@ def real_ddp_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
         return []
     name, out = name_of(result), []
     for mode, row in result["modes"].items():
-        out.append(goal(f"{name} {mode}: torch_impl finalize / floor <= {GOALS['floor']:g}",
-                        row["torch_impl / floor"], GOALS["floor"], floor=1.0))
+        floored = "torch_impl / floor" in row
+        if floored:
+            out.append(goal(f"{name} {mode}: torch_impl finalize / floor <= {GOALS['floor']:g}",
+                            row["torch_impl / floor"], GOALS["floor"], floor=1.0))
         out.append(goal(f"{name} {mode}: torch_impl / megatron-core <= {GOALS['megatron-core']:g}",
                         row["torch_impl / megatron-core"], GOALS["megatron-core"],
-                        floor=1.0 / row["megatron-core / floor"]))
+                        floor=1.0 / row["megatron-core / floor"] if floored else None))
         out.append(goal(f"{name} {mode}: gradients, max abs diff torch_impl vs megatron-core == 0",
                         row["values"]["max_abs_diff"], 0))
     return out
@@ -272,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--candidates", nargs="+", choices=NAMES, default=list(NAMES),
+                        help="the finalizes timed (megatron-core and torch_impl always)")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="the settings run")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     missing = megatron_missing()
@@ -281,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.goals import format_goals
 
     result = run_real_ddp(world=args.world, layers=args.layers, hidden=args.hidden, rounds=args.rounds,
-                          batch=args.batch)
+                          batch=args.batch, names=tuple(args.candidates), modes=tuple(args.modes))
     result["goals"] = real_ddp_goals(result)
     print(format_real_ddp(result))
     if result["goals"]:

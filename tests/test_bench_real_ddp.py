@@ -63,6 +63,25 @@ def test_real_ddp_rows_have_numbers_and_identical_gradients(tmp_path: Path) -> N
     assert all(g["ok"] for g in goals if "gradients" in g["goal"])
 
 
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (its real DistributedDataParallel)")
+def test_real_ddp_two_candidates_one_setting(tmp_path: Path) -> None:
+    """``python -m bench.real_ddp --candidates ... --modes ...``: the two finalizes alone in
+    one setting (the A/B the docs quote), with their paired ratio, CPU line and value check."""
+    out = tmp_path / "pair.json"
+    text = launch([sys.executable, "-m", "bench.real_ddp", "--layers", "2", "--hidden", "64", "--rounds", "3",
+                   "--batch", "2", "--candidates", "megatron-core", "torch_impl", "--modes", "no overlap",
+                   "--json", str(out)], ROOT, 600)
+    result = json.loads(out.read_text())
+    assert result["names"] == ["megatron-core", "torch_impl"] and list(result["modes"]) == ["no overlap"]
+    row = result["modes"]["no overlap"]
+    assert set(row["seconds per call"]) == set(row["cpu seconds per call"]) == {"megatron-core", "torch_impl"}
+    assert row["torch_impl / megatron-core"] > 0 and "torch_impl / floor" not in row
+    assert row["values"]["identical"] is True and row["values"]["grad_abs_max"] > 0
+    assert "CPU ms of the calling thread" in text and "ours/floor" not in text
+    assert [g["goal"].split(": ", 1)[1] for g in result["goals"]] == [
+        "torch_impl / megatron-core <= 1.05", "gradients, max abs diff torch_impl vs megatron-core == 0"]
+
+
 def test_real_ddp_rows_skipped_with_a_reason(tmp_path: Path) -> None:
     """Without megatron-core (hidden from the import system) the rows are skipped with the
     reason printed; ``--no-real-ddp`` leaves them out."""
