@@ -55,7 +55,7 @@ def global_token_scale(
 
 
 #: The integer dtypes :func:`host_scale` writes a count into, with the values they hold.
-_HOST_COUNTS = {torch.int64: (-(1 << 63), (1 << 63) - 1), torch.int32: (-(1 << 31), (1 << 31) - 1)}
+_HOST_COUNTS = {dtype: (torch.iinfo(dtype).min, torch.iinfo(dtype).max) for dtype in (torch.int64, torch.int32)}
 #: Counts up to this are exact in every float dtype :func:`host_scale` computes in.
 _EXACT_COUNT = 1 << 24
 
