@@ -139,8 +139,11 @@ def _run_tp_sp(rank: int, mesh: Any, per_token: bool, divide: float | None) -> d
     router.local_tokens_per_expert.copy_(torch.tensor([rank, 2.0, 3.0 * rank, 1.0]))
     before = _full_grads(model)
     finalize_model_grads([model], num_tokens=num_tokens, pg_collection=mesh)
+    from torch_impl.call.model_state import ModelState
+
     return {"before": before, "after": _full_grads(model), "bias": router.expert_bias.numpy().copy(),
-            "num_tokens": None if num_tokens is None else int(num_tokens.item())}
+            "num_tokens": None if num_tokens is None else int(num_tokens.item()),
+            "kept for the steady path": ModelState.of([model]).steady is not None}
 
 
 def _refused_divide(rank: int, mesh: Any, only_rank: int | None = None) -> dict[str, Any]:
@@ -356,6 +359,7 @@ def test_fsdp2_tp_sp_matches_single_process(case: str) -> None:
         got = result[case]
         for name, value in want.items():
             _close(got["after"][name], value, f"rank {rank} {case} {name}")
+        assert not got["kept for the steady path"]  # an FSDP2 model and a mesh: read per call
         if case == "tp_sp_per_token":
             assert got["num_tokens"] == B * S
             # Before finalize the FSDP-reduced gradient was the token SUM: reduced once only.

@@ -29,16 +29,36 @@ class ConfigMemo:
         mutated between steps is resolved again)."""
         if isinstance(raw, FinalizeConfig) and ddp_config is None:
             return raw
-        hit = self.last_config
-        if (
-            hit is not None and hit[0].source is raw and hit[1].source is ddp_config
-            and hit[0].same() and hit[1].same()
-        ):
-            return hit[2]
+        if self._config_hit(raw, ddp_config):
+            return self.last_config[2]  # type: ignore[index]
         snapshots = Snapshot(raw, _CONFIG_FIELDS, by_names=True), Snapshot(ddp_config, _CONFIG_FIELDS, by_names=True)
         resolved = resolve_config(raw, ddp_config)
         self.last_config = (*snapshots, resolved)
         return resolved
+
+    def _config_hit(self, raw: Any, ddp_config: Any) -> bool:
+        """Whether the last resolved config came from these two objects, holding the same values."""
+        hit = self.last_config
+        return (
+            hit is not None and hit[0].source is raw and hit[1].source is ddp_config
+            and hit[0].same() and hit[1].same()
+        )
+
+    def _requested_hit(self, raw: Any) -> bool:
+        """Whether the last stated sizes came from ``raw``, holding the same values."""
+        hit = self.last_requested
+        return hit is not None and hit[0].source is raw and hit[0].same()
+
+    def unchanged(self, raw: Any, ddp_config: Any, config: FinalizeConfig, requested: Requested) -> bool:
+        """Whether :meth:`config` and :meth:`requested` would give ``config`` and
+        ``requested`` again for these two objects (a FinalizeConfig is immutable)."""
+        if isinstance(raw, FinalizeConfig) and ddp_config is None:
+            same = raw is config
+        else:
+            same = self._config_hit(raw, ddp_config) and self.last_config[2] is config  # type: ignore[index]
+        if raw is None or isinstance(raw, FinalizeConfig):
+            return same and requested == Requested()
+        return same and self._requested_hit(raw) and self.last_requested[1] is requested  # type: ignore[index]
 
     def helper_config(self, config: FinalizeConfig, steps: tuple[Step, ...], per_token_loss: bool | None) -> FinalizeConfig:
         """A seed helper's config (:func:`meshgrad.helpers.helper_config`), memoized (a
@@ -58,9 +78,8 @@ class ConfigMemo:
         """``Requested.from_config(raw)``, memoized like :meth:`config`."""
         if raw is None or isinstance(raw, FinalizeConfig):
             return Requested()
-        hit = self.last_requested
-        if hit is not None and hit[0].source is raw and hit[0].same():
-            return hit[1]
+        if self._requested_hit(raw):
+            return self.last_requested[1]  # type: ignore[index]
         snapshot = Snapshot(raw, CONFIG_SIZES, by_names=True)
         requested = Requested.from_config(raw)
         self.last_requested = (snapshot, requested)

@@ -12,7 +12,9 @@ from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from torch_impl.sources.group_sources import MESH_KINDS, resolve_groups, source_kind
 from torch_impl.run.groups import TorchGroups, world_size
-from torch_impl.sources.megatron import ParallelStateRead, parallel_state_keyed
+from torch_impl.sources.megatron import (
+    ParallelStateRead, parallel_state, parallel_state_current, parallel_state_keyed,
+)
 from torch_impl.sources.config import Requested
 from torch_impl.call.memo import Snapshot, put
 from torch_impl.sources.mesh_groups import mesh_groups
@@ -51,13 +53,35 @@ class GroupMemo:
         if kind in MESH_KINDS or kind == "torch_groups":
             return resolve_groups(source, config, requested)
         key = (world_size(), config.moe_router_enable_expert_bias, config.flextron)
-        hit = self.groups
-        if hit is not None and hit[0].source is source and hit[1] == key and hit[0].same():
-            return hit[2]
+        if self._hit(source, key):
+            return self.groups[2]  # type: ignore[index]
         snapshot = Snapshot(source, _GROUP_NAMES, by_vars=kind == "megatron_collection")
         resolved = resolve_groups(source, config, requested)
         self.groups = (snapshot, key, resolved)
         return resolved
+
+    def _hit(self, source: Any, key: tuple[Any, ...]) -> bool:
+        """Whether the last resolved source is ``source``, resolved for ``key``, holding the same values."""
+        hit = self.groups
+        return hit is not None and hit[0].source is source and hit[1] == key and hit[0].same()
+
+    def unchanged(self, source: Any, config: FinalizeConfig, groups: TorchGroups) -> bool:
+        """Whether :meth:`parallel_state_groups` then :meth:`resolve_groups` (as a call with
+        ``source`` and ``config`` makes them) would give ``groups`` again. A mesh source is
+        resolved per call: False."""
+        if source is None:  # parallel_state's groups, or none when it is not initialized
+            memo = self.parallel_state
+            if memo is not None and memo.groups is groups:
+                return parallel_state_current(memo)
+            if parallel_state() is not None:
+                return False
+        kind = source_kind(source)
+        if kind == "torch_groups":
+            return source is groups
+        if kind in MESH_KINDS:
+            return False
+        key = (world_size(), config.moe_router_enable_expert_bias, config.flextron)
+        return self._hit(source, key) and self.groups[2] is groups  # type: ignore[index]
 
     def explicit(self, values: Mapping[Group, Any]) -> TorchGroups:
         """TorchGroups from a seed helper's groups, memoized on the group objects'

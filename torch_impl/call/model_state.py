@@ -89,6 +89,7 @@ class ModelState:
         self.group_memo = GroupMemo()  # resolved groups per source, meshes, parallel_state
         self.plan_memo = PlanMemo(self.stats)  # plans, programs, check records
         self.plans, self.programs = self.plan_memo.plans, self.plan_memo.programs
+        self.steady: Any = None  # the last finalize call's inputs and plan (torch_impl.call.steady)
         # The gradient views of meshgrad's own buffers (attach_grad_buffers), by id; weak:
         # an entry goes with its view, so an id cannot be reused while it is here.
         self.own_views: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
@@ -166,11 +167,16 @@ class ModelState:
         self.found[slot] = (token, found, watch, ddp)
         return token, found, ddp
 
+    def kept(self, found: Discovered) -> tuple[tuple[bool, bool], tuple[Any, ...]] | None:
+        """(slot, kept entry) of the discovery ``found`` (None: not kept here)."""
+        return next(((slot, hit) for slot, hit in self.found.items() if hit[1] is found), None)
+
     def invalidate(self) -> None:
         """Forget every discovery, plan and binding: the next call reads the model anew."""
         for _, _, watch, _ in self.found.values():
             watch.close()
         self.found.clear()
+        self.steady = None
         self.plans.clear()
         self.programs.clear()
         self.plan_memo.records.clear()
@@ -182,7 +188,8 @@ class ModelState:
         hit = self.plan_memo.program(bound, found)
         if hit is not None:
             return hit
-        cached = next((hit for hit in self.found.values() if hit[1] is found), None)
+        kept = self.kept(found)
+        cached = kept[1] if kept is not None else None
         if cached is not None:
             cached[2].cover(bound.plan.gradient_keys(bound.plain_scale_keys), bound.helper)  # what the plan reads is watched
             if cached[2].has_dtensor():

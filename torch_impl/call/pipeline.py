@@ -20,6 +20,7 @@ from torch_impl.call.check import CheckSpec, check_call
 from torch_impl.call.plan import build_plan, plan
 from torch_impl.call.plan_memo import BoundPlan
 from torch_impl.call.read import CallInputs, Request, read, read_layout
+from torch_impl.call.steady import keep_steady, steady_read
 from torch_impl.run.errors import ranked
 from torch_impl.run.execute import execute_local, finish_ddp_sync
 from torch_impl.run.grads import GradAccess
@@ -34,8 +35,14 @@ def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallI
     Returns the plan, the inputs and the global token count when the round carried it."""
     known: dict[str, Any] = {}
     try:
-        inputs = read(model, source, request, known)
-        bound, record = plan(inputs, request, source)
+        steady = steady_read(model, source, request, known)
+        if steady is None:
+            inputs = read(model, source, request, known)
+            bound, record = plan(inputs, request, source)
+            keep_steady(inputs, bound, source, request, known["raw"])
+        else:
+            inputs, bound = steady
+            record = inputs.state.plan_memo.record(bound)
         spec = bound.checks if bound.checks is not None else CheckSpec(keys=())
         findings = check_call(spec, inputs.found, inputs.groups, inputs.config, request.num_tokens, record)
         known["shared"] = True  # from here on, the status round itself carries every error

@@ -55,6 +55,10 @@ class Program:
             execute_ops(self.ops, on_step)
 
     def scale(self, factor: torch.Tensor) -> None:
-        """Multiply the bound gradients by the 0-d float32 ``factor`` (num_tokens scale)."""
+        """Multiply the bound gradients by the 0-d float32 ``factor`` (num_tokens scale),
+        under ``torch.no_grad()``."""
+        if not torch.is_grad_enabled():  # finalize already runs it under no_grad
+            self._scale(factor)
+            return
         with torch.no_grad():
             self._scale(factor)

@@ -16,6 +16,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -59,13 +60,11 @@ def status_vector(
     return [1, int(error), int(compare), int(nonfinite), int(layout_round)]
 
 
-def encode(status: Sequence[int], reached: int, tokens: int | None = None) -> torch.Tensor:
-    """The int64 elements one rank contributes, on the host: a healthy status (no flag) is
-    all zeros. ``tokens``: this rank's token count (an int64 value) known on the host
-    (:func:`token_bits`); None: none, or one added on its device by :func:`place_tokens`."""
+def wire_words(status: Sequence[int], reached: int, tokens: int | None = None) -> list[int]:
+    """The int64 elements one rank contributes (:func:`encode`), as Python ints."""
     fmt = wire_format(reached)
     if tokens is None and not any(status[f] for f in FLAGS):
-        return torch.zeros(ELEMENTS[fmt], dtype=torch.int64)
+        return [0] * ELEMENTS[fmt]
     if fmt == "wide":
         words = [*(int(status[f]) for f in FLAGS), 0]
     else:  # the counts in one word, then the token element of a packed round
@@ -76,7 +75,22 @@ def encode(status: Sequence[int], reached: int, tokens: int | None = None) -> to
             words[0] += token_bits(tokens, reached)
         else:
             words[-1] = tokens
-    return torch.tensor(words, dtype=torch.int64)
+    return words
+
+
+def encode(status: Sequence[int], reached: int, tokens: int | None = None) -> torch.Tensor:
+    """The int64 elements one rank contributes, on the host: a healthy status (no flag) is
+    all zeros. ``tokens``: this rank's token count (an int64 value) known on the host
+    (:func:`token_bits`); None: none, or one added on its device by :func:`place_tokens`."""
+    return torch.tensor(wire_words(status, reached, tokens), dtype=torch.int64)
+
+
+def _host_wire(words: list[int]) -> tuple[torch.Tensor, np.ndarray]:
+    """A fresh int64 tensor holding ``words``, and the numpy array it shares memory with
+    (written and read back without a torch operation: a round's tensor costs a few
+    microseconds less each way)."""
+    host = np.array(words, dtype=np.int64)
+    return torch.from_numpy(host), host
 
 
 def decode(wire: Sequence[int], reached: int) -> list[int]:
@@ -160,20 +174,22 @@ def all_reduce_max(value: torch.Tensor, pg: Any) -> None:
     _all_reduce(value, pg, dist.ReduceOp.MAX)
 
 
-def read_back(value: torch.Tensor) -> list[int]:
+def read_back(value: torch.Tensor, host: np.ndarray | None = None) -> list[int]:
     """The reduced vector on the host: a round's one host sync (on a GPU it waits for the
-    work queued before it, as any read of a device value does)."""
-    return value.tolist()
+    work queued before it, as any read of a device value does). ``host``: the numpy array
+    a host tensor shares its memory with (read directly)."""
+    return host.tolist() if host is not None else value.tolist()
 
 
-def _reduce(value: torch.Tensor, route: Sequence[Hop], rank: int, what: str,
+def _reduce(words: list[int], route: Sequence[Hop], rank: int, what: str,
             reduce: Callable[[torch.Tensor, Any], None], place: Callable[[torch.Tensor], None] | None = None,
             ) -> tuple[list[int], torch.Tensor]:
-    """Reduce ``value`` (a fresh int64 host tensor, the round's own) over every hop of
+    """Reduce ``words`` (in a fresh int64 tensor, the round's own) over every hop of
     ``route`` in turn; returns (the reduced elements on the host, the reduced tensor)."""
     device = route[0][2]
+    value, host = _host_wire(words)
     if device.type != "cpu":
-        value = value.to(device, non_blocking=True)
+        value, host = value.to(device, non_blocking=True), None
     if place is not None:
         place(value)
     for name, pg, _, _ in route:
@@ -181,7 +197,7 @@ def _reduce(value: torch.Tensor, route: Sequence[Hop], rank: int, what: str,
             reduce(value, pg)
         except RuntimeError as err:
             raise round_failed(rank, what, name, err) from err
-    return read_back(value), value
+    return read_back(value, host), value
 
 
 def reached(route: Sequence[Hop]) -> int:
@@ -227,11 +243,11 @@ def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: 
     n = reached(route)
     place = None
     if tokens is not None and _host_count(tokens, route):
-        value = encode(status, n, int(tokens))  # no tensor op
+        words = wire_words(status, n, int(tokens))  # no tensor op
     else:
-        value = encode(status, n)
+        words = wire_words(status, n)
         place = (lambda elements: place_tokens(elements, tokens, n)) if tokens is not None else None
-    wire, value = _reduce(value, route, rank, what, all_reduce_status, place)
+    wire, value = _reduce(words, route, rank, what, all_reduce_status, place)
     counts = decode(wire, n)
     if tokens is None or counts[-1]:  # some rank's count did not fit: a collective of its own
         return counts[:-1], None
@@ -250,7 +266,7 @@ def reduce_max(values: Sequence[int], route: Sequence[Hop], rank: int, what: str
     """
     if not route:
         return list(values)
-    return _reduce(torch.tensor(values, dtype=torch.int64), route, rank, what, all_reduce_max)[0]
+    return _reduce(list(values), route, rank, what, all_reduce_max)[0]
 
 
 def lowest_flagged(flagged: bool, route: Sequence[Hop], rank: int, what: str) -> int:
@@ -291,5 +307,5 @@ __all__ = [
     "SHORT_MAX", "STATUS_SIZE", "TOKEN_SHIFT", "TOO_LARGE", "all_reduce_max", "all_reduce_status", "backend",
     "capturing", "decode", "device_for", "encode", "first_line", "gather_texts", "layout_digest", "layouts_differ",
     "lowest_flagged", "place_tokens", "reached", "read_back", "reduce_max", "reduce_status", "round_failed",
-    "token_bits", "token_limit", "wire_format", "world_route",
+    "token_bits", "token_limit", "wire_format", "wire_words", "world_route",
 ]

@@ -103,9 +103,12 @@ def scale_by_tokens(
       reduced: the global count when the status round carried it (no collective here;
         an int when known on the host).
     """
-    what = f"token_scale: num_tokens broadcast over 'pp' and sum over {action.group.value!r}"
-    with collective_guard(what, groups):
+    if isinstance(reduced, int):  # the status round's count, known on the host: no collective here
         scale = global_token_scale(num_tokens, action, groups, reduced)
+    else:
+        what = f"token_scale: num_tokens broadcast over 'pp' and sum over {action.group.value!r}"
+        with collective_guard(what, groups):
+            scale = global_token_scale(num_tokens, action, groups, reduced)
     for obj in ddp:
         obj.scale_gradients(scale)
     apply(scale)

@@ -12,7 +12,7 @@ from typing import Any
 
 from meshgrad.config import MEGATRON_SIZE_FIELDS, FinalizeConfig
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
-from torch_impl.sources.wrappers import attr_or, find_attr, has_attr
+from torch_impl.sources.wrappers import NO_ATTR, attr_or, find_attr
 from torch_impl.run.groups import world_rank
 
 
@@ -31,9 +31,9 @@ def ddp_object(chunk: Any) -> Any:
     for _ in range(64):
         if callable(attr_or(chunk, "finish_grad_sync", None)):
             return chunk
-        if not has_attr(chunk, "module"):
+        chunk = attr_or(chunk, "module", NO_ATTR)
+        if chunk is NO_ATTR:
             return None
-        chunk = chunk.module
     return None
 
 

@@ -119,9 +119,12 @@ def _instance_flags(param: torch.Tensor, class_flags: dict[str, Any]) -> dict[st
     return {k: getattr(param, k) if k != "main_grad" and hasattr(v, "__get__") else v for k, v in class_flags.items()}
 
 
-def shared_word_embedding(module: Any, has_mtp: bool) -> torch.Tensor | None:
-    """semantics `word_embedding`: the tied word-embedding weight of an unwrapped chunk, or None."""
-    if not (attr_or(module, "share_embeddings_and_output_weights", False) or has_mtp):
+def shared_word_embedding(module: Any, has_mtp: bool, tied: Any = NO_ATTR) -> torch.Tensor | None:
+    """semantics `word_embedding`: the tied word-embedding weight of an unwrapped chunk, or
+    None. ``tied``: its ``share_embeddings_and_output_weights`` when already read."""
+    if tied is NO_ATTR:
+        tied = attr_or(module, "share_embeddings_and_output_weights", False)
+    if not (tied or has_mtp):
         return None
     getter = attr_or(module, "shared_embedding_or_output_weight", None)
     return getter() if callable(getter) else None
@@ -357,11 +360,6 @@ def chunk_facts(model: Sequence[Any], found: Discovered, has_mtp: bool, ddp_obje
     out: list[Any] = []
     for chunk in model:
         module = unwrap(chunk)
-        out += (
-            module,
-            ddp_object(chunk),
-            attr_or(module, "share_embeddings_and_output_weights", None),
-            shared_word_embedding(module, has_mtp),
-            position_embedding(module),
-        )
+        tied = attr_or(module, "share_embeddings_and_output_weights", None)
+        out += (module, ddp_object(chunk), tied, shared_word_embedding(module, has_mtp, tied), position_embedding(module))
     return tuple(out)

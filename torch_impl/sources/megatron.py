@@ -170,6 +170,13 @@ def parallel_state_keyed(ps: Any | None = None, memo: ParallelStateRead | None =
     return ParallelStateRead(key, groups, ps, module_globals)
 
 
+def parallel_state_current(memo: ParallelStateRead) -> bool:
+    """Whether :func:`parallel_state_keyed` with ``memo`` would return ``memo`` itself: the
+    same initialized module, its globals what they were."""
+    ps = parallel_state()
+    return ps is not None and memo.module is ps and not _globals_changed(ps, memo.module_globals)
+
+
 def _globals_changed(ps: Any, copy: dict[str, Any]) -> bool:
     """Whether a module's globals differ from ``copy`` (one C-level dict comparison; a
     value whose ``==`` raises counts as changed)."""
@@ -197,6 +204,7 @@ __all__ = [
     "parallel_state_group",
     "parallel_state_groups",
     "ParallelStateRead",
+    "parallel_state_current",
     "parallel_state_keyed",
     "parallel_state_values",
 ]

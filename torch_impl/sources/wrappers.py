@@ -113,10 +113,13 @@ def unwrap(module: Any, attr: str = "pre_process") -> Any:
       The first object in the ``.module`` chain with ``attr``, else the innermost one.
     """
     module = uncompiled(module)
-    seen = 0
-    while not has_attr(module, attr) and has_attr(module, "module") and seen < 64:
-        module = uncompiled(module.module)
-        seen += 1
+    for _ in range(64):
+        if has_attr(module, attr):
+            return module
+        inner = attr_or(module, "module", NO_ATTR)
+        if inner is NO_ATTR:
+            return module
+        module = uncompiled(inner)
     return module
 
 
