@@ -159,7 +159,7 @@ def test_the_call_options_are_part_of_what_is_kept(reads: list[int]) -> None:
     for name, p in model[0].named_parameters():
         assert torch.equal(p.main_grad, before[name]), name
     assert_equal(step(model, 4), scaled(model, 4))
-    assert len(reads) == 4
+    assert len(reads) == 3  # the first kind again: its own kept inputs, checked in full
 
 
 def test_a_group_source_is_kept_by_identity(reads: list[int]) -> None:
@@ -177,9 +177,13 @@ def test_a_group_source_is_kept_by_identity(reads: list[int]) -> None:
 def test_a_seed_helper_between_steps_keeps_finalize_exact(reads: list[int]) -> None:
     model = [Chunk(megatron_like_config())]
     step(model)
-    reset_model_temporary_tensors(model[0].config, model)  # a helper: never the steady path
+    reset_model_temporary_tensors(model[0].config, model)  # a helper: its own kind of call
     assert_equal(step(model, 4), scaled(model, 4))
     assert len(reads) == 2  # finalize's first call, and the helper's
+    for n in (2, 4):
+        reset_model_temporary_tensors(model[0].config, model)
+        assert_equal(step(model, n), scaled(model, n))
+    assert len(reads) == 2  # each kind steady
 
 
 def test_the_config_memo_is_unchanged_exactly_while_it_would_give_the_same_results() -> None:
@@ -223,3 +227,15 @@ def test_the_group_memo_follows_parallel_state_and_the_source(monkeypatch: pytes
     mapping[Group.PP] = None  # the source's values changed
     assert not memo.unchanged(mapping, config, resolved)
     assert memo.unchanged(resolved, config, resolved)  # TorchGroups: the object itself
+
+
+def test_a_helpers_own_groups_are_kept_by_name_order_and_identity() -> None:
+    memo = GroupMemo()
+    first = object()
+    values = {Group.TP: None, Group.PP: None}
+    groups = memo.explicit(values)
+    assert groups.size(Group.TP) == 1 and groups.size(Group.PP) == 1
+    assert memo.explicit_unchanged({Group.TP: None, Group.PP: None}, groups)  # a new mapping, the same groups
+    assert not memo.explicit_unchanged({Group.PP: None, Group.TP: None}, groups)  # another order
+    assert not memo.explicit_unchanged({Group.TP: first, Group.PP: None}, groups)  # another object
+    assert not memo.explicit_unchanged(values, memo.explicit({Group.TP: None}))

@@ -143,7 +143,7 @@ def _run_tp_sp(rank: int, mesh: Any, per_token: bool, divide: float | None) -> d
 
     return {"before": before, "after": _full_grads(model), "bias": router.expert_bias.numpy().copy(),
             "num_tokens": None if num_tokens is None else int(num_tokens.item()),
-            "kept for the steady path": ModelState.of([model]).steady is not None}
+            "kept for the steady path": bool(ModelState.of([model]).steady)}
 
 
 def _refused_divide(rank: int, mesh: Any, only_rank: int | None = None) -> dict[str, Any]:

@@ -49,16 +49,18 @@ class ConfigMemo:
         hit = self.last_requested
         return hit is not None and hit[0].source is raw and hit[0].same()
 
-    def unchanged(self, raw: Any, ddp_config: Any, config: FinalizeConfig, requested: Requested) -> bool:
-        """Whether :meth:`config` and :meth:`requested` would give ``config`` and
-        ``requested`` again for these two objects (a FinalizeConfig is immutable)."""
+    def unchanged(self, raw: Any, ddp_config: Any, config: FinalizeConfig, requested: Requested | None) -> bool:
+        """Whether :meth:`config` would give ``config`` again for these two objects (a
+        FinalizeConfig is immutable), and :meth:`requested` ``requested`` (None: not asked)."""
         if isinstance(raw, FinalizeConfig) and ddp_config is None:
             same = raw is config
         else:
             same = self._config_hit(raw, ddp_config) and self.last_config[2] is config  # type: ignore[index]
+        if requested is None or not same:
+            return same
         if raw is None or isinstance(raw, FinalizeConfig):
-            return same and requested == Requested()
-        return same and self._requested_hit(raw) and self.last_requested[1] is requested  # type: ignore[index]
+            return requested == Requested()
+        return self._requested_hit(raw) and self.last_requested[1] is requested  # type: ignore[index]
 
     def helper_config(self, config: FinalizeConfig, steps: tuple[Step, ...], per_token_loss: bool | None) -> FinalizeConfig:
         """A seed helper's config (:func:`meshgrad.helpers.helper_config`), memoized (a

@@ -83,6 +83,11 @@ class GroupMemo:
         key = (world_size(), config.moe_router_enable_expert_bias, config.flextron)
         return self._hit(source, key) and self.groups[2] is groups  # type: ignore[index]
 
+    def explicit_unchanged(self, values: Mapping[Group, Any], groups: TorchGroups) -> bool:
+        """Whether :meth:`explicit` would give ``groups`` again for ``values``."""
+        hit = self.explicit_groups.get((tuple(values), tuple(map(id, values.values()))))
+        return hit is not None and hit[1] is groups and all(map(operator.is_, hit[0].values(), values.values()))
+
     def explicit(self, values: Mapping[Group, Any]) -> TorchGroups:
         """TorchGroups from a seed helper's groups, memoized on the group objects'
         identity (the memo holds the groups, so their ids stay theirs) and the names'

@@ -89,7 +89,7 @@ class ModelState:
         self.group_memo = GroupMemo()  # resolved groups per source, meshes, parallel_state
         self.plan_memo = PlanMemo(self.stats)  # plans, programs, check records
         self.plans, self.programs = self.plan_memo.plans, self.plan_memo.programs
-        self.steady: Any = None  # the last finalize call's inputs and plan (torch_impl.call.steady)
+        self.steady: dict[Any, Any] = {}  # per kind of call, its last inputs and plan (torch_impl.call.steady)
         # The gradient views of meshgrad's own buffers (attach_grad_buffers), by id; weak:
         # an entry goes with its view, so an id cannot be reused while it is here.
         self.own_views: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
@@ -167,6 +167,13 @@ class ModelState:
         self.found[slot] = (token, found, watch, ddp)
         return token, found, ddp
 
+    def still_kept(self, slot: tuple[bool, bool], kept: tuple[Any, ...], complete_kept: bool, reads: Reads) -> bool:
+        """Whether :meth:`discovered` would return the entry ``kept`` of ``slot`` again (for
+        a call that chose that slot while the complete slot was kept or not, as then): it
+        is still there, and its watch sees what a plan of ``reads`` depends on."""
+        full = (slot[0], True)
+        return self.found.get(slot) is kept and (full in self.found) == complete_kept and _CHECKS[reads](kept[2])
+
     def kept(self, found: Discovered) -> tuple[tuple[bool, bool], tuple[Any, ...]] | None:
         """(slot, kept entry) of the discovery ``found`` (None: not kept here)."""
         return next(((slot, hit) for slot, hit in self.found.items() if hit[1] is found), None)
@@ -176,7 +183,7 @@ class ModelState:
         for _, _, watch, _ in self.found.values():
             watch.close()
         self.found.clear()
-        self.steady = None
+        self.steady.clear()
         self.plans.clear()
         self.programs.clear()
         self.plan_memo.records.clear()

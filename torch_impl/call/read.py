@@ -104,15 +104,24 @@ def as_chunks(model: Any) -> list[Any]:
     return list(model)
 
 
-def _config(state: ModelState, chunks: Sequence[Any], request: Request) -> tuple[FinalizeConfig, tuple[Any, Any]]:
-    """The call's FinalizeConfig and the raw configs it came from."""
+#: The config of chunks without one, for a request with ``config_default`` (immutable).
+DEFAULT_CONFIG = FinalizeConfig()
+
+
+def config_sources(chunks: Sequence[Any], request: Request) -> tuple[Any, Any]:
+    """The config and DDP config a call resolves: the chunks' (``.module`` chains), a
+    helper's own config instead, FinalizeConfig's defaults where the request allows."""
     raw, ddp_config = chunk_configs(chunks)
     if request.config is not None:
         raw = request.config
     elif raw is None and ddp_config is None and request.config_default:
-        raw = FinalizeConfig()
-    if not request.merge_ddp_config:
-        ddp_config = None
+        raw = DEFAULT_CONFIG
+    return raw, ddp_config if request.merge_ddp_config else None
+
+
+def _config(state: ModelState, chunks: Sequence[Any], request: Request) -> tuple[FinalizeConfig, tuple[Any, Any]]:
+    """The call's FinalizeConfig and the raw configs it came from."""
+    raw, ddp_config = config_sources(chunks, request)
     config = state.config_memo.config(raw, ddp_config)
     if not request.finalize:  # a helper plans with its own rules (meshgrad.helpers)
         config = state.config_memo.helper_config(config, request.steps, request.per_token_loss)
@@ -183,4 +192,4 @@ def read_layout(model: Any, source: Any) -> CallInputs:
     return CallInputs(state, config, requested, groups, None, found, (None,) * len(chunks))
 
 
-__all__ = ["CallInputs", "Request", "as_chunks", "read", "read_layout"]
+__all__ = ["DEFAULT_CONFIG", "CallInputs", "Request", "as_chunks", "config_sources", "read", "read_layout"]
