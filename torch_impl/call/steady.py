@@ -73,7 +73,9 @@ def _groups_unchanged(state: ModelState, source: Any, request: Request, inputs: 
     return memo.unchanged(source, inputs.config, inputs.groups)
 
 
-def steady_read(model: Any, source: Any, request: Request, known: dict[str, Any]) -> tuple[CallInputs, BoundPlan] | None:
+def steady_read(
+    model: Any, source: Any, request: Request, known: dict[str, Any]
+) -> tuple[CallInputs, BoundPlan] | None:
     """The last inputs and plan of this call's kind when this call would read and plan
     the same (module doc), with ``known`` filled as the read stage fills it; else None.
 
@@ -89,9 +91,10 @@ def steady_read(model: Any, source: Any, request: Request, known: dict[str, Any]
     raw = config_sources(chunks, request)
     inputs = last.inputs
     (slot, complete_kept), kept_raw = last.slot, last.raw
+    stated = inputs.requested if request.finalize else None  # a helper states no sizes
     if (
         not _same_raw(raw[0], kept_raw[0]) or raw[1] is not kept_raw[1]
-        or not state.config_memo.unchanged(kept_raw[0], raw[1], last.config, inputs.requested if request.finalize else None)
+        or not state.config_memo.unchanged(kept_raw[0], raw[1], last.config, stated)
         or not _groups_unchanged(state, source, request, inputs)
         or not state.still_kept(slot, last.kept, complete_kept, request.reads)
     ):

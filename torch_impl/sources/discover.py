@@ -361,5 +361,6 @@ def chunk_facts(model: Sequence[Any], found: Discovered, has_mtp: bool, ddp_obje
     for chunk in model:
         module = unwrap(chunk)
         tied = attr_or(module, "share_embeddings_and_output_weights", None)
-        out += (module, ddp_object(chunk), tied, shared_word_embedding(module, has_mtp, tied), position_embedding(module))
+        word = shared_word_embedding(module, has_mtp, tied)
+        out += (module, ddp_object(chunk), tied, word, position_embedding(module))
     return tuple(out)
