@@ -238,6 +238,11 @@ def name_of(result: dict[str, Any]) -> str:
     return f"real-ddp-{result['layers']}L-h{result['hidden']}-dp{result['world']}"
 
 
+def _width(name: str) -> int:
+    """The width of a candidate's column."""
+    return max(18, len(name) + 5)
+
+
 def format_real_ddp(result: dict[str, Any]) -> str:
     """One row per mode: ms per call of each twin and the floor, the paired ratios
     (:data:`PAIRS`), the value check."""
@@ -247,19 +252,19 @@ def format_real_ddp(result: dict[str, Any]) -> str:
     ratios = [(key, short) for key, short in RATIO_COLUMNS if key in next(iter(result["modes"].values()), {})]
     lines = [f"{name_of(result)}  (megatron-core DDP, {result['parameters']} params per rank, per-token loss; "
              "ratios: median of same-round ratios, mean of the ranks)",
-             f"  {'mode':<21}" + "".join(f"{n + ' ms':>{max(18, len(n) + 5)}}" for n in names)
+             f"  {'mode':<21}" + "".join(f"{n + ' ms':>{_width(n)}}" for n in names)
              + "".join(f"{short:>{len(short) + 2}}" for _, short in ratios) + "  gradients ours vs mcore"]
     for mode, row in result["modes"].items():
         t, v = row["seconds per call"], row["values"]
         same = "bit-identical" if v["identical"] else "DIFFER"
         lines.append(
-            f"  {mode:<21}" + "".join(f"{1e3 * t[n]:>{max(18, len(n) + 5)}.4f}" for n in names)
+            f"  {mode:<21}" + "".join(f"{1e3 * t[n]:>{_width(n)}.4f}" for n in names)
             + "".join(f"{row[key]:>{len(short) + 2}.3f}" for key, short in ratios)
             + f"  {same} (max abs diff {v['max_abs_diff']:g}, "
             + f"{v['steps compared']} steps, max |grad| {v['grad_abs_max']:.3g})"
         )
         busy = row["cpu seconds per call"]
-        lines.append(f"  {'':<21}" + "".join(f"{1e3 * busy[n]:>{max(18, len(n) + 5)}.4f}" for n in names)
+        lines.append(f"  {'':<21}" + "".join(f"{1e3 * busy[n]:>{_width(n)}.4f}" for n in names)
                      + "  <- CPU ms of the calling thread (mean of the ranks)")
     return "\n".join(lines)
 

@@ -72,7 +72,10 @@ class ConfigMemo:
         return put(self.helper_configs, key, helper_config(config, steps, calculate_per_token_loss=per_token_loss))
 
     def last_resolved_config(self, raw: Any, ddp_config: Any) -> FinalizeConfig | None:
-        """The config last resolved from these two objects (not checked again), or None."""
+        """The config last resolved from these two objects (not checked again; a
+        FinalizeConfig alone resolves to itself), or None."""
+        if isinstance(raw, FinalizeConfig) and ddp_config is None:
+            return raw
         hit = self.last_config
         return hit[2] if hit is not None and hit[0].source is raw and hit[1].source is ddp_config else None
 

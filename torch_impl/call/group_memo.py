@@ -22,6 +22,12 @@ from torch_impl.sources.mesh_groups import mesh_groups
 _GROUP_NAMES = tuple(g.value for g in Group)
 
 
+def _key(config: FinalizeConfig) -> tuple[Any, ...]:
+    """What a source's resolved groups depend on besides the source: the world's size and
+    the config fields that add groups."""
+    return world_size(), config.moe_router_enable_expert_bias, config.flextron
+
+
 class GroupMemo:
     """The groups resolved for one model (owned by its ModelState)."""
 
@@ -52,7 +58,7 @@ class GroupMemo:
             source = mesh_groups(source)  # one per live mesh, shared by every model
         if kind in MESH_KINDS or kind == "torch_groups":
             return resolve_groups(source, config, requested)
-        key = (world_size(), config.moe_router_enable_expert_bias, config.flextron)
+        key = _key(config)
         if self._hit(source, key):
             return self.groups[2]  # type: ignore[index]
         snapshot = Snapshot(source, _GROUP_NAMES, by_vars=kind == "megatron_collection")
@@ -80,8 +86,7 @@ class GroupMemo:
             return source is groups
         if kind in MESH_KINDS:
             return False
-        key = (world_size(), config.moe_router_enable_expert_bias, config.flextron)
-        return self._hit(source, key) and self.groups[2] is groups  # type: ignore[index]
+        return self._hit(source, _key(config)) and self.groups[2] is groups  # type: ignore[index]
 
     def explicit_unchanged(self, values: Mapping[Group, Any], groups: TorchGroups) -> bool:
         """Whether :meth:`explicit` would give ``groups`` again for ``values``."""

@@ -171,8 +171,12 @@ class ModelState:
         """Whether :meth:`discovered` would return the entry ``kept`` of ``slot`` again (for
         a call that chose that slot while the complete slot was kept or not, as then): it
         is still there, and its watch sees what a plan of ``reads`` depends on."""
-        full = (slot[0], True)
-        return self.found.get(slot) is kept and (full in self.found) == complete_kept and _CHECKS[reads](kept[2])
+        return self.found.get(slot) is kept and self.complete_kept(slot) == complete_kept and _CHECKS[reads](kept[2])
+
+    def complete_kept(self, slot: tuple[bool, bool]) -> bool:
+        """Whether the complete discovery for ``slot``'s ``has_mtp`` is kept (then
+        :meth:`discovered` reads it, whatever a call needs)."""
+        return (slot[0], True) in self.found
 
     def kept(self, found: Discovered) -> tuple[tuple[bool, bool], tuple[Any, ...]] | None:
         """(slot, kept entry) of the discovery ``found`` (None: not kept here)."""

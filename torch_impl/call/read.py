@@ -86,6 +86,11 @@ class CallInputs(NamedTuple):
     ddp: tuple[Any, ...]
 
 
+def helper_groups(source: Any, request: Request) -> bool:
+    """Whether ``source`` is a seed helper's own groups (a mapping of its groups by name)."""
+    return not request.finalize and isinstance(source, Mapping)
+
+
 def as_chunks(model: Any) -> list[Any]:
     """The model as a non-empty list of chunks.
 
@@ -153,7 +158,7 @@ def _read_sources(chunks: list[Any], source: Any, request: Request, known: dict[
     memo = state.group_memo
     if source is None:
         source = memo.parallel_state_groups()
-    elif not request.finalize and isinstance(source, Mapping):  # a seed helper's own groups
+    elif helper_groups(source, request):
         source = memo.explicit(source)
     groups = memo.resolve_groups(source, config, requested)
     known["groups"] = groups
@@ -192,4 +197,6 @@ def read_layout(model: Any, source: Any) -> CallInputs:
     return CallInputs(state, config, requested, groups, None, found, (None,) * len(chunks))
 
 
-__all__ = ["DEFAULT_CONFIG", "CallInputs", "Request", "as_chunks", "config_sources", "read", "read_layout"]
+__all__ = [
+    "DEFAULT_CONFIG", "CallInputs", "Request", "as_chunks", "config_sources", "helper_groups", "read", "read_layout",
+]

@@ -19,14 +19,13 @@ always take the stages.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from meshgrad.config import FinalizeConfig
 from torch_impl.call.memo import put
 from torch_impl.call.model_state import ModelState
 from torch_impl.call.plan_memo import BoundPlan
-from torch_impl.call.read import CallInputs, Request, as_chunks, config_sources
+from torch_impl.call.read import CallInputs, Request, as_chunks, config_sources, helper_groups
 from torch_impl.sources.group_sources import MESH_KINDS, source_kind
 
 
@@ -68,7 +67,7 @@ def _same_raw(raw: Any, kept: Any) -> bool:
 def _groups_unchanged(state: ModelState, source: Any, request: Request, inputs: CallInputs) -> bool:
     """Whether the read stage would resolve ``inputs.groups`` again from ``source``."""
     memo = state.group_memo
-    if not request.finalize and isinstance(source, Mapping):  # a seed helper's own groups
+    if helper_groups(source, request):
         return memo.explicit_unchanged(source, inputs.groups)
     return memo.unchanged(source, inputs.config, inputs.groups)
 
@@ -115,13 +114,11 @@ def keep_steady(inputs: CallInputs, bound: BoundPlan, source: Any, request: Requ
     if kept is None or found.fsdp or found.torch_ddp or source_kind(source) in MESH_KINDS:
         state.steady.pop(kind, None)
         return
-    immutable = isinstance(raw[0], FinalizeConfig) and raw[1] is None
-    config = raw[0] if immutable else state.config_memo.last_resolved_config(*raw)  # before a helper's rules
+    config = state.config_memo.last_resolved_config(*raw)  # before a helper's rules
     if config is None:
         state.steady.pop(kind, None)
         return
-    full = (kept[0][0], True)
-    put(state.steady, kind, SteadyCall(raw, config, (kept[0], full in state.found), kept[1], inputs, bound))
+    put(state.steady, kind, SteadyCall(raw, config, (kept[0], state.complete_kept(kept[0])), kept[1], inputs, bound))
 
 
 __all__ = ["SteadyCall", "keep_steady", "steady_read"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,17 +49,19 @@ class Program:
 
     def run(self, on_step: Callable[[Action], None] | None = None) -> None:
         """Run every bound action in order, under ``torch.no_grad()``."""
-        if not torch.is_grad_enabled():  # finalize already runs it under no_grad
-            execute_ops(self.ops, on_step)
-            return
-        with torch.no_grad():
-            execute_ops(self.ops, on_step)
+        _without_grad(execute_ops, self.ops, on_step)
 
     def scale(self, factor: torch.Tensor) -> None:
         """Multiply the bound gradients by the 0-d float32 ``factor`` (num_tokens scale),
         under ``torch.no_grad()``."""
-        if not torch.is_grad_enabled():  # finalize already runs it under no_grad
-            self._scale(factor)
-            return
-        with torch.no_grad():
-            self._scale(factor)
+        _without_grad(self._scale, factor)
+
+
+def _without_grad(fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` under ``torch.no_grad()``, entered only when grad is on (finalize
+    already runs its run stage under one)."""
+    if not torch.is_grad_enabled():
+        fn(*args)
+        return
+    with torch.no_grad():
+        fn(*args)

@@ -159,7 +159,7 @@ def parallel_state_keyed(ps: Any | None = None, memo: ParallelStateRead | None =
     ps = parallel_state() if ps is None else ps
     if ps is None:
         return None
-    if memo is not None and memo.module is ps and not _globals_changed(ps, memo.module_globals):
+    if memo is not None and _still_read(ps, memo):
         return memo
     module_globals = dict(vars(ps))
     values = parallel_state_values(ps)
@@ -174,7 +174,12 @@ def parallel_state_current(memo: ParallelStateRead) -> bool:
     """Whether :func:`parallel_state_keyed` with ``memo`` would return ``memo`` itself: the
     same initialized module, its globals what they were."""
     ps = parallel_state()
-    return ps is not None and memo.module is ps and not _globals_changed(ps, memo.module_globals)
+    return ps is not None and _still_read(ps, memo)
+
+
+def _still_read(ps: Any, memo: ParallelStateRead) -> bool:
+    """Whether ``memo`` was read from the module ``ps``, whose globals are what they were."""
+    return memo.module is ps and not _globals_changed(ps, memo.module_globals)
 
 
 def _globals_changed(ps: Any, copy: dict[str, Any]) -> bool:
