@@ -8,7 +8,7 @@ import torch
 
 from meshgrad.axes import Group
 from meshgrad.plan import TokenScale
-from torch_impl.run.scaling import global_token_scale, host_scale
+from torch_impl.run.scaling import HostFactor, global_token_scale, host_scale
 
 
 #: The plan's token-scale action (the device path only reads its group when it reduces).
@@ -82,3 +82,22 @@ def test_another_default_dtype_goes_to_the_device_path() -> None:
         assert int(mine) == 3
     finally:
         torch.set_default_dtype(before)
+
+
+def test_a_kept_factor_is_reused_only_while_it_is_the_same() -> None:
+    """``HostFactor``: the same tensor for the same count, shape and dtype, bit for bit the
+    factor made afresh; another count or shape, or a write into the kept tensor, makes a
+    new one."""
+    kept = HostFactor()
+    first = host_scale(torch.zeros((), dtype=torch.int64), 12, kept)
+    assert first is not None and bits(first) == bits(host_scale(torch.zeros((), dtype=torch.int64), 12))
+    mine = torch.zeros((), dtype=torch.int64)
+    assert host_scale(mine, 12, kept) is first and int(mine) == 12  # the count is still written
+    other = host_scale(torch.zeros((), dtype=torch.int64), 13, kept)
+    assert other is not first and bits(other) == bits(host_scale(torch.zeros((), dtype=torch.int64), 13))
+    shaped = host_scale(torch.zeros((1,), dtype=torch.int32), 13, kept)
+    assert shaped is not other and shaped.shape == (1,)
+    assert host_scale(torch.zeros((1,), dtype=torch.int32), 13, kept) is shaped
+    shaped.mul_(2)  # someone wrote into it: not reused
+    again = host_scale(torch.zeros((1,), dtype=torch.int32), 13, kept)
+    assert again is not shaped and bits(again) == bits(host_scale(torch.zeros((1,), dtype=torch.int32), 13))

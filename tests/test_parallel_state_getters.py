@@ -65,10 +65,10 @@ def test_an_absent_or_failing_getter():
 
 
 def test_the_groups_are_read_again_only_when_the_module_changes():
-    """``pg_collection=None`` every step: while parallel_state's globals are what they
-    were, the last groups are kept without a getter call; a changed global (a getter
-    replaced, a group set) reads them again, and keeps the last groups when the getters
-    return the same objects."""
+    """``pg_collection=None`` every step: while the globals the getters read are what they
+    were, the last groups are kept without a getter call; a changed one (a getter
+    replaced, a group it returns set) reads them again, and keeps the last groups when the
+    getters return the same objects. A global no getter reads changes nothing."""
     from torch_impl.sources.megatron import parallel_state_keyed
 
     calls: list[str] = []
@@ -88,7 +88,56 @@ def test_the_groups_are_read_again_only_when_the_module_changes():
     ps.get_tensor_model_parallel_group = getter("tp2")  # a getter replaced
     second = parallel_state_keyed(ps, first)
     assert calls == ["tp", "tp2"] and second[1] is first[1]  # the same groups: the same TorchGroups
-    ps._GROUP = None  # another global
+    ps._UNREAD = object()  # a global no getter reads
+    assert parallel_state_keyed(ps, second) is second and calls == ["tp", "tp2"]
+    # A getter of the module itself (as Megatron's are): the globals its code reads count.
+    exec("def get_pipeline_model_parallel_group(**kwargs):\n    _CALLS.append('pp')\n    return _PP_GROUP", vars(ps))
+    ps._CALLS, ps._PP_GROUP = calls, None
     third = parallel_state_keyed(ps, second)
-    assert calls == ["tp", "tp2", "tp2"] and third[1] is first[1]
-    assert parallel_state_keyed(ps, third) is third and len(calls) == 3
+    assert calls == ["tp", "tp2", "tp2", "pp"] and dict(third.groups.groups) == {Group.TP: None, Group.PP: None}
+    assert parallel_state_keyed(ps, third) is third and len(calls) == 4
+    ps._PP_GROUP = None  # the same value again: nothing to read
+    assert parallel_state_keyed(ps, third) is third and len(calls) == 4
+    later: list[str] = []
+    ps._CALLS = later  # another object under a name the getter reads
+    fourth = parallel_state_keyed(ps, third)
+    assert calls == ["tp", "tp2", "tp2", "pp", "tp2"] and later == ["pp"] and fourth.groups is third.groups
+    assert parallel_state_keyed(ps, fourth) is fourth and later == ["pp"]
+
+
+def test_global_reads_follow_the_code_and_fall_back_to_every_global():
+    """What ``GlobalReads`` compares: the names the entry functions' code reads, followed
+    into the module's other functions (nested code included); where a reached object's
+    reads cannot be told from code (a decorated function, a class of the module), every
+    global; a read name deleted, or an absent one defined, is a change."""
+    from torch_impl.sources.global_reads import GlobalReads
+
+    mod = types.ModuleType("fake_module")
+    exec(
+        "def entry():\n    return helper() + [x for x in _LISTED]\n"
+        "def helper():\n    return [_HELPED]\n"
+        "def unrelated():\n    return _OTHER\n"
+        "_LISTED, _HELPED, _OTHER = [1], 2, 3\n",
+        vars(mod),
+    )
+    reads = GlobalReads(mod, ["entry"])
+    assert reads.whole is None and set(reads.names) == {"entry", "helper", "_LISTED", "_HELPED"}
+    assert reads.same(mod)
+    mod._OTHER = 4  # not read
+    assert reads.same(mod)
+    mod._HELPED = 5  # read through helper()
+    assert not reads.same(mod)
+    reads = GlobalReads(mod, ["entry"])
+    del mod._LISTED  # read in a comprehension (a nested code object)
+    assert not reads.same(mod)
+    mod._LISTED = [1]
+    reads = GlobalReads(mod, ["entry", "missing"])
+    assert reads.absent == ("missing",) and reads.same(mod)
+    mod.missing = None  # a name absent then, defined now
+    assert not reads.same(mod)
+
+    exec("import functools\n@functools.lru_cache\ndef cached():\n    return _OTHER\n", vars(mod))
+    whole = GlobalReads(mod, ["cached"])  # its reads are not in its code: every global counts
+    assert whole.whole is not None and whole.same(mod)
+    mod._OTHER = 6
+    assert not whole.same(mod)

@@ -205,6 +205,65 @@ def case_host_syncs_per_step(rank: int, world: int) -> dict[str, int]:
     return out
 
 
+def _wires(model: list[nn.Module]) -> dict[Any, Any]:
+    """The host wires of the groups the model's last steady call resolved."""
+    from torch_impl.call.model_state import ModelState
+
+    (last,) = ModelState.of(model).steady.values()
+    return last.inputs.groups.wires
+
+
+def _steady_step(model: list[nn.Module], count: int) -> tuple[list[int], list[float]]:
+    """One step on the same gradient tensor (refilled: the steady path), with ``count`` tokens."""
+    from torch_impl import finalize_model_grads
+
+    model[0].weight.grad.copy_(torch.arange(4 * H, dtype=torch.float32).reshape(H, 4))
+    tokens = torch.tensor([count])
+    finalize_model_grads(model, num_tokens=tokens, pg_collection=_dp4())
+    return tokens.tolist(), sum(model[0].weight.grad.tolist(), [])
+
+
+def case_the_reused_wire_carries_each_steps_count(rank: int, world: int) -> dict[str, Any]:
+    """Steady steps with another count each: the route's one host wire carries every step's."""
+    model = _model(rank)
+    steps = [_steady_step(model, 10 * step + rank + 1) for step in range(4)]
+    (wire,) = _wires(model).values()
+    _steady_step(model, 1)
+    (again,) = _wires(model).values()
+    return {"steps": steps, "wires": len(_wires(model)), "same wire": again is wire}
+
+
+def case_a_failed_round_drops_its_wire(rank: int, world: int) -> dict[str, Any]:
+    """A round whose collective fails (simulated on every rank) raises a CollectiveError,
+    changes nothing and drops its wire; the next step makes a new one and is right."""
+    from torch_impl import finalize_model_grads
+
+    model = _model(rank)
+    _steady_step(model, 1)
+    wires = _wires(model)
+    (before,) = wires.values()
+    original = status.all_reduce_status
+
+    def failing(value: torch.Tensor, pg: Any) -> None:
+        raise RuntimeError("simulated: connection closed by peer")
+
+    grad = model[0].weight.grad.clone()
+    tokens = torch.tensor([rank + 1])
+    status.all_reduce_status = failing
+    try:
+        finalize_model_grads(model, num_tokens=tokens, pg_collection=_dp4())
+        kind = "ok"
+    except Exception as err:  # recorded for the parent
+        kind = type(err).__name__
+    finally:
+        status.all_reduce_status = original
+    unchanged = torch.equal(model[0].weight.grad, grad) and tokens.tolist() == [rank + 1]
+    dropped = not wires
+    after = _steady_step(model, rank + 2)
+    return {"kind": kind, "unchanged": unchanged, "dropped": dropped, "after": after,
+            "new wire": next(iter(_wires(model).values())) is not before}
+
+
 CASES = [name for name in list(globals()) if name.startswith("case_")]
 
 
@@ -265,3 +324,20 @@ def test_an_error_on_one_rank_still_raises_everywhere_before_anything_changes(wo
 def test_a_healthy_step_reads_the_device_back_once_and_a_capture_never(world):
     for out in _values(world, "case_host_syncs_per_step"):
         assert out == {"healthy reads": 1, "healthy rounds": 1, "capture reads": 0, "capture rounds": 0}
+
+
+def test_a_steady_round_reuses_one_host_wire_and_carries_each_steps_count(world):
+    got = _values(world, "case_the_reused_wire_carries_each_steps_count")
+    for out in got:
+        assert out["wires"] == 1 and out["same wire"], out
+        for step, (tokens, grad) in enumerate(out["steps"]):
+            total = sum(10 * step + r + 1 for r in range(WORLD))
+            assert tokens == [total]
+            assert grad == pytest.approx(_expected(total), rel=1e-6)
+
+
+def test_a_failed_round_changes_nothing_and_its_wire_is_made_anew(world):
+    for out in _values(world, "case_a_failed_round_drops_its_wire"):
+        assert out["kind"] == "CollectiveError" and out["unchanged"] and out["dropped"] and out["new wire"], out
+        total = sum(r + 2 for r in range(WORLD))
+        assert out["after"][0] == [total] and out["after"][1] == pytest.approx(_expected(total), rel=1e-6)

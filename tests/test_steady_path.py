@@ -215,7 +215,9 @@ def test_the_group_memo_follows_parallel_state_and_the_source(monkeypatch: pytes
     assert groups is not None and groups.size(Group.TP) == 1
     assert memo.unchanged(None, config, groups)
     assert not memo.unchanged(None, config, TorchGroups.from_mapping({}, source="test"))
-    ps._SOME_GLOBAL = 1  # a global set: read again
+    ps._SOME_GLOBAL = 1  # a global no getter reads: nothing to read again
+    assert memo.unchanged(None, config, groups)
+    ps.get_tensor_model_parallel_group = lambda **kwargs: None  # a getter replaced: read again
     assert not memo.unchanged(None, config, groups)
     assert memo.parallel_state_groups() is groups and memo.unchanged(None, config, groups)
     ps.initialized = False  # no longer initialized: parallel_state is not read

@@ -310,3 +310,36 @@ def test_mixed_ddp_and_plain_chunks_plan_dp_sync_for_plain_only():
     assert dp and all(k[0] == 1 for a in dp for k in a.keys)
     assert {a.group for a in dp} == {Group.DP_CP, Group.EDP}
     assert bound.ddp == (ddp,) and all(k[0] == 1 for k in bound.plain_scale_keys)
+
+
+class _GradModeProbe(nn.Module):
+    """A DDP-like chunk whose ``finish_grad_sync`` records the grad mode it runs under and,
+    when told to, fails (as a failed collective would)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.module = nn.Linear(2, 2)
+        self.config = FinalizeConfig()
+        self.modes: list[bool] = []
+        self.fail = fail
+
+    def finish_grad_sync(self) -> None:
+        self.modes.append(torch.is_grad_enabled())
+        if self.fail:
+            raise RuntimeError("simulated: connection closed by peer")
+
+
+@pytest.mark.parametrize("grad_on", [True, False], ids=["grad on", "under no_grad"])
+def test_the_run_stage_runs_without_grad_and_restores_the_mode(grad_on: bool) -> None:
+    """The run stage switches grad mode off and back as ``torch.no_grad()`` would, on a
+    steady step, and when it raises; a caller already under ``no_grad`` stays there."""
+    chunk = _GradModeProbe()
+    with torch.set_grad_enabled(grad_on):
+        for _ in range(3):  # planning, then steady steps
+            finalize_model_grads([chunk])
+            assert torch.is_grad_enabled() is grad_on
+        chunk.fail = True
+        with pytest.raises(Exception, match="connection closed"):
+            finalize_model_grads([chunk])
+        assert torch.is_grad_enabled() is grad_on
+    assert chunk.modes == [False] * 4

@@ -32,6 +32,7 @@ from torch_impl.call.memo import MAX_PLANS, put
 from torch_impl.call.model_watch import ModelWatch
 from torch_impl.call.plan_memo import BoundPlan, PlanMemo
 from torch_impl.run.program import Program
+from torch_impl.run.scaling import HostFactor
 
 _STATE_ATTR = "_meshgrad_finalize_state"
 
@@ -89,6 +90,7 @@ class ModelState:
         self.group_memo = GroupMemo()  # resolved groups per source, meshes, parallel_state
         self.plan_memo = PlanMemo(self.stats)  # plans, programs, check records
         self.plans, self.programs = self.plan_memo.plans, self.plan_memo.programs
+        self.host_factor = HostFactor()  # the last num_tokens factor known on the host
         self.steady: dict[Any, Any] = {}  # per kind of call, its last inputs and plan (torch_impl.call.steady)
         # The gradient views of meshgrad's own buffers (attach_grad_buffers), by id; weak:
         # an entry goes with its view, so an id cannot be reused while it is here.

@@ -229,6 +229,8 @@ class ModelWatch:
         )
 
     def _routers_unchanged(self) -> bool:
+        if not self.router_dicts:  # no router: nothing to compare
+            return True
         return not differs(self.router_dicts, self.router_snapshots) and self.router_buffers.same(
             map(BUFFERS, self.router_dicts)  # whichever dict each router holds now
         )

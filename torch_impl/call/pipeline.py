@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from torch_impl.call.agree import agree_call, share_local_error
 from torch_impl.call.check import CheckSpec, check_call
 from torch_impl.call.plan import build_plan, plan
@@ -24,6 +22,7 @@ from torch_impl.call.steady import keep_steady, steady_read
 from torch_impl.run.errors import ranked
 from torch_impl.run.execute import execute_local, finish_ddp_sync
 from torch_impl.run.grads import GradAccess
+from torch_impl.run.program import without_grad
 from torch_impl.run.scaling import bind_scale, scale_by_tokens
 from torch_impl.run.status import already_shared
 from torch_impl.sources.megatron import gtp_fence
@@ -79,29 +78,36 @@ def call(model: Any, source: Any, request: Request = Request(), fence: Callable[
     """
     with ranked():
         bound, inputs, total = _agreed(model, source, request)
-    state, groups, found, config = inputs.state, inputs.groups, inputs.found, inputs.config
     if not request.finalize and not bound.plan.actions:
         return
     if request.finalize:
-        state.stats.calls += 1
+        inputs.state.stats.calls += 1
         fence = (fence or gtp_fence()) if inputs.requested.gtp_active else None
         if fence is not None:
             fence()
-    with torch.no_grad():
-        finish_ddp_sync(bound.ddp, bound.ddp_force_kwarg, request.force_all_reduce, groups)
-        program = state.program(bound, found, groups, config)
+    without_grad(_run, request, bound, inputs, total)
+
+
+def _run(request: Request, bound: BoundPlan, inputs: CallInputs, total: Any) -> None:
+    """The run stage, with grad mode off: each Megatron DDP's own ``finish_grad_sync``,
+    the plan's actions (its bound program, or each action bound as it runs for DTensor
+    gradients) and the num_tokens scale (``total``: the count the status round carried)."""
+    state, groups, found, config = inputs.state, inputs.groups, inputs.found, inputs.config
+    finish_ddp_sync(bound.ddp, bound.ddp_force_kwarg, request.force_all_reduce, groups)
+    program = state.program(bound, found, groups, config)
+    if program is not None:
+        program.run()
+    else:  # DTensor gradients: each action bound as it runs
+        execute_local(bound.plan.actions, GradAccess(found.tensors, config.use_megatron_fsdp),
+                      found.router_modules, groups, stats=state.stats)
+    if request.num_tokens is not None:
         if program is not None:
-            program.run()
-        else:  # DTensor gradients: each action bound as it runs
-            execute_local(bound.plan.actions, GradAccess(found.tensors, config.use_megatron_fsdp),
-                          found.router_modules, groups, stats=state.stats)
-        if request.num_tokens is not None:
-            if program is not None:
-                apply = program.scale
-            else:  # DTensor gradients: the scale goes to their local shards
-                local = GradAccess(found.tensors, local_shards=True)
-                apply = bind_scale([local[k] for k in bound.plain_scale_keys])
-            scale_by_tokens(request.num_tokens, bound.plan.token_scale, groups, bound.ddp, apply, total)
+            apply = program.scale
+        else:  # DTensor gradients: the scale goes to their local shards
+            local = GradAccess(found.tensors, local_shards=True)
+            apply = bind_scale([local[k] for k in bound.plain_scale_keys])
+        scale_by_tokens(request.num_tokens, bound.plan.token_scale, groups, bound.ddp, apply, total,
+                        state.host_factor)
 
 
 def prepare_layout(model: Any, source: Any, force_all_reduce: bool) -> tuple[BoundPlan, CallInputs]:

@@ -188,8 +188,9 @@ class GradWatch:
         self.param_check, self.grad_check = GuardedCheck(), GuardedCheck()
 
     def same(self) -> bool:
-        """True when nothing a bound program or the plan depends on has changed."""
-        return (
+        """True when nothing a bound program or the plan depends on has changed (at once
+        for a watch of no parameters: a Megatron DDP chunk without flagged ones)."""
+        return not self.params or (
             self._params_same()
             and self.attributes.same()
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))

@@ -112,9 +112,15 @@ class collective_guard:  # noqa: N801 -- used like a function
         return self
 
     def __exit__(self, kind: Any, err: BaseException | None, trace: Any) -> bool:
-        if isinstance(err, RuntimeError) and not isinstance(err, (CollectiveError, ConsistencyError)):
+        if err is not None and collective_failure(err):
             raise collective_error(self.description, self.groups, self.group, err) from err
         return False
+
+
+def collective_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a collective's own failure (a RuntimeError that is not already
+    meshgrad's error), to be re-raised as a :class:`CollectiveError`."""
+    return isinstance(err, RuntimeError) and not isinstance(err, (CollectiveError, ConsistencyError))
 
 
 def collective_error(description: str, groups: TorchGroups, group: Group | None, err: BaseException) -> CollectiveError:
@@ -135,6 +141,7 @@ __all__ = [
     "NonFiniteGradError",
     "action_failed",
     "collective_error",
+    "collective_failure",
     "collective_guard",
     "describe",
     "first_line",

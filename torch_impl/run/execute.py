@@ -39,7 +39,7 @@ from meshgrad.plan import (
     TokenScale,
 )
 from torch_impl.run.collectives import TORCH_DTYPES, all_reduce, reduce_scatter_into
-from torch_impl.run.errors import action_failed, collective_guard
+from torch_impl.run.errors import action_failed, collective_error, collective_failure
 from torch_impl.run.stats import ExecStats
 from torch_impl.run.grads import GradAccess, get_grad, grad_attr, is_dtensor
 from torch_impl.run.groups import TorchGroups
@@ -263,11 +263,15 @@ def finish_ddp_sync(ddp: Sequence[Any], force_kwarg: Sequence[bool], force: bool
     """Step 1 of the chunks a Megatron DDP syncs: each DDP's own ``finish_grad_sync``
     (passed ``force_all_reduce`` where it takes it)."""
     for obj, kwarg in zip(ddp, force_kwarg):
-        with collective_guard(f"dp_sync: {type(obj).__name__}.finish_grad_sync()", groups):
+        try:  # (not a collective_guard: its name would be formatted on every step)
             if kwarg:
                 obj.finish_grad_sync(force_all_reduce=force)
             else:
                 obj.finish_grad_sync()
+        except RuntimeError as err:
+            if not collective_failure(err):
+                raise
+            raise collective_error(f"dp_sync: {type(obj).__name__}.finish_grad_sync()", groups, None, err) from err
 
 
 def execute_ops(

@@ -80,6 +80,7 @@ class TorchGroups:
         world (:mod:`torch_impl.run.status`).
       layout_text: that layout in words (for errors).
       routes: a cache of the status round's routes over these groups.
+      wires: the host wires those routes' healthy rounds reuse (one per route).
     """
 
     rank: int
@@ -95,6 +96,8 @@ class TorchGroups:
     layout_text: str = ""
     #: Status-round routes computed for these groups (torch_impl.run.status.status_route).
     routes: dict[tuple[Group, ...], Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    #: Host wires of those routes (torch_impl.run.rounds.HostWire), dropped when a round fails.
+    wires: dict[tuple[Group, ...], Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ queries
     def group(self, group: Group) -> ProcessGroup | None:

@@ -13,6 +13,7 @@ travel by :func:`gather_texts`. What each rank decides from a round lives in
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ from meshgrad.status_wire import (
 #: how many of them failed, ask for a comparison, found NaN / Inf or are in a layout round.
 REACHED, ERROR, COMPARE, NONFINITE, KIND = range(5)
 FLAGS = (ERROR, COMPARE, NONFINITE, KIND)
+_FLAG_VALUES = operator.itemgetter(*FLAGS)  # a status's flags, in one C call
 #: int64 elements on the wire for a route of 64 to 2**15 - 1 ranks (the format:
 #: :mod:`meshgrad.status_wire`).
 STATUS_SIZE = ELEMENTS["packed"]
@@ -63,9 +65,9 @@ def status_vector(
 def wire_words(status: Sequence[int], reached: int, tokens: int | None = None) -> list[int]:
     """The int64 elements one rank contributes (:func:`encode`), as Python ints."""
     fmt = wire_format(reached)
-    if tokens is None and not any(status[f] for f in FLAGS):
-        return [0] * ELEMENTS[fmt]
-    if fmt == "wide":
+    if not any(_FLAG_VALUES(status)):  # a healthy status: zeros, then the tokens
+        words = [0] * ELEMENTS[fmt]
+    elif fmt == "wide":
         words = [*(int(status[f]) for f in FLAGS), 0]
     else:  # the counts in one word, then the token element of a packed round
         bits = SHORT_BITS if fmt == "short" else FIELD_BITS
@@ -91,6 +93,35 @@ def _host_wire(words: list[int]) -> tuple[torch.Tensor, np.ndarray]:
     microseconds less each way)."""
     host = np.array(words, dtype=np.int64)
     return torch.from_numpy(host), host
+
+
+class HostWire:
+    """The int64 host tensor of one route's status rounds, reused round after round, and
+    the numpy array sharing its memory: a healthy round then makes no torch operation
+    besides its collective (:func:`reduce_status`). A round reads its result back before
+    it returns, so the next round may overwrite it; the owner drops a wire whose round
+    failed (the failed collective may still hold the tensor).
+
+    Args:
+      size: the wire's int64 elements (:data:`meshgrad.status_wire.ELEMENTS`).
+    """
+
+    __slots__ = ("host", "tensor")
+
+    def __init__(self, size: int) -> None:
+        self.host = np.zeros(size, dtype=np.int64)
+        self.tensor = torch.from_numpy(self.host)
+
+    def load(self, words: list[int]) -> tuple[torch.Tensor, np.ndarray] | None:
+        """The tensor holding ``words`` and its array; None when ``words`` does not fit."""
+        host = self.host
+        if len(words) != host.size:
+            return None
+        if len(words) == 1:  # the common one-word round: a scalar store, no array made from a list
+            host[0] = words[0]
+        else:
+            host[:] = words
+        return self.tensor, host
 
 
 def decode(wire: Sequence[int], reached: int) -> list[int]:
@@ -183,11 +214,13 @@ def read_back(value: torch.Tensor, host: np.ndarray | None = None) -> list[int]:
 
 def _reduce(words: list[int], route: Sequence[Hop], rank: int, what: str,
             reduce: Callable[[torch.Tensor, Any], None], place: Callable[[torch.Tensor], None] | None = None,
-            ) -> tuple[list[int], torch.Tensor]:
-    """Reduce ``words`` (in a fresh int64 tensor, the round's own) over every hop of
-    ``route`` in turn; returns (the reduced elements on the host, the reduced tensor)."""
+            wire: HostWire | None = None) -> tuple[list[int], torch.Tensor]:
+    """Reduce ``words`` (in ``wire`` on a CPU route without ``place``, else in a fresh int64
+    tensor, the round's own) over every hop of ``route`` in turn; returns (the reduced
+    elements on the host, the reduced tensor)."""
     device = route[0][2]
-    value, host = _host_wire(words)
+    loaded = wire.load(words) if wire is not None and place is None and device.type == "cpu" else None
+    value, host = loaded if loaded is not None else _host_wire(words)
     if device.type != "cpu":
         value, host = value.to(device, non_blocking=True), None
     if place is not None:
@@ -216,7 +249,8 @@ def _host_count(tokens: torch.Tensor, route: Sequence[Hop]) -> bool:
 
 
 def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: str,
-                  tokens: torch.Tensor | None = None) -> tuple[list[int], int | torch.Tensor | None]:
+                  tokens: torch.Tensor | None = None, wire: HostWire | None = None,
+                  ) -> tuple[list[int], int | torch.Tensor | None]:
     """SUM-reduce a status over every hop of ``route`` in turn (:func:`encode`: one int64
     for a route of up to :data:`SHORT_MAX` ranks, two up to 2**15, else five), with
     ``tokens`` when given.
@@ -227,6 +261,7 @@ def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: 
       rank: this rank (for errors).
       what: the round's name (for errors).
       tokens: this rank's ``num_tokens`` for the token slot (:func:`fused_tokens`), or None.
+      wire: the route's reused host wire (:class:`HostWire`), or None: a fresh tensor.
 
     Returns:
       (the reduced counts (:data:`REACHED` ... :data:`KIND`), the reduced token count: an
@@ -247,13 +282,13 @@ def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: 
     else:
         words = wire_words(status, n)
         place = (lambda elements: place_tokens(elements, tokens, n)) if tokens is not None else None
-    wire, value = _reduce(words, route, rank, what, all_reduce_status, place)
-    counts = decode(wire, n)
+    reduced, value = _reduce(words, route, rank, what, all_reduce_status, place, wire)
+    counts = decode(reduced, n)
     if tokens is None or counts[-1]:  # some rank's count did not fit: a collective of its own
         return counts[:-1], None
     short = wire_format(n) == "short"
     if place is None:  # encoded on the host: the read-back wire holds the count
-        return counts[:-1], int(wire[0]) >> TOKEN_SHIFT if short else int(wire[-1])
+        return counts[:-1], int(reduced[0]) >> TOKEN_SHIFT if short else int(reduced[-1])
     return counts[:-1], value[0] >> TOKEN_SHIFT if short else value[-1]
 
 
@@ -303,7 +338,7 @@ def round_failed(rank: int, what: str, over: str, err: BaseException) -> Collect
 
 
 __all__ = [
-    "BIG", "COMPARE", "ERROR", "FIELD_BITS", "FLAGS", "Hop", "KIND", "NONFINITE", "REACHED", "SHORT_BITS",
+    "BIG", "COMPARE", "ERROR", "FIELD_BITS", "FLAGS", "Hop", "HostWire", "KIND", "NONFINITE", "REACHED", "SHORT_BITS",
     "SHORT_MAX", "STATUS_SIZE", "TOKEN_SHIFT", "TOO_LARGE", "all_reduce_max", "all_reduce_status", "backend",
     "capturing", "decode", "device_for", "encode", "first_line", "gather_texts", "layout_digest", "layouts_differ",
     "lowest_flagged", "place_tokens", "reached", "read_back", "reduce_max", "reduce_status", "round_failed",

@@ -17,13 +17,14 @@ from torch_impl.run.groups import TorchGroups
 
 
 def global_token_scale(
-    num_tokens: torch.Tensor, action: TokenScale, groups: TorchGroups, reduced: int | torch.Tensor | None = None
+    num_tokens: torch.Tensor, action: TokenScale, groups: TorchGroups, reduced: int | torch.Tensor | None = None,
+    kept: HostFactor | None = None,
 ) -> torch.Tensor:
     """Per-token scaling: broadcast num_tokens from the last pp stage, SUM it over the
     planned group, and return the factor that divides every gradient (no host sync).
     ``reduced``: the SUM already computed by the call's status round
     (:func:`torch_impl.run.status.fused_tokens`), used instead of the collectives (an int:
-    known on the host, :func:`host_scale`).
+    known on the host, :func:`host_scale`, reusing ``kept``'s factor where it can).
 
     The count is reduced in int64 (float64 for floating input), so int8..int32 counts do
     not overflow, and written back into ``num_tokens``, which holds the global count
@@ -32,7 +33,7 @@ def global_token_scale(
     float dtype (float32) for integer counts, with ``num_tokens``' shape.
     """
     if isinstance(reduced, int):
-        factor = host_scale(num_tokens, reduced)
+        factor = host_scale(num_tokens, reduced, kept)
         if factor is not None:
             return factor
         reduced = torch.tensor(reduced, dtype=torch.int64)
@@ -60,11 +61,35 @@ _HOST_COUNTS = {dtype: (torch.iinfo(dtype).min, torch.iinfo(dtype).max) for dtyp
 _EXACT_COUNT = 1 << 24
 
 
-def host_scale(num_tokens: torch.Tensor, total: int) -> torch.Tensor | None:
+class HostFactor:
+    """The last factor :func:`host_scale` made for one model, reused by the next call with
+    the same count, shape and float dtype while the tensor is as it was made (its version
+    counter unchanged: nothing wrote to it). A steady per-token step then makes one tensor
+    operation for its scale (writing the count into ``num_tokens``) instead of two."""
+
+    __slots__ = ("key", "factor", "version")
+
+    def __init__(self) -> None:
+        self.key: tuple[int, torch.Size, torch.dtype] | None = None
+        self.factor: torch.Tensor | None = None
+        self.version = -1
+
+    def get(self, total: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """``full(shape, 1 / max(total, 1), dtype)``, the kept one when it is that."""
+        factor, key = self.factor, (total, shape, dtype)
+        if factor is not None and self.key == key and factor._version == self.version:
+            return factor
+        factor = torch.full(shape, 1.0 / max(total, 1), dtype=dtype)
+        self.key, self.factor, self.version = key, factor, factor._version
+        return factor
+
+
+def host_scale(num_tokens: torch.Tensor, total: int, kept: HostFactor | None = None) -> torch.Tensor | None:
     """The factor of :func:`global_token_scale` from a global count known on the host
     (the status round read it back), with ``total`` written into ``num_tokens``: two
-    tensor operations instead of the device path's conversions. None where the device
-    path must answer instead (a count its dtype or the float dtype cannot hold exactly).
+    tensor operations instead of the device path's conversions (one with ``kept``, whose
+    factor is reused while it is the same). None where the device path must answer
+    instead (a count its dtype or the float dtype cannot hold exactly).
 
     The factor equals the device path's bit for bit: ``1 / max(n, 1)`` is computed in
     float64 and rounded once more to float32, and a double rounding of a quotient is the
@@ -79,6 +104,8 @@ def host_scale(num_tokens: torch.Tensor, total: int) -> torch.Tensor | None:
     if dtype not in (torch.float32, torch.float64) or num_tokens.device.type != "cpu":
         return None
     num_tokens.fill_(total)  # an integer tensor: it cannot require grad
+    if kept is not None:
+        return kept.get(total, num_tokens.shape, dtype)
     return torch.full(num_tokens.shape, 1.0 / max(total, 1), dtype=dtype)
 
 
@@ -89,6 +116,7 @@ def scale_by_tokens(
     ddp: Sequence[Any],
     apply: Callable[[torch.Tensor], None],
     reduced: int | torch.Tensor | None = None,
+    kept: HostFactor | None = None,
 ) -> None:
     """Step 11 of a call: the global token count (:func:`global_token_scale`) and
     ``1 / max(n, 1)`` on every gradient: each Megatron DDP's own ``scale_gradients``, then
@@ -102,9 +130,10 @@ def scale_by_tokens(
       apply: multiplies the gradients meshgrad scales by the factor.
       reduced: the global count when the status round carried it (no collective here;
         an int when known on the host).
+      kept: the model's last host factor (:class:`HostFactor`), or None.
     """
     if isinstance(reduced, int):  # the status round's count, known on the host: no collective here
-        scale = global_token_scale(num_tokens, action, groups, reduced)
+        scale = global_token_scale(num_tokens, action, groups, reduced, kept)
     else:
         what = f"token_scale: num_tokens broadcast over 'pp' and sum over {action.group.value!r}"
         with collective_guard(what, groups):

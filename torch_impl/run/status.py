@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from meshgrad.axes import Group
 from meshgrad.errors import CollectiveError, ConsistencyError, FinalizeInputError
+from meshgrad.status_wire import status_elements
 from torch_impl.run.groups import TorchGroups, world_size
 from torch_impl.run.rounds import (  # the round's collectives and wire format, re-exported
     BIG,
@@ -46,6 +47,7 @@ from torch_impl.run.rounds import (  # the round's collectives and wire format, 
     FIELD_BITS,
     FLAGS,
     Hop,
+    HostWire,
     KIND,
     NONFINITE,
     REACHED,
@@ -349,11 +351,26 @@ def status_round(
     """
     route = status_route(groups, over)
     mine = status_vector(error=error is not None, compare=compare, nonfinite=nonfinite)
-    reduced, total = reduce_status(mine, route, groups.rank, "finalize status check", tokens)
+    wire = host_wire(groups, over, route)
+    try:
+        reduced, total = reduce_status(mine, route, groups.rank, "finalize status check", tokens, wire)
+    except BaseException:
+        groups.wires.pop(tuple(over), None)  # the failed collective may still hold it
+        raise
     settle(reduced, route, groups.rank, "finalize status check", error=error, layout_text=groups.layout_text)
     if reduced[COMPARE]:
         compare_round(lines(), groups, compared, route, doubt() if doubt is not None else None)
     return reduced, total
+
+
+def host_wire(groups: TorchGroups, over: Sequence[Group], route: Sequence[Hop]) -> HostWire | None:
+    """The reused host wire of the round over ``over`` (made on its first round), or None
+    when the route is empty or not on the CPU (a device round gets a fresh tensor)."""
+    key = tuple(over)
+    wire = groups.wires.get(key)
+    if wire is None and route and route[0][2].type == "cpu":
+        wire = groups.wires[key] = HostWire(status_elements(reached(route)))
+    return wire
 
 
 def share_error(error: BaseException, route: Sequence[Hop], rank: int, what: str) -> None:
@@ -377,7 +394,7 @@ def already_shared(err: BaseException) -> bool:
 __all__ = [
     "AgreedInputError", "BIG", "SPANNING_GROUPS", "STATUS_SIZE", "all_reduce_max", "all_reduce_status",
     "already_shared", "backend", "capturing", "compare_round", "decode", "device_for", "encode", "first_line",
-    "fused_tokens", "gather_texts", "layout_digest", "layouts_differ", "lowest_flagged", "raise_mismatch",
+    "fused_tokens", "gather_texts", "host_wire", "layout_digest", "layouts_differ", "lowest_flagged", "raise_mismatch",
     "reached", "read_back", "reduce_max", "reduce_status", "wire_format", "settle", "share_error", "status_round", "status_route", "status_vector", "timeout_of",
     "world_route",
 ]

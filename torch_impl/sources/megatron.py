@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from meshgrad.axes import Group
 from torch_impl.run.groups import TorchGroups
+from torch_impl.sources.global_reads import GlobalReads
 
 ProcessGroup = Any
 
@@ -78,6 +79,9 @@ PARALLEL_STATE_GETTERS: dict[Group, tuple[str, dict[str, Any], tuple[str, ...]]]
     Group.EGTP: ("get_expert_gtp_weight_remat_group", {"check_initialized": False}, ()),
 }
 UNDEFINED = object()
+#: The functions of ``parallel_state`` a read calls: the getters and
+#: ``model_parallel_is_initialized``; a memo holds while the globals they read hold.
+READ_ENTRIES = ("model_parallel_is_initialized", *sorted({name for name, _, _ in PARALLEL_STATE_GETTERS.values()}))
 
 
 def _parameter_names(getter: Callable[..., Any]) -> Container[str] | None:
@@ -133,12 +137,13 @@ def parallel_state_groups(ps: Any | None = None) -> TorchGroups | None:
 
 class ParallelStateRead(NamedTuple):
     """One read of ``parallel_state`` (:func:`parallel_state_keyed`): the groups' identities
-    (``key``), their TorchGroups, and the module with a copy of its globals then."""
+    (``key``), their TorchGroups, and the module with the globals its getters read then
+    (:data:`READ_ENTRIES`)."""
 
     key: tuple[Any, ...]
     groups: TorchGroups
     module: Any
-    module_globals: dict[str, Any]
+    reads: GlobalReads
 
 
 def parallel_state_keyed(ps: Any | None = None, memo: ParallelStateRead | None = None) -> ParallelStateRead | None:
@@ -148,7 +153,8 @@ def parallel_state_keyed(ps: Any | None = None, memo: ParallelStateRead | None =
     Args:
       ps: the ``parallel_state`` module (default: Megatron's, when imported).
       memo: a previous result: returned again, without calling a getter, while the
-        module's globals are what they were (its groups and getters among them); its
+        globals the getters read are what they were (:class:`GlobalReads`: the getters
+        themselves, the groups they return, whatever else their code reads); its
         TorchGroups kept while the getters return the same objects (the caller keeps it --
         the model state -- so a loop passing ``pg_collection=None`` reuses one TorchGroups,
         and one cached plan, every step).
@@ -161,34 +167,26 @@ def parallel_state_keyed(ps: Any | None = None, memo: ParallelStateRead | None =
         return None
     if memo is not None and _still_read(ps, memo):
         return memo
-    module_globals = dict(vars(ps))
+    reads = GlobalReads(ps, READ_ENTRIES)
     values = parallel_state_values(ps)
     key = tuple((g, id(v)) for g, v in values.items())
     if memo is not None and memo.key == key:
-        return ParallelStateRead(key, memo.groups, ps, module_globals)
+        return ParallelStateRead(key, memo.groups, ps, reads)
     groups = TorchGroups.from_mapping(values, source="Megatron parallel_state")  # it keeps the groups alive
-    return ParallelStateRead(key, groups, ps, module_globals)
+    return ParallelStateRead(key, groups, ps, reads)
 
 
 def parallel_state_current(memo: ParallelStateRead) -> bool:
     """Whether :func:`parallel_state_keyed` with ``memo`` would return ``memo`` itself: the
-    same initialized module, its globals what they were."""
-    ps = parallel_state()
-    return ps is not None and _still_read(ps, memo)
+    same initialized module, the globals its getters read what they were."""
+    ps = loaded_parallel_state()
+    return ps is memo.module and memo.reads.same(ps) and parallel_state() is ps
 
 
 def _still_read(ps: Any, memo: ParallelStateRead) -> bool:
-    """Whether ``memo`` was read from the module ``ps``, whose globals are what they were."""
-    return memo.module is ps and not _globals_changed(ps, memo.module_globals)
-
-
-def _globals_changed(ps: Any, copy: dict[str, Any]) -> bool:
-    """Whether a module's globals differ from ``copy`` (one C-level dict comparison; a
-    value whose ``==`` raises counts as changed)."""
-    try:
-        return vars(ps) != copy
-    except Exception:  # noqa: BLE001 -- an elementwise comparison's error: not the same value
-        return True
+    """Whether ``memo`` was read from the module ``ps``, whose globals that the getters
+    read are what they were."""
+    return memo.module is ps and memo.reads.same(ps)
 
 
 def default_group() -> ProcessGroup | None:

@@ -89,10 +89,13 @@ def attr_or(obj: Any, name: str, default: Any = None) -> Any:
     if getattr(cls, "__getattr__", None) is _MODULE_GETATTR:
         state = obj.__dict__
         if name not in state and not hasattr(cls, name):
-            for store in (state["_parameters"], state["_buffers"], state["_modules"]):
-                if name in store:
-                    return store[name]
-            return default
+            store = state["_parameters"]  # torch's order: parameters, buffers, submodules
+            if name in store:
+                return store[name]
+            store = state["_buffers"]
+            if name in store:
+                return store[name]
+            return state["_modules"].get(name, default)
     return getattr(obj, name, default)
 
 
@@ -114,7 +117,7 @@ def unwrap(module: Any, attr: str = "pre_process") -> Any:
     """
     module = uncompiled(module)
     for _ in range(64):
-        if has_attr(module, attr):
+        if attr_or(module, attr, NO_ATTR) is not NO_ATTR:
             return module
         inner = attr_or(module, "module", NO_ATTR)
         if inner is NO_ATTR:

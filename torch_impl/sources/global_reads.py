@@ -1,0 +1,86 @@
+"""Whether a module's functions would read the same globals again (:class:`GlobalReads`).
+
+``finalize_model_grads(pg_collection=None)`` reads Megatron's groups through
+``parallel_state``'s getters, and keeps what they returned while the globals they read are
+what they were. Those globals are found in the getters' code: every name a function's
+code (its nested code objects included) looks up, followed into each function of the
+same module that it names. Comparing these few globals (about twenty in Megatron-Core)
+instead of the whole module dict (over 160 entries) touches a few cache lines per step,
+not hundreds: after a step's gradient all-reduce has evicted the caches, that is most of
+the check's cost.
+"""
+
+from __future__ import annotations
+
+import operator
+import types
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """Every name ``code`` and its nested code objects look up (globals, builtins and
+    attribute names alike: an attribute name only adds a name to compare)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _reached(module_dict: Mapping[str, Any], entries: Iterable[str]) -> set[str] | None:
+    """The names ``entries`` reach in ``module_dict`` through the code of the module's own
+    functions, or None where some reached object's reads cannot be told from its code (a
+    decorated function, a class or another callable defined in the module)."""
+    todo, seen = list(entries), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        value = module_dict.get(name)
+        if isinstance(value, types.FunctionType) and value.__globals__ is module_dict:
+            if hasattr(value, "__wrapped__"):
+                return None
+            todo.extend(_code_names(value.__code__))
+        elif callable(value) and getattr(value, "__module__", None) == module_dict.get("__name__"):
+            return None
+    return seen
+
+
+class GlobalReads:
+    """What some functions of a module read from its globals, as they were.
+
+    Args:
+      module: the module (its ``__dict__`` is read).
+      entries: the names of the functions (or globals) the caller uses.
+    """
+
+    __slots__ = ("names", "values", "getter", "absent", "whole")
+
+    def __init__(self, module: Any, entries: Iterable[str]) -> None:
+        module_dict = vars(module)
+        reached = _reached(module_dict, entries)
+        self.whole: dict[str, Any] | None = None
+        if reached is None or not reached & module_dict.keys():
+            self.whole = dict(module_dict)  # reads unknown: every global is compared
+            return
+        self.names = tuple(sorted(reached & module_dict.keys()))
+        self.absent = tuple(sorted(reached - module_dict.keys()))
+        self.getter = operator.itemgetter(*self.names, *self.names[:1])  # always a tuple
+        self.values = self.getter(module_dict)
+
+    def same(self, module: Any) -> bool:
+        """Whether ``module``'s globals still hold what the functions read: each read
+        name the same value, each name absent then still absent (a value whose ``==``
+        raises counts as changed)."""
+        module_dict = vars(module)
+        try:
+            if self.whole is not None:
+                return module_dict == self.whole
+            return self.getter(module_dict) == self.values and not any(map(module_dict.__contains__, self.absent))
+        except Exception:  # noqa: BLE001 -- a name gone, or an elementwise comparison's error
+            return False
+
+
+__all__ = ["GlobalReads"]
