@@ -316,12 +316,12 @@ class _GradModeProbe(nn.Module):
     """A DDP-like chunk whose ``finish_grad_sync`` records the grad mode it runs under and,
     when told to, fails (as a failed collective would)."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.module = nn.Linear(2, 2)
         self.config = FinalizeConfig()
         self.modes: list[bool] = []
-        self.fail = fail
+        self.fail = False
 
     def finish_grad_sync(self) -> None:
         self.modes.append(torch.is_grad_enabled())

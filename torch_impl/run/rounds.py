@@ -87,20 +87,13 @@ def encode(status: Sequence[int], reached: int, tokens: int | None = None) -> to
     return torch.tensor(wire_words(status, reached, tokens), dtype=torch.int64)
 
 
-def _host_wire(words: list[int]) -> tuple[torch.Tensor, np.ndarray]:
-    """A fresh int64 tensor holding ``words``, and the numpy array it shares memory with
-    (written and read back without a torch operation: a round's tensor costs a few
-    microseconds less each way)."""
-    host = np.array(words, dtype=np.int64)
-    return torch.from_numpy(host), host
-
-
 class HostWire:
-    """The int64 host tensor of one route's status rounds, reused round after round, and
-    the numpy array sharing its memory: a healthy round then makes no torch operation
-    besides its collective (:func:`reduce_status`). A round reads its result back before
-    it returns, so the next round may overwrite it; the owner drops a wire whose round
-    failed (the failed collective may still hold the tensor).
+    """An int64 host tensor for a round's words and the numpy array sharing its memory
+    (written and read back without a torch operation). A route's status rounds reuse one
+    (:func:`reduce_status`): a healthy round then makes no torch operation besides its
+    collective. A round reads its result back before it returns, so the next round may
+    overwrite it; the owner drops a wire whose round failed (the failed collective may
+    still hold the tensor). Other rounds make a fresh one each.
 
     Args:
       size: the wire's int64 elements (:data:`meshgrad.status_wire.ELEMENTS`).
@@ -112,16 +105,10 @@ class HostWire:
         self.host = np.zeros(size, dtype=np.int64)
         self.tensor = torch.from_numpy(self.host)
 
-    def load(self, words: list[int]) -> tuple[torch.Tensor, np.ndarray] | None:
-        """The tensor holding ``words`` and its array; None when ``words`` does not fit."""
-        host = self.host
-        if len(words) != host.size:
-            return None
-        if len(words) == 1:  # the common one-word round: a scalar store, no array made from a list
-            host[0] = words[0]
-        else:
-            host[:] = words
-        return self.tensor, host
+    def load(self, words: list[int]) -> tuple[torch.Tensor, np.ndarray]:
+        """The tensor holding ``words`` (as many as the wire's elements) and its array."""
+        self.host[:] = words
+        return self.tensor, self.host
 
 
 def decode(wire: Sequence[int], reached: int) -> list[int]:
@@ -219,8 +206,9 @@ def _reduce(words: list[int], route: Sequence[Hop], rank: int, what: str,
     tensor, the round's own) over every hop of ``route`` in turn; returns (the reduced
     elements on the host, the reduced tensor)."""
     device = route[0][2]
-    loaded = wire.load(words) if wire is not None and place is None and device.type == "cpu" else None
-    value, host = loaded if loaded is not None else _host_wire(words)
+    if wire is None or place is not None or device.type != "cpu":
+        wire = HostWire(len(words))
+    value, host = wire.load(words)
     if device.type != "cpu":
         value, host = value.to(device, non_blocking=True), None
     if place is not None:

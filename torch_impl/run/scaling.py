@@ -104,9 +104,7 @@ def host_scale(num_tokens: torch.Tensor, total: int, kept: HostFactor | None = N
     if dtype not in (torch.float32, torch.float64) or num_tokens.device.type != "cpu":
         return None
     num_tokens.fill_(total)  # an integer tensor: it cannot require grad
-    if kept is not None:
-        return kept.get(total, num_tokens.shape, dtype)
-    return torch.full(num_tokens.shape, 1.0 / max(total, 1), dtype=dtype)
+    return (kept if kept is not None else HostFactor()).get(total, num_tokens.shape, dtype)
 
 
 def scale_by_tokens(

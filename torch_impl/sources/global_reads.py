@@ -11,7 +11,6 @@ change what they return, so it no longer makes a step read the groups again.
 
 from __future__ import annotations
 
-import operator
 import types
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -55,7 +54,7 @@ class GlobalReads:
       entries: the names of the functions (or globals) the caller uses.
     """
 
-    __slots__ = ("names", "values", "getter", "absent", "whole")
+    __slots__ = ("names", "values", "absent", "whole")
 
     def __init__(self, module: Any, entries: Iterable[str]) -> None:
         module_dict = vars(module)
@@ -66,8 +65,7 @@ class GlobalReads:
             return
         self.names = tuple(sorted(reached & module_dict.keys()))
         self.absent = tuple(sorted(reached - module_dict.keys()))
-        self.getter = operator.itemgetter(*self.names, *self.names[:1])  # always a tuple
-        self.values = self.getter(module_dict)
+        self.values = tuple(map(module_dict.__getitem__, self.names))
 
     def same(self, module: Any) -> bool:
         """Whether ``module``'s globals still hold what the functions read: each read
@@ -77,7 +75,8 @@ class GlobalReads:
         try:
             if self.whole is not None:
                 return module_dict == self.whole
-            return self.getter(module_dict) == self.values and not any(map(module_dict.__contains__, self.absent))
+            values = tuple(map(module_dict.__getitem__, self.names))
+            return values == self.values and not any(map(module_dict.__contains__, self.absent))
         except Exception:  # noqa: BLE001 -- a name gone, or an elementwise comparison's error
             return False
 
