@@ -4,13 +4,15 @@ sizes a Megatron config states, kept while their source objects hold the same va
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any
 
 from meshgrad.config import FinalizeConfig
 from meshgrad.helpers import helper_config
 from meshgrad.plan import Step
 from torch_impl.sources.config import CONFIG_SIZES, Requested, resolve_config
-from torch_impl.call.memo import Snapshot, put
+from torch_impl.call.memo import Snapshot, probe_snapshots, put
+from torch_impl.call.probes import Probes
 
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(FinalizeConfig))
 
@@ -61,6 +63,19 @@ class ConfigMemo:
         if raw is None or isinstance(raw, FinalizeConfig):
             return requested == Requested()
         return self._requested_hit(raw) and self.last_requested[1] is requested  # type: ignore[index]
+
+    def probe(self, probes: Probes, raw: Any, ddp_config: Any, requested: Requested | None) -> None:
+        """Write :meth:`unchanged` down as probes, for a call it has just answered True:
+        the memo's entries still the same objects, their sources holding the same values
+        (``raw`` and ``ddp_config`` themselves are the caller's to probe)."""
+        snapshots: list[Snapshot] = []
+        if not (isinstance(raw, FinalizeConfig) and ddp_config is None):
+            probes.same(partial(getattr, self, "last_config"), self.last_config)
+            snapshots += self.last_config[:2]  # type: ignore[index]
+        if requested is not None and raw is not None and not isinstance(raw, FinalizeConfig):
+            probes.same(partial(getattr, self, "last_requested"), self.last_requested)
+            snapshots.append(self.last_requested[0])  # type: ignore[index]
+        probe_snapshots(probes, snapshots)
 
     def helper_config(self, config: FinalizeConfig, steps: tuple[Step, ...], per_token_loss: bool | None) -> FinalizeConfig:
         """A seed helper's config (:func:`meshgrad.helpers.helper_config`), memoized (a

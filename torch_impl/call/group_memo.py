@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from meshgrad.axes import Group
@@ -13,10 +14,11 @@ from meshgrad.config import FinalizeConfig
 from torch_impl.sources.group_sources import MESH_KINDS, resolve_groups, source_kind
 from torch_impl.run.groups import TorchGroups, world_size
 from torch_impl.sources.megatron import (
-    ParallelStateRead, parallel_state, parallel_state_current, parallel_state_keyed,
+    ParallelStateRead, parallel_state, parallel_state_current, parallel_state_keyed, probe_parallel_state,
 )
 from torch_impl.sources.config import Requested
 from torch_impl.call.memo import Snapshot, put
+from torch_impl.call.probes import Probes
 from torch_impl.sources.mesh_groups import mesh_groups
 
 _GROUP_NAMES = tuple(g.value for g in Group)
@@ -87,6 +89,27 @@ class GroupMemo:
         if kind in MESH_KINDS:
             return False
         return self._hit(source, _key(config)) and self.groups[2] is groups  # type: ignore[index]
+
+    def probe(self, probes: Probes, source: Any, config: FinalizeConfig, groups: TorchGroups) -> bool:
+        """Write :meth:`unchanged` down as probes, for a call it has just answered True
+        (``source`` itself is the caller's to compare). False: it cannot be (a mesh
+        source is resolved per call)."""
+        if source is None:
+            memo = self.parallel_state
+            probes.same(partial(getattr, self, "parallel_state"), memo)
+            if memo is not None and memo.groups is groups:
+                probe_parallel_state(probes, memo)
+                return True
+            probe_parallel_state(probes, None)  # parallel_state() stays None
+        kind = source_kind(source)
+        if kind == "torch_groups":
+            return True  # the source is the groups
+        if kind in MESH_KINDS:
+            return False
+        probes.same(partial(getattr, self, "groups"), self.groups)
+        probes.equal(world_size, self.groups[1][0])  # type: ignore[index]  # _key's one read (the config is fixed)
+        self.groups[0].probe(probes)  # type: ignore[index]
+        return True
 
     def explicit_unchanged(self, values: Mapping[Group, Any], groups: TorchGroups) -> bool:
         """Whether :meth:`explicit` would give ``groups`` again for ``values``."""

@@ -5,10 +5,12 @@ bounded dict insert (:func:`put`)."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from functools import partial
 from itertools import repeat
 from typing import Any
 
+from torch_impl.call.probes import Probes
 from torch_impl.call.watches import differs
 
 #: Most plans (and helper group sets, embedding discoveries) one model state keeps.
@@ -90,6 +92,65 @@ class Snapshot:
         if isinstance(self.source, Mapping):
             return not differs(dict(self.source), self.values)
         return _read(self.source, self.names) == self.values
+
+    def probe(self, probes: Probes, absent: bool = True) -> None:
+        """Write :meth:`same` down as probes (:class:`~torch_impl.call.probes.Probes`):
+        the same reads, compared the same way (a None source always holds).
+
+        Args:
+          probes: where to write them.
+          absent: also the names that must stay absent (else they are the caller's:
+            :func:`probe_snapshots`).
+        """
+        if self.source is None:
+            return
+        if self.getter is not None:
+            if self.getter is not _no_names:
+                probes.equal(partial(self.getter, self.source), self.values)
+            if absent and self.absent:
+                probe_absent(probes, self.source, self.absent)
+        elif self.live is not None:
+            probes.live(self.live, self.copy)
+        elif isinstance(self.source, Mapping):
+            probes.equal(partial(dict, self.source), self.values)
+        else:
+            probes.equal(partial(_read, self.source, self.names), self.values)
+
+
+#: What would make a missing attribute readable besides defining it.
+_LOOKUP_HOOKS = ("__getattr__", "__getattribute__")
+
+
+def probe_absent(probes: Probes, source: Any, names: tuple[str, ...]) -> None:
+    """Write down as probes that ``source`` still has none of ``names`` (``hasattr``
+    false for each). For an object whose attribute look-up is plain (an instance dict,
+    no ``__getattr__`` / ``__getattribute__`` of its own), that is a few probes in all:
+    its class, its instance dict, and that dict's and each class's keys disjoint from
+    ``names`` (and from those look-up hooks); else one ``hasattr`` per name."""
+    kind, state = type(source), getattr(source, "__dict__", None)
+    classes = [c for c in kind.__mro__ if c is not object]
+    if not isinstance(state, dict) or any(hook in vars(c) for c in classes for hook in _LOOKUP_HOOKS):
+        for name in names:
+            probes.same(partial(hasattr, source, name), False)
+        return
+    probes.same(partial(type, source), kind)
+    probes.same(partial(getattr, source, "__dict__"), state)
+    probes.same(partial(state.keys().isdisjoint, names), True)
+    hidden = (*names, *_LOOKUP_HOOKS)
+    for c in classes:
+        probes.same(partial(vars(c).keys().isdisjoint, hidden), True)
+
+
+def probe_snapshots(probes: Probes, snapshots: Iterable[Snapshot]) -> None:
+    """Each snapshot's :meth:`Snapshot.probe`, with the absent names of snapshots of one
+    source written down together."""
+    missing: dict[int, tuple[Any, set[str]]] = {}
+    for snapshot in snapshots:
+        snapshot.probe(probes, absent=False)
+        if snapshot.absent:
+            missing.setdefault(id(snapshot.source), (snapshot.source, set()))[1].update(snapshot.absent)
+    for source, names in missing.values():
+        probe_absent(probes, source, tuple(sorted(names)))
 
 
 def _no_names(source: Any) -> tuple[()]:

@@ -14,14 +14,16 @@ helper group sets and embedding discoveries.
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Literal
 
 from meshgrad.config import FinalizeConfig
 from torch_impl.call.config_memo import ConfigMemo
-from torch_impl.sources.discover import Discovered, candidate_keys, chunk_facts, discover, watched_keys
+from torch_impl.sources.discover import Discovered, candidate_keys, chunk_facts, discover, probe_chunk_reads, watched_keys
 from torch_impl.sources.embedding_read import EmbeddingRead, embedding_weight, one_weight
 from torch_impl.run.stats import ExecStats
 from torch_impl.run.grads import get_grad, is_dtensor
@@ -31,6 +33,7 @@ from torch_impl.sources.config import ddp_object
 from torch_impl.call.memo import MAX_PLANS, put
 from torch_impl.call.model_watch import ModelWatch
 from torch_impl.call.plan_memo import BoundPlan, PlanMemo
+from torch_impl.call.probes import Probes
 from torch_impl.run.program import Program
 from torch_impl.run.scaling import HostFactor
 
@@ -92,6 +95,7 @@ class ModelState:
         self.plans, self.programs = self.plan_memo.plans, self.plan_memo.programs
         self.host_factor = HostFactor()  # the last num_tokens factor known on the host
         self.steady: dict[Any, Any] = {}  # per kind of call, its last inputs and plan (torch_impl.call.steady)
+        self.steady_guards: dict[Any, Any] = {}  # per kind of call, its steady check as probes (same module)
         # The gradient views of meshgrad's own buffers (attach_grad_buffers), by id; weak:
         # an entry goes with its view, so an id cannot be reused while it is here.
         self.own_views: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
@@ -163,8 +167,9 @@ class ModelState:
         token = self._token(found)
         has_mtp = config.has_mtp
         watch = ModelWatch(
-            found, chunks, lambda: chunk_facts(chunks, found, has_mtp, ddp_object),
+            found, chunks, lambda: chunk_facts(chunks, has_mtp, ddp_object),
             watched_keys(found, [obj is None for obj in ddp]), candidate_keys(found), self.own_views,
+            lambda probes: probe_chunk_reads(probes, chunks, has_mtp, ddp_object),
         )
         self.found[slot] = (token, found, watch, ddp)
         return token, found, ddp
@@ -174,6 +179,17 @@ class ModelState:
         a call that chose that slot while the complete slot was kept or not, as then): it
         is still there, and its watch sees what a plan of ``reads`` depends on."""
         return self.found.get(slot) is kept and self.complete_kept(slot) == complete_kept and _CHECKS[reads](kept[2])
+
+    def probe_kept(self, probes: Probes, slot: tuple[bool, bool], kept: tuple[Any, ...], complete_kept: bool,
+                   reads: Reads) -> bool:
+        """Write :meth:`still_kept` down as probes, for a call it has just answered True.
+        False where it cannot be (a helper's reads; see
+        :meth:`~torch_impl.call.model_watch.ModelWatch.probe`)."""
+        if reads != "all":
+            return False
+        probes.same(partial(self.found.get, slot), kept)
+        probes.same(partial(operator.contains, self.found, (slot[0], True)), complete_kept)
+        return kept[2].probe(probes)
 
     def complete_kept(self, slot: tuple[bool, bool]) -> bool:
         """Whether the complete discovery for ``slot``'s ``has_mtp`` is kept (then
@@ -190,6 +206,7 @@ class ModelState:
             watch.close()
         self.found.clear()
         self.steady.clear()
+        self.steady_guards.clear()
         self.plans.clear()
         self.programs.clear()
         self.plan_memo.records.clear()

@@ -7,12 +7,14 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from torch import nn
 from torch.nn.modules import module as torch_module
 
 from meshgrad.params import ParamKey
+from torch_impl.call.probes import Probes
 from torch_impl.call.watches import BUFFERS, MODULES, PARAMETERS, DictWatch, ExactDicts, GradWatch, by_value, differs, split
 
 
@@ -76,6 +78,16 @@ class _Edges:
             if differs(list(map(kind, owners)), copies):
                 return False
         return self.exact is None or self.exact.same(map(operator.call, self.exact_kinds, self.exact_owners))
+
+    def probe(self, probes: Probes) -> bool:
+        """Write :meth:`same` down as probes: each owner's dict of its kind against its
+        copy. False where a dict is compared by identity (those stay :meth:`same`'s)."""
+        if self.exact is not None:
+            return False
+        for kind, owners, copies in self.plain:
+            for owner, copy in zip(owners, copies):
+                probes.equal(partial(kind, owner), copy)
+        return True
 
 
 def _watched_module_ids(chunks: Sequence[Any], found: Any) -> list[int]:
@@ -167,6 +179,8 @@ class ModelWatch:
         seed helper's plan may read: :meth:`touched_same`); None: all watched ones.
       own_views: meshgrad's own buffer views by id, watched by identity only
         (:class:`~torch_impl.call.watches.GradWatch`).
+      probe_facts: writes down as probes what ``facts`` reads (:meth:`probe`; None: it
+        cannot be).
     """
 
     def __init__(
@@ -177,10 +191,11 @@ class ModelWatch:
         watched: Iterable[ParamKey],
         touched: Iterable[ParamKey] | None = None,
         own_views: Mapping[int, Any] | None = None,
+        probe_facts: Callable[[Probes], bool] | None = None,
     ) -> None:
         self.found = found
         self.own_views = own_views
-        self.facts = facts
+        self.facts, self.probe_facts = facts, probe_facts
         self.chunk_facts = facts()  # held: their ids cannot be reused while watched
         self.fact_ids = tuple(map(id, self.chunk_facts))
         self.keys = set(watched)
@@ -238,6 +253,16 @@ class ModelWatch:
     def same(self) -> bool:
         """True when the cached discovery (and every plan made from it) still holds."""
         return self.structure_same() and self._routers_unchanged() and self.grads.same()
+
+    def probe(self, probes: Probes) -> bool:
+        """Write :meth:`same` down as probes, for a watch that has just answered True: the
+        dirty flag, the module-tree edges and what the chunk facts are read from. False
+        where it cannot be: watched parameters or routers (their checks stay
+        :meth:`same`'s), an edge compared by identity, facts that cannot be probed."""
+        if self.grads.params or self.router_dicts or self.probe_facts is None:
+            return False
+        probes.same(partial(operator.getitem, self.dirty, 0), False)
+        return self.param_edges.probe(probes) and self.router_edges.probe(probes) and self.probe_facts(probes)
 
     def touched_same(self) -> bool:
         """What a seed helper's plan depends on (it does no DP sync): structure, chunk

@@ -15,6 +15,19 @@ nothing the stages would find different. The check, agree and run stages run as 
 call. An embedding helper (it reads one weight its own way), a torch FSDP2 / DDP model
 (their hooks' settings are read per call) and a mesh group source (resolved per call)
 always take the stages.
+
+Inside a distributed world that check costs far more than its own work: after each
+step's collectives the code and objects of each function it runs come back cold from
+memory, a few microseconds per distinct function. So once the full check has passed,
+a ``finalize_model_grads`` call that reads everything through objects (no watched
+parameters or routers, no mesh) also writes it down as probes (:class:`SteadyGuard`,
+:class:`~torch_impl.call.probes.Probes`): each memo states its own check as C-level
+reads with the values they gave, and the next call replays them in one pass. Every
+probe is at least as strict as the read it stands for, and each object a check reads
+is reached only through probed reads, so while the probes hold the full check would
+pass too; when they do not, the full check runs and decides (and writes new probes, at
+most :data:`MAX_GUARD_BUILDS` times per kept call: a model whose probed state changes
+every step keeps the full check).
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from meshgrad.config import FinalizeConfig
 from torch_impl.call.memo import put
 from torch_impl.call.model_state import ModelState
 from torch_impl.call.plan_memo import BoundPlan
+from torch_impl.call.probes import Probes
 from torch_impl.call.read import CallInputs, Request, as_chunks, config_sources, helper_groups
 from torch_impl.sources.group_sources import MESH_KINDS, source_kind
 
@@ -47,6 +61,66 @@ class SteadyCall(NamedTuple):
     kept: tuple[Any, ...]
     inputs: CallInputs
     bound: BoundPlan
+
+
+#: How many times the probes of one kept call are written (the first, then after each
+#: miss whose full check passed), before its calls keep the full check.
+MAX_GUARD_BUILDS = 4
+
+
+class SteadyGuard(NamedTuple):
+    """A kept call's steady check as probes, with what the call itself passed.
+
+    Args:
+      last: the kept call it stands for.
+      source: the group source of the call that wrote it (compared by identity).
+      config: that call's own config argument (compared by identity).
+      raw: the config and DDP config that call resolved.
+      probes: the probes (None: none could be written, or :data:`MAX_GUARD_BUILDS` ran out).
+      builds: how many times they were written for ``last``.
+    """
+
+    last: SteadyCall
+    source: Any
+    config: Any
+    raw: tuple[Any, Any]
+    probes: Probes | None
+    builds: int
+
+    def holds(self, last: SteadyCall, source: Any, request: Request) -> bool:
+        """Whether a call of ``last``'s kind with these arguments would pass the full check."""
+        return (
+            self.probes is not None and last is self.last and source is self.source
+            and request.config is self.config and self.probes.hold()
+        )
+
+
+def _write_probes(state: ModelState, last: SteadyCall, source: Any, request: Request) -> Probes | None:
+    """The full check of ``last`` (which has just passed) as probes, or None where some
+    part cannot be written down (module doc)."""
+    if not request.finalize:
+        return None
+    probes = Probes()
+    inputs = last.inputs
+    (slot, complete_kept), (raw, ddp_config) = last.slot, last.raw
+    try:
+        state.config_memo.probe(probes, raw, ddp_config, inputs.requested)
+        if not (state.group_memo.probe(probes, source, inputs.config, inputs.groups)
+                and state.probe_kept(probes, slot, last.kept, complete_kept, request.reads)):
+            return None
+    except Exception:  # noqa: BLE001 -- a read that raises now: no probes, the full check stays
+        return None
+    return probes
+
+
+def _keep_guard(state: ModelState, kind: Any, last: SteadyCall, source: Any, request: Request,
+                raw: tuple[Any, Any]) -> None:
+    """After a full check of ``last`` passed: write its probes, unless they were written
+    :data:`MAX_GUARD_BUILDS` times already."""
+    old = state.steady_guards.get(kind)
+    builds = old.builds + 1 if old is not None and old.last is last else 1
+    probes = _write_probes(state, last, source, request) if builds <= MAX_GUARD_BUILDS else None
+    state.steady_guards[kind] = SteadyGuard(last, source, request.config, raw, probes, builds)
 
 
 def _kind(request: Request) -> tuple[Any, ...] | None:
@@ -87,8 +161,12 @@ def steady_read(
     last: SteadyCall | None = state.steady.get(kind) if kind is not None else None
     if last is None:
         return None
-    raw = config_sources(chunks, request)
     inputs = last.inputs
+    guard = state.steady_guards.get(kind)
+    if guard is not None and guard.holds(last, source, request):
+        known.update(raw=guard.raw, config=inputs.config, groups=inputs.groups)
+        return inputs, last.bound
+    raw = config_sources(chunks, request)
     (slot, complete_kept), kept_raw = last.slot, last.raw
     stated = inputs.requested if request.finalize else None  # a helper states no sizes
     if (
@@ -99,6 +177,8 @@ def steady_read(
     ):
         return None
     known.update(raw=raw, config=inputs.config, groups=inputs.groups)
+    if guard is None or guard.probes is not None or guard.last is not last:
+        _keep_guard(state, kind, last, source, request, raw)
     return inputs, last.bound
 
 
@@ -121,4 +201,4 @@ def keep_steady(inputs: CallInputs, bound: BoundPlan, source: Any, request: Requ
     put(state.steady, kind, SteadyCall(raw, config, (kept[0], state.complete_kept(kept[0])), kept[1], inputs, bound))
 
 
-__all__ = ["SteadyCall", "keep_steady", "steady_read"]
+__all__ = ["MAX_GUARD_BUILDS", "SteadyCall", "SteadyGuard", "keep_steady", "steady_read"]

@@ -16,22 +16,24 @@ from torch_impl.sources.wrappers import NO_ATTR, attr_or, find_attr
 from torch_impl.run.groups import world_rank
 
 
-def chunk_configs(model: Sequence[Any]) -> tuple[Any, Any]:
+def chunk_configs(model: Sequence[Any], read: Callable[..., Any] = attr_or) -> tuple[Any, Any]:
     """The ``config`` and ``ddp_config`` found along the ``.module`` chain of the chunks
-    (Megatron's ``get_model_config``)."""
+    (Megatron's ``get_model_config``; ``read`` as in
+    :func:`~torch_impl.sources.wrappers.unwrap`)."""
     config = ddp_config = None
     for chunk in model:
-        config = config if config is not None else find_attr(chunk, "config")
-        ddp_config = ddp_config if ddp_config is not None else find_attr(chunk, "ddp_config")
+        config = config if config is not None else find_attr(chunk, "config", read)
+        ddp_config = ddp_config if ddp_config is not None else find_attr(chunk, "ddp_config", read)
     return config, ddp_config
 
 
-def ddp_object(chunk: Any) -> Any:
-    """The object in the ``.module`` chain that does Megatron DDP's grad sync, or None."""
+def ddp_object(chunk: Any, read: Callable[..., Any] = attr_or) -> Any:
+    """The object in the ``.module`` chain that does Megatron DDP's grad sync, or None
+    (``read`` as in :func:`~torch_impl.sources.wrappers.unwrap`)."""
     for _ in range(64):
-        if callable(attr_or(chunk, "finish_grad_sync", None)):
+        if callable(read(chunk, "finish_grad_sync", None)):
             return chunk
-        chunk = attr_or(chunk, "module", NO_ATTR)
+        chunk = read(chunk, "module", NO_ATTR)
         if chunk is NO_ATTR:
             return None
     return None

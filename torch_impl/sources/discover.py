@@ -20,7 +20,9 @@ Conventions read (all optional):
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,10 +32,12 @@ from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
 from meshgrad.steps import QK_MARK, is_qk_layernorm, may_touch
 from meshgrad.errors import FinalizeInputError, FinalizeTypeError
+from torch_impl.call.probes import Probes
 from torch_impl.run.grads import get_grad
 from torch_impl.sources.fsdp2 import FsdpGroup, fsdp_groups
 from torch_impl.sources.torch_ddp import TorchDdp, ddp_wrappers
-from torch_impl.sources.wrappers import NO_ATTR, attr_or, param_name, unwrap
+from torch_impl.sources.config import chunk_configs
+from torch_impl.sources.wrappers import NO_ATTR, ReadRecorder, attr_or, param_name, unwrap
 
 #: Parameter attributes copied into ParamSpec flags.
 FLAG_ATTRS = (
@@ -119,21 +123,24 @@ def _instance_flags(param: torch.Tensor, class_flags: dict[str, Any]) -> dict[st
     return {k: getattr(param, k) if k != "main_grad" and hasattr(v, "__get__") else v for k, v in class_flags.items()}
 
 
-def shared_word_embedding(module: Any, has_mtp: bool, tied: Any = NO_ATTR) -> torch.Tensor | None:
+def shared_word_embedding(
+    module: Any, has_mtp: bool, tied: Any = NO_ATTR, read: Callable[..., Any] = attr_or
+) -> torch.Tensor | None:
     """semantics `word_embedding`: the tied word-embedding weight of an unwrapped chunk, or
-    None. ``tied``: its ``share_embeddings_and_output_weights`` when already read."""
+    None. ``tied``: its ``share_embeddings_and_output_weights`` when already read;
+    ``read`` as in :func:`~torch_impl.sources.wrappers.unwrap`."""
     if tied is NO_ATTR:
-        tied = attr_or(module, "share_embeddings_and_output_weights", False)
+        tied = read(module, "share_embeddings_and_output_weights", False)
     if not (tied or has_mtp):
         return None
-    getter = attr_or(module, "shared_embedding_or_output_weight", None)
+    getter = read(module, "shared_embedding_or_output_weight", None)
     return getter() if callable(getter) else None
 
 
-def position_embedding(module: Any) -> torch.Tensor | None:
+def position_embedding(module: Any, read: Callable[..., Any] = attr_or) -> torch.Tensor | None:
     """semantics `pos_embedding`: ``module.position_embeddings.weight``, or None."""
-    emb = attr_or(module, "position_embeddings", None)
-    return attr_or(emb, "weight", None) if emb is not None else None
+    emb = read(module, "position_embeddings", None)
+    return read(emb, "weight", None) if emb is not None else None
 
 
 def router_spec(name: str, chunk: int, module: nn.Module) -> RouterSpec | None:
@@ -354,13 +361,36 @@ def watched_keys(found: Discovered, plain: Sequence[bool]) -> list[ParamKey]:
     return [s.key for s in found.params if plain[s.chunk] or candidate(s)]
 
 
-def chunk_facts(model: Sequence[Any], found: Discovered, has_mtp: bool, ddp_object: Any) -> tuple[Any, ...]:
+def chunk_facts(
+    model: Sequence[Any], has_mtp: bool, ddp_object: Any, read: Callable[..., Any] = attr_or
+) -> tuple[Any, ...]:
     """Per chunk, what decides discovery beyond the parameters: the unwrapped module, its
-    DDP object, the tied-embedding flag and weight, the position-embedding weight."""
+    DDP object, the tied-embedding flag and weight, the position-embedding weight
+    (``read`` as in :func:`~torch_impl.sources.wrappers.unwrap`)."""
     out: list[Any] = []
     for chunk in model:
-        module = unwrap(chunk)
-        tied = attr_or(module, "share_embeddings_and_output_weights", None)
-        word = shared_word_embedding(module, has_mtp, tied)
-        out += (module, ddp_object(chunk), tied, word, position_embedding(module))
+        module = unwrap(chunk, read=read)
+        tied = read(module, "share_embeddings_and_output_weights", None)
+        word = shared_word_embedding(module, has_mtp, tied, read)
+        out += (module, ddp_object(chunk, read), tied, word, position_embedding(module, read))
     return tuple(out)
+
+
+_WORD_GETTER = operator.methodcaller("shared_embedding_or_output_weight")
+
+
+def probe_chunk_reads(probes: Probes, model: Sequence[Any], has_mtp: bool, ddp_object: Any) -> bool:
+    """Write down as probes what a step reads of the chunks' ``.module`` chains: the reads
+    of :func:`chunk_facts` and of ``chunk_configs`` (the configs a call resolves), made
+    once through a :class:`~torch_impl.sources.wrappers.ReadRecorder`, and the tied word
+    embedding's getter called where :func:`shared_word_embedding` calls it. False where
+    a chain holds a ``torch.compile`` wrapper (read through per call)."""
+    read = ReadRecorder(probes)
+    for chunk in model:
+        read.start(chunk)
+    chunk_configs(model, read)
+    facts = chunk_facts(model, has_mtp, ddp_object, read)
+    for module, _, tied, word, _ in zip(*[iter(facts)] * 5):
+        if (tied or has_mtp) and callable(attr_or(module, "shared_embedding_or_output_weight", None)):
+            probes.same(partial(_WORD_GETTER, module), word)
+    return not read.compiled

@@ -11,9 +11,13 @@ change what they return, so it no longer makes a step read the groups again.
 
 from __future__ import annotations
 
+import operator
 import types
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import Any
+
+from torch_impl.call.probes import Probes
 
 
 def _code_names(code: types.CodeType) -> set[str]:
@@ -79,6 +83,19 @@ class GlobalReads:
             return values == self.values and not any(map(module_dict.__contains__, self.absent))
         except Exception:  # noqa: BLE001 -- a name gone, or an elementwise comparison's error
             return False
+
+    def probe(self, module: Any, probes: Probes) -> None:
+        """Write :meth:`same` for ``module`` down as probes (for a module it holds for):
+        the read names in one ``itemgetter`` call, the absent ones in one ``isdisjoint``
+        over the live keys."""
+        module_dict = vars(module)
+        if self.whole is not None:
+            probes.live(module_dict, self.whole)
+            return
+        getter = operator.itemgetter(*self.names)
+        probes.equal(partial(getter, module_dict), getter(module_dict))
+        if self.absent:
+            probes.same(partial(module_dict.keys().isdisjoint, self.absent), True)
 
 
 __all__ = ["GlobalReads"]

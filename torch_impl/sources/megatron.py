@@ -16,13 +16,16 @@ a group source of any kind in :mod:`torch_impl.sources.group_sources`.
 from __future__ import annotations
 
 import inspect
+import operator
 import sys
 from collections.abc import Callable, Container
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
 from meshgrad.axes import Group
+from torch_impl.call.probes import Probes
 from torch_impl.run.groups import TorchGroups
 from torch_impl.sources.global_reads import GlobalReads
 
@@ -181,6 +184,23 @@ def parallel_state_current(memo: ParallelStateRead) -> bool:
     same initialized module, the globals its getters read what they were."""
     ps = loaded_parallel_state()
     return ps is memo.module and memo.reads.same(ps) and parallel_state() is ps
+
+
+_INITIALIZED = operator.methodcaller("model_parallel_is_initialized")
+
+
+def probe_parallel_state(probes: Probes, memo: ParallelStateRead | None) -> None:
+    """Write down as probes, while it holds, that :func:`parallel_state_current` holds
+    for ``memo`` (the module loaded, its read globals the same, initialized), or, with no
+    memo, that :func:`parallel_state` is still None (the module not loaded, or loaded and
+    not initialized)."""
+    ps = loaded_parallel_state() if memo is None else memo.module
+    probes.same(partial(sys.modules.get, PARALLEL_STATE), ps)
+    if ps is None:
+        return
+    if memo is not None:
+        memo.reads.probe(ps, probes)
+    probes.same(partial(_INITIALIZED, ps), ps.model_parallel_is_initialized())
 
 
 def _still_read(ps: Any, memo: ParallelStateRead) -> bool:

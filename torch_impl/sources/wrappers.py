@@ -8,6 +8,8 @@
   discovery names parameters as the uncompiled model does (no ``_orig_mod.`` prefix).
 * :func:`uncompiled_name`: the same for a name read from above such a wrapper (a Megatron
   DDP wrapping a compiled module names its parameters ``_orig_mod.*``).
+* :class:`ReadRecorder`: an :func:`attr_or` that writes each read down as a probe
+  (:class:`~torch_impl.call.probes.Probes`), for the walks that take a ``read``.
 * :func:`param_name`: a parameter's name as ``named_parameters()`` gives it, from its
   module's prefix and its key (discovery makes one only for the parameters it keeps).
 * :func:`eager_under_compile`: a decorator for the public entry points. Called while
@@ -22,10 +24,13 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
+
+from torch_impl.call.probes import Probes
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -49,6 +54,38 @@ def uncompiled(module: Any) -> Any:
             break
         module = module._orig_mod
     return module
+
+
+class ReadRecorder:
+    """:func:`attr_or` that also writes each read down as a probe: the same read again,
+    the same object expected (:meth:`~torch_impl.call.probes.Probes.read`). Given as
+    ``read`` to the walks down a ``.module`` chain, it records what they read; a walk
+    that gives the same result again reads the same objects while every probe holds.
+
+    ``compiled`` turns True when a chunk or a ``module`` read is a ``torch.compile``
+    wrapper: the walks read through it (:func:`uncompiled`) without a probe.
+
+    Args:
+      probes: where the reads are written.
+    """
+
+    def __init__(self, probes: Probes) -> None:
+        self.probes = probes
+        self.seen: set[tuple[int, str]] = set()  # (id, name): each object is held by its probes
+        self.compiled = False
+
+    def start(self, chunk: Any) -> None:
+        """Note a walk's first object (a wrapper there is read through)."""
+        self.compiled |= uncompiled(chunk) is not chunk
+
+    def __call__(self, obj: Any, name: str, default: Any = None) -> Any:
+        value = attr_or(obj, name, NO_ATTR)
+        if (id(obj), name) not in self.seen:
+            self.seen.add((id(obj), name))
+            self.probes.read(partial(attr_or, obj, name, NO_ATTR), value)
+        if name == "module" and value is not NO_ATTR:
+            self.compiled |= uncompiled(value) is not value
+        return default if value is NO_ATTR else value
 
 
 def uncompiled_name(name: str) -> str:
@@ -104,36 +141,38 @@ def has_attr(obj: Any, name: str) -> bool:
     return attr_or(obj, name, NO_ATTR) is not NO_ATTR
 
 
-def unwrap(module: Any, attr: str = "pre_process") -> Any:
+def unwrap(module: Any, attr: str = "pre_process", read: Callable[..., Any] = attr_or) -> Any:
     """Follow ``.module`` wrappers (DDP, Float16Module, ...) down to the model; a
     ``torch.compile`` wrapper on the way is read through (:func:`uncompiled`).
 
     Args:
       module: a model chunk, possibly wrapped.
       attr: stop at the first object that has this attribute.
+      read: reads an attribute as :func:`attr_or` does (a :class:`ReadRecorder`).
 
     Returns:
       The first object in the ``.module`` chain with ``attr``, else the innermost one.
     """
     module = uncompiled(module)
     for _ in range(64):
-        if attr_or(module, attr, NO_ATTR) is not NO_ATTR:
+        if read(module, attr, NO_ATTR) is not NO_ATTR:
             return module
-        inner = attr_or(module, "module", NO_ATTR)
+        inner = read(module, "module", NO_ATTR)
         if inner is NO_ATTR:
             return module
         module = uncompiled(inner)
     return module
 
 
-def find_attr(module: Any, attr: str) -> Any:
-    """The first ``attr`` found along the ``.module`` chain of ``module`` (None if absent)."""
+def find_attr(module: Any, attr: str, read: Callable[..., Any] = attr_or) -> Any:
+    """The first ``attr`` found along the ``.module`` chain of ``module`` (None if absent;
+    ``read`` as in :func:`unwrap`)."""
     for _ in range(64):
         module = uncompiled(module)
-        value = attr_or(module, attr, NO_ATTR)
+        value = read(module, attr, NO_ATTR)
         if value is not NO_ATTR:
             return value
-        inner = attr_or(module, "module", NO_ATTR)
+        inner = read(module, "module", NO_ATTR)
         if inner is NO_ATTR:
             return None
         module = inner

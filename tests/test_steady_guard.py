@@ -1,0 +1,327 @@
+"""The steady check written down as probes (``torch_impl.call.steady.SteadyGuard``,
+``torch_impl.call.probes``): a Megatron-DDP step answered by its probes gives the numbers
+the full check gives, and every change the full check sees makes the probes miss.
+
+World of one rank (no process group): each step's gradients are checked after the
+num_tokens scale, and for every change the probes are held against the full check
+itself (probes that hold while the full check fails would be a bug).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from torch_impl import finalize_model_grads, invalidate_plans  # noqa: E402
+from torch_impl.call.memo import probe_absent  # noqa: E402
+from torch_impl.call.model_state import ModelState  # noqa: E402
+from torch_impl.call.probes import Probes  # noqa: E402
+from torch_impl.call.read import Request  # noqa: E402
+from torch_impl.sources.megatron import PARALLEL_STATE  # noqa: E402
+from torch_impl.sources.wrappers import ReadRecorder, find_attr, unwrap  # noqa: E402
+
+steady = importlib.import_module("torch_impl.call.steady")
+
+#: Attributes no result reads (a Megatron config holds hundreds: then it is read by name).
+FILLER = {f"unread_{i}": i for i in range(60)}
+
+
+class Config:
+    """A Megatron-like config: a plain class (as a dataclass is), whose missing names are
+    probed on its instance dict and class dict."""
+
+    def __init__(self, **fields: object) -> None:
+        vars(self).update(fields)
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(3))
+        self.b = nn.Parameter(torch.zeros(2, 2))
+
+
+class DDP(nn.Module):
+    """A Megatron-DDP-like chunk: it owns the DP sync (counted) and the scale."""
+
+    def __init__(self, inner: nn.Module, config: object) -> None:
+        super().__init__()
+        self.module, self.config = inner, config
+        self.ddp_config = types.SimpleNamespace(use_distributed_optimizer=False, grad_reduce_in_fp32=False)
+        self.syncs = 0
+        self.fill()
+
+    def fill(self) -> None:
+        for i, p in enumerate(self.module.parameters()):
+            if getattr(p, "main_grad", None) is None:
+                p.main_grad = torch.empty(p.shape)
+            p.main_grad.fill_(float(4 * (i + 1)))
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        self.syncs += 1
+
+    def scale_gradients(self, scale: torch.Tensor) -> None:
+        for p in self.module.parameters():
+            p.main_grad.mul_(scale)
+
+
+def model() -> list[DDP]:
+    return [DDP(Inner(), Config(calculate_per_token_loss=True, qk_layernorm=False, **FILLER))]
+
+
+def step(chunks: list[DDP], n: int) -> None:
+    """One finalize of freshly filled gradients, checked: each gradient divided by n, one
+    DP sync per chunk."""
+    syncs = [c.syncs for c in chunks]
+    for c in chunks:
+        c.fill()
+    want = [p.main_grad / n for c in chunks for p in c.module.parameters()]
+    finalize_model_grads(chunks, num_tokens=torch.tensor(n))
+    got = [p.main_grad for c in chunks for p in c.module.parameters()]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert [c.syncs for c in chunks] == [s + 1 for s in syncs]
+
+
+def guard_of(chunks: list[DDP]) -> steady.SteadyGuard:
+    (guard,) = ModelState.of(chunks).steady_guards.values()
+    return guard
+
+
+def probes_hold(chunks: list[DDP]) -> bool:
+    """Whether the kept probes answer the next finalize call."""
+    state = ModelState.of(chunks)
+    if not state.steady:
+        return False
+    (kind, last), = state.steady.items()
+    guard = state.steady_guards.get(kind)
+    return guard is not None and guard.holds(last, None, Request(num_tokens=torch.tensor(1)))
+
+
+def full_check_passes(chunks: list[DDP]) -> bool:
+    """The full steady check of the next finalize call, without the probes."""
+    state = ModelState.of(chunks)
+    kept = dict(state.steady_guards)
+    state.steady_guards.clear()
+    try:
+        return steady.steady_read(chunks, None, Request(num_tokens=torch.tensor(1)), {}) is not None
+    finally:
+        state.steady_guards.update(kept)
+
+
+@pytest.fixture
+def full_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the full steady checks (the probes answer without resolving the configs)."""
+    seen: list[int] = []
+    original = steady.config_sources
+
+    def counted(*args: object) -> object:
+        seen.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(steady, "config_sources", counted)
+    return seen
+
+
+def test_the_probes_answer_a_repeated_ddp_step_with_the_same_numbers(full_checks: list[int]) -> None:
+    chunks = model()
+    for n in (2, 4, 8, 4, 2):
+        step(chunks, n)
+    # call 1 reads and plans, call 2 takes the full check and writes the probes, the rest hold
+    assert len(full_checks) == 1
+    guard = guard_of(chunks)
+    assert guard.probes is not None and guard.builds == 1
+    assert 0 < len(guard.probes) < 40
+
+
+def _set_read_field(chunks: list[DDP]) -> None:
+    chunks[0].config.qk_layernorm = True
+
+
+def _define_absent_field(chunks: list[DDP]) -> None:
+    chunks[0].config.check_for_nan_in_grad = True
+
+
+def _define_absent_on_class(chunks: list[DDP]) -> None:
+    Config.check_for_nan_in_grad = True
+
+
+def _replace_config(chunks: list[DDP]) -> None:
+    chunks[0].config = Config(calculate_per_token_loss=True, qk_layernorm=False, **FILLER)
+
+
+def _replace_ddp_config(chunks: list[DDP]) -> None:
+    chunks[0].ddp_config = types.SimpleNamespace(use_distributed_optimizer=False, grad_reduce_in_fp32=False)
+
+
+def _change_ddp_config(chunks: list[DDP]) -> None:
+    chunks[0].ddp_config.grad_reduce_in_fp32 = True
+
+
+def _tie_embeddings(chunks: list[DDP]) -> None:
+    inner = chunks[0].module
+    inner.share_embeddings_and_output_weights = True
+    inner.shared_embedding_or_output_weight = lambda: inner.a
+
+
+def _add_position_embedding(chunks: list[DDP]) -> None:
+    chunks[0].module.position_embeddings = nn.Embedding(2, 2)
+
+
+def _stop_unwrap_early(chunks: list[DDP]) -> None:
+    chunks[0].pre_process = True
+
+
+def _replace_inner_module(chunks: list[DDP]) -> None:
+    chunks[0].module = Inner()
+
+
+def _register_parameter(chunks: list[DDP]) -> None:
+    chunks[0].module.c = nn.Parameter(torch.zeros(1))
+
+
+def _load_parallel_state(chunks: list[DDP]) -> None:
+    module = types.ModuleType(PARALLEL_STATE)
+    module.model_parallel_is_initialized = lambda: False  # loaded, not initialized: still no groups
+    sys.modules[PARALLEL_STATE] = module
+
+
+def _invalidate(chunks: list[DDP]) -> None:
+    invalidate_plans(chunks)
+
+
+CHANGES = [
+    _set_read_field, _define_absent_field, _define_absent_on_class, _replace_config, _replace_ddp_config,
+    _change_ddp_config, _tie_embeddings, _add_position_embedding, _stop_unwrap_early, _replace_inner_module,
+    _register_parameter, _load_parallel_state, _invalidate,
+]
+
+
+@pytest.fixture
+def restore(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Undo what the changes do outside the model (a class attribute, sys.modules)."""
+    monkeypatch.delitem(sys.modules, PARALLEL_STATE, raising=False)
+    monkeypatch.delattr(Config, "check_for_nan_in_grad", raising=False)
+    yield
+    if "check_for_nan_in_grad" in vars(Config):
+        del Config.check_for_nan_in_grad
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
+def test_every_change_the_full_check_sees_makes_the_probes_miss(change, restore: None) -> None:
+    chunks = model()
+    for n in (2, 4, 8):
+        step(chunks, n)
+    assert probes_hold(chunks) and full_check_passes(chunks)
+    change(chunks)
+    holds, passes = probes_hold(chunks), full_check_passes(chunks)
+    assert not holds, "the probes hold over a change"
+    # parallel_state loaded but not initialized gives no groups, as before: the full check
+    # passes, the probes (the module absent) miss and are written again
+    assert not passes or change is _load_parallel_state, "a change the full check ignores"
+    for n in (3, 5):  # the stages (or the full check) read the change; the numbers stay right
+        step(chunks, n)
+    assert full_check_passes(chunks)
+    # probes again, but where an embedding weight is now watched (its checks are the watch's)
+    assert probes_hold(chunks) == (change not in (_tie_embeddings, _add_position_embedding))
+
+
+def test_a_change_nothing_reads_keeps_the_probes(full_checks: list[int]) -> None:
+    chunks = model()
+    for n in (2, 4):
+        step(chunks, n)
+    chunks[0].config.unread_3 = "changed"  # no FinalizeConfig field
+    chunks[0].module.a.main_grad.fill_(7.0)  # gradient values: every step
+    chunks[0].training = False
+    assert probes_hold(chunks)
+    step(chunks, 6)
+    assert len(full_checks) == 1
+
+
+def test_probes_that_miss_every_step_are_written_a_bounded_number_of_times(full_checks: list[int]) -> None:
+    chunks = model()
+    for n in range(2, 12):
+        # a new bound sync function each step: the full check passes (still callable), the
+        # probes (the same function of the same object) miss
+        chunks[0].finish_grad_sync = types.MethodType(lambda self, **kw: DDP.finish_grad_sync(self, **kw), chunks[0])
+        step(chunks, n)
+    guard = guard_of(chunks)
+    assert guard.probes is None and guard.builds == steady.MAX_GUARD_BUILDS + 1
+    assert len(full_checks) == 9  # every call after the first
+
+
+def test_probes_compare_by_identity_by_value_and_live_containers() -> None:
+    one, state, box = torch.ones(1), {"x": 1}, [0]
+    probes = Probes()
+    probes.same(lambda: one, one)
+    probes.equal(lambda: (1, "a"), (1, "a"))
+    probes.live(state, dict(state))
+    probes.same(lambda: box[0], 0)
+    assert probes.hold() and len(probes) == 4
+    box[0] = 1
+    assert not probes.hold()
+    box[0] = 0
+    state["x"] = 2
+    assert not probes.hold()
+    state["x"] = 1
+    assert probes.hold()
+    identity = Probes()
+    other = torch.ones(1)  # equal, not the same object
+    identity.same(lambda: other, one)
+    assert not identity.hold()
+    raising = Probes()
+    raising.equal(lambda: torch.ones(3), torch.zeros(3))  # an elementwise comparison's error
+    raising.same(lambda: 1 / 0, 0)
+    assert not raising.hold()
+
+
+def test_absent_names_are_probed_on_the_instance_and_every_class() -> None:
+    class Base:
+        pass
+
+    class Cfg(Base):
+        pass
+
+    cfg = Cfg()
+    probes = Probes()
+    probe_absent(probes, cfg, ("x", "y"))
+    assert probes.hold() and len(probes) == 5  # class, dict, its keys, each class's keys
+    for owner in (cfg, Base, Cfg):
+        owner.y = 1
+        assert not probes.hold()
+        del owner.y
+        assert probes.hold()
+    Cfg.__getattr__ = lambda self, name: 0  # every missing name readable now
+    assert not probes.hold()
+    per_name = Probes()
+    probe_absent(per_name, cfg, ("x", "y"))  # a look-up hook of its own: one hasattr per name
+    assert len(per_name) == 2 and not per_name.hold()
+    del Cfg.__getattr__
+    assert probes.hold() and per_name.hold()
+
+
+def test_the_read_recorder_writes_each_read_once_and_sees_a_compiled_wrapper() -> None:
+    chunk = model()[0]
+    probes = Probes()
+    read = ReadRecorder(probes)
+    assert unwrap(chunk, read=read) is chunk.module
+    assert find_attr(chunk, "config", read) is chunk.config
+    # unwrap: pre_process and module on both objects; find_attr: config on the first
+    assert len(probes) == 5 and probes.hold() and not read.compiled
+    chunk.module.pre_process = True
+    assert not probes.hold()
+    compiled = torch.compile(nn.Linear(1, 1))  # a wrapper the walks read through, unprobed
+    first = ReadRecorder(Probes())
+    first.start(compiled)
+    holder = nn.Module()
+    holder.module = compiled
+    inner = ReadRecorder(Probes())
+    inner.start(holder)
+    assert not inner.compiled
+    assert inner(holder, "module") is compiled
+    assert first.compiled and inner.compiled

@@ -1,0 +1,82 @@
+"""A steady check recorded as probes and replayed in one pass (:class:`Probes`).
+
+A memo's check reads some objects and compares what it reads with what it kept. The
+same check can be written down once as probes: zero-argument callables (``partial`` of a
+C function, of ``getattr``, of a dict's ``get``) each with the value it gave when the
+check passed. Replaying them is a few C-level loops over fixed lists, with no Python
+frame per check: see :mod:`torch_impl.call.steady` for why that is what a step inside
+a distributed world pays for.
+
+Three kinds of entries, each at least as strict as the check it stands for:
+
+* ``same``: the probe gives the very object it gave (identity; a new object that
+  compares equal counts as a change).
+* ``equal``: the probe gives a value equal to the one it gave (``==``, identical values
+  short-cut; a comparison that raises counts as a change), for checks that compare by
+  value (a config's attribute values, a bound method read again).
+* ``live``: a container compared with a copy of it (``==``), for checks that compare a
+  dict with its copy.
+"""
+
+from __future__ import annotations
+
+import operator
+import types
+from collections.abc import Callable
+from typing import Any
+
+#: ``f()`` for each probe ``f``, in C (``operator.call`` is Python 3.11+).
+_CALL = operator.methodcaller("__call__")
+#: What an attribute read makes anew each time: a method bound to the object read from.
+_BOUND = (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)
+
+
+class Probes:
+    """Probes and the values they gave, replayed by :meth:`hold`."""
+
+    __slots__ = ("same_probes", "same_values", "equal_probes", "equal_values", "lives", "copies")
+
+    def __init__(self) -> None:
+        self.same_probes: list[Callable[[], Any]] = []
+        self.same_values: list[Any] = []
+        self.equal_probes: list[Callable[[], Any]] = []
+        self.equal_values: list[Any] = []
+        self.lives: list[Any] = []
+        self.copies: list[Any] = []
+
+    def same(self, probe: Callable[[], Any], value: Any) -> None:
+        """``probe()`` must give ``value`` itself."""
+        self.same_probes.append(probe)
+        self.same_values.append(value)
+
+    def equal(self, probe: Callable[[], Any], value: Any) -> None:
+        """``probe()`` must give a value equal to ``value``."""
+        self.equal_probes.append(probe)
+        self.equal_values.append(value)
+
+    def read(self, probe: Callable[[], Any], value: Any) -> None:
+        """An attribute read: the same object, or, for a bound method (a new object per
+        read), an equal one (the same function of the same object)."""
+        (self.equal if isinstance(value, _BOUND) else self.same)(probe, value)
+
+    def live(self, container: Any, copy: Any) -> None:
+        """``container`` (held) must compare equal to ``copy``."""
+        self.lives.append(container)
+        self.copies.append(copy)
+
+    def hold(self) -> bool:
+        """Whether every probe gives what it gave (False when one raises)."""
+        try:
+            return (
+                all(map(operator.is_, map(_CALL, self.same_probes), self.same_values))
+                and list(map(_CALL, self.equal_probes)) == self.equal_values
+                and self.lives == self.copies
+            )
+        except Exception:  # noqa: BLE001 -- a read that raises, or an elementwise comparison's error: a change
+            return False
+
+    def __len__(self) -> int:
+        return len(self.same_probes) + len(self.equal_probes) + len(self.lives)
+
+
+__all__ = ["Probes"]
