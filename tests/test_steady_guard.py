@@ -12,13 +12,17 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+from collections.abc import Callable
 
 import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
+from meshgrad import FinalizeConfig  # noqa: E402
 from torch_impl import finalize_model_grads, invalidate_plans  # noqa: E402
+from torch_impl.call.config_memo import ConfigMemo  # noqa: E402
+from torch_impl.call.group_memo import GroupMemo  # noqa: E402
 from torch_impl.call.memo import probe_absent  # noqa: E402
 from torch_impl.call.model_state import ModelState  # noqa: E402
 from torch_impl.call.probes import Probes  # noqa: E402
@@ -325,3 +329,81 @@ def test_the_read_recorder_writes_each_read_once_and_sees_a_compiled_wrapper() -
     assert not inner.compiled
     assert inner(holder, "module") is compiled
     assert first.compiled and inner.compiled
+
+
+def _written(write: Callable[[Probes], object]) -> Probes:
+    probes = Probes()
+    assert write(probes) is not False
+    return probes
+
+
+def test_the_config_memos_probes_hold_exactly_while_the_memo_is_unchanged() -> None:
+    memo = ConfigMemo()
+    raw, ddp = Config(calculate_per_token_loss=True, **FILLER), types.SimpleNamespace(bucket_size=4)
+    config, requested = memo.config(raw, ddp), memo.requested(raw)
+    probes = _written(lambda p: memo.probe(p, raw, ddp, requested))
+
+    def agree(want: bool) -> None:
+        assert memo.unchanged(raw, ddp, config, requested) is want and probes.hold() is want
+
+    agree(True)
+    raw.tensor_model_parallel_size = 2  # a stated size
+    agree(False)
+    del raw.tensor_model_parallel_size
+    agree(True)
+    raw.unread_1 = "changed"  # nothing reads it
+    agree(True)
+    Config.sequence_parallel = True  # a read name, defined on the class
+    agree(False)
+    del Config.sequence_parallel
+    agree(True)
+    ddp.grad_reduce_in_fp32 = True  # a small config: its whole dict
+    agree(False)
+    del ddp.grad_reduce_in_fp32
+    agree(True)
+    memo.config(Config(**FILLER), None)  # another call resolved another config
+    assert not probes.hold() and not memo.unchanged(raw, ddp, config, requested)
+
+
+def test_the_group_memos_probes_follow_parallel_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    ps = types.ModuleType("fake_parallel_state")
+    ps.initialized = True
+    ps.model_parallel_is_initialized = lambda: ps.initialized
+    ps.get_tensor_model_parallel_group = lambda **kwargs: None
+    monkeypatch.setitem(sys.modules, PARALLEL_STATE, ps)
+    memo, config = GroupMemo(), FinalizeConfig()
+    groups = memo.parallel_state_groups()
+    probes = _written(lambda p: memo.probe(p, None, config, groups))
+
+    def agree(want: bool) -> None:
+        assert memo.unchanged(None, config, groups) is want and probes.hold() is want
+
+    agree(True)
+    ps._SOME_GLOBAL = 1  # a global no getter reads
+    agree(True)
+    getter = ps.get_tensor_model_parallel_group
+    ps.get_tensor_model_parallel_group = lambda **kwargs: None  # a getter replaced
+    agree(False)
+    ps.get_tensor_model_parallel_group = getter
+    agree(True)
+    ps.initialized = False  # no longer initialized
+    agree(False)
+    ps.initialized = True
+    agree(True)
+    monkeypatch.delitem(sys.modules, PARALLEL_STATE)  # unloaded
+    agree(False)
+    monkeypatch.setitem(sys.modules, PARALLEL_STATE, types.ModuleType(PARALLEL_STATE))  # another module
+    agree(False)
+
+
+def test_a_watch_that_comes_to_cover_more_makes_the_probes_miss() -> None:
+    chunks = model()
+    for n in (2, 4, 8):
+        step(chunks, n)
+    assert probes_hold(chunks)
+    (_, _, watch, _), = ModelState.of(chunks).found.values()
+    watch.cover([(0, "a")])  # what another call's plan reads is watched from now on
+    assert not probes_hold(chunks) and full_check_passes(chunks)
+    step(chunks, 3)  # the full check passes and writes the probes of the new watch
+    assert probes_hold(chunks)
+    step(chunks, 5)

@@ -261,6 +261,7 @@ class ModelWatch:
         :meth:`same`'s), an edge compared by identity, facts that cannot be probed."""
         if self.grads.params or self.router_dicts or self.probe_facts is None:
             return False
+        probes.same(partial(getattr, self, "grads"), self.grads)  # replaced when a plan covers more (cover)
         probes.same(partial(operator.getitem, self.dirty, 0), False)
         return self.param_edges.probe(probes) and self.router_edges.probe(probes) and self.probe_facts(probes)
 
