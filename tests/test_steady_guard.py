@@ -29,6 +29,7 @@ from torch_impl.call.probes import Probes  # noqa: E402
 from torch_impl.call.read import Request  # noqa: E402
 from torch_impl.sources.megatron import PARALLEL_STATE  # noqa: E402
 from torch_impl.sources.wrappers import ReadRecorder, find_attr, unwrap  # noqa: E402
+from test_steady_path import fake_parallel_state  # noqa: E402
 
 steady = importlib.import_module("torch_impl.call.steady")
 
@@ -366,11 +367,7 @@ def test_the_config_memos_probes_hold_exactly_while_the_memo_is_unchanged() -> N
 
 
 def test_the_group_memos_probes_follow_parallel_state(monkeypatch: pytest.MonkeyPatch) -> None:
-    ps = types.ModuleType("fake_parallel_state")
-    ps.initialized = True
-    ps.model_parallel_is_initialized = lambda: ps.initialized
-    ps.get_tensor_model_parallel_group = lambda **kwargs: None
-    monkeypatch.setitem(sys.modules, PARALLEL_STATE, ps)
+    ps = fake_parallel_state(monkeypatch)
     memo, config = GroupMemo(), FinalizeConfig()
     groups = memo.parallel_state_groups()
     probes = _written(lambda p: memo.probe(p, None, config, groups))

@@ -204,12 +204,18 @@ def test_the_config_memo_is_unchanged_exactly_while_it_would_give_the_same_resul
     assert not memo.unchanged(final, None, FinalizeConfig(), Requested())
 
 
-def test_the_group_memo_follows_parallel_state_and_the_source(monkeypatch: pytest.MonkeyPatch) -> None:
+def fake_parallel_state(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """An initialized ``parallel_state`` of one getter, loaded (for this test only)."""
     ps = types.ModuleType("fake_parallel_state")
     ps.initialized = True
     ps.model_parallel_is_initialized = lambda: ps.initialized
     ps.get_tensor_model_parallel_group = lambda **kwargs: None
     monkeypatch.setitem(sys.modules, PARALLEL_STATE, ps)
+    return ps
+
+
+def test_the_group_memo_follows_parallel_state_and_the_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    ps = fake_parallel_state(monkeypatch)
     memo, config = GroupMemo(), FinalizeConfig()
     groups = memo.parallel_state_groups()
     assert groups is not None and groups.size(Group.TP) == 1

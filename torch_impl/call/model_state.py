@@ -23,7 +23,9 @@ from typing import Any, Literal
 
 from meshgrad.config import FinalizeConfig
 from torch_impl.call.config_memo import ConfigMemo
-from torch_impl.sources.discover import Discovered, candidate_keys, chunk_facts, discover, probe_chunk_reads, watched_keys
+from torch_impl.sources.discover import (
+    Discovered, candidate_keys, chunk_facts, discover, probe_chunk_reads, watched_keys,
+)
 from torch_impl.sources.embedding_read import EmbeddingRead, embedding_weight, one_weight
 from torch_impl.run.stats import ExecStats
 from torch_impl.run.grads import get_grad, is_dtensor
