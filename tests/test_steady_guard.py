@@ -10,6 +10,7 @@ itself (probes that hold while the full check fails would be a bug).
 from __future__ import annotations
 
 import importlib
+import random
 import sys
 import types
 from collections.abc import Callable
@@ -81,8 +82,8 @@ def model() -> list[DDP]:
 
 
 def step(chunks: list[DDP], n: int) -> None:
-    """One finalize of freshly filled gradients, checked: each gradient divided by n, one
-    DP sync per chunk."""
+    """One finalize of freshly filled gradients, checked: each gradient divided by n (a
+    power of two: exact), one DP sync per chunk."""
     syncs = [c.syncs for c in chunks]
     for c in chunks:
         c.fill()
@@ -229,7 +230,7 @@ def test_every_change_the_full_check_sees_makes_the_probes_miss(change, restore:
     # parallel_state loaded but not initialized gives no groups, as before: the full check
     # passes, the probes (the module absent) miss and are written again
     assert not passes or change is _load_parallel_state, "a change the full check ignores"
-    for n in (3, 5):  # the stages (or the full check) read the change; the numbers stay right
+    for n in (16, 32):  # the stages (or the full check) read the change; the numbers stay right
         step(chunks, n)
     assert full_check_passes(chunks)
     # probes again, but where an embedding weight is now watched (its checks are the watch's)
@@ -244,13 +245,13 @@ def test_a_change_nothing_reads_keeps_the_probes(full_checks: list[int]) -> None
     chunks[0].module.a.main_grad.fill_(7.0)  # gradient values: every step
     chunks[0].training = False
     assert probes_hold(chunks)
-    step(chunks, 6)
+    step(chunks, 16)
     assert len(full_checks) == 1
 
 
 def test_probes_that_miss_every_step_are_written_a_bounded_number_of_times(full_checks: list[int]) -> None:
     chunks = model()
-    for n in range(2, 12):
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
         # a new bound sync function each step: the full check passes (still callable), the
         # probes (the same function of the same object) miss
         chunks[0].finish_grad_sync = types.MethodType(lambda self, **kw: DDP.finish_grad_sync(self, **kw), chunks[0])
@@ -401,6 +402,62 @@ def test_a_watch_that_comes_to_cover_more_makes_the_probes_miss() -> None:
     (_, _, watch, _), = ModelState.of(chunks).found.values()
     watch.cover([(0, "a")])  # what another call's plan reads is watched from now on
     assert not probes_hold(chunks) and full_check_passes(chunks)
-    step(chunks, 3)  # the full check passes and writes the probes of the new watch
+    step(chunks, 16)  # the full check passes and writes the probes of the new watch
     assert probes_hold(chunks)
-    step(chunks, 5)
+    step(chunks, 32)
+
+
+def _toggle_read_field(chunks: list[DDP]) -> None:
+    chunks[0].config.qk_layernorm = not chunks[0].config.qk_layernorm
+
+
+def _toggle_absent_field(chunks: list[DDP]) -> None:
+    config = chunks[0].config
+    if "check_for_nan_in_grad" in vars(config):
+        del config.check_for_nan_in_grad
+    else:
+        config.check_for_nan_in_grad = False
+
+
+def _toggle_absent_on_class(chunks: list[DDP]) -> None:
+    if "check_for_nan_in_grad" in vars(Config):
+        del Config.check_for_nan_in_grad
+    else:
+        Config.check_for_nan_in_grad = False
+
+
+def _toggle_ddp_config(chunks: list[DDP]) -> None:
+    ddp_config = chunks[0].ddp_config
+    ddp_config.grad_reduce_in_fp32 = not ddp_config.grad_reduce_in_fp32
+
+
+def _toggle_parallel_state(chunks: list[DDP]) -> None:
+    if PARALLEL_STATE in sys.modules:
+        del sys.modules[PARALLEL_STATE]
+    else:
+        _load_parallel_state(chunks)
+
+
+def _unread_change(chunks: list[DDP]) -> None:
+    chunks[0].config.unread_7 = object()
+    chunks[0].training = not chunks[0].training
+
+
+def test_random_changes_between_steps_never_leave_probes_holding_over_a_change(restore: None) -> None:
+    """80 steps, a random change before each (a reversible one, so later steps return to
+    states seen before): every step's numbers are right, and whenever the probes would
+    answer, the full check passes too."""
+    rng = random.Random(0)
+    changes = [
+        _toggle_read_field, _toggle_absent_field, _toggle_absent_on_class, _replace_config, _replace_ddp_config,
+        _toggle_ddp_config, _toggle_parallel_state, _invalidate, _unread_change, _unread_change, _unread_change,
+    ]
+    chunks = model()
+    held = 0
+    for _ in range(80):
+        rng.choice(changes)(chunks)
+        if probes_hold(chunks):
+            held += 1
+            assert full_check_passes(chunks)
+        step(chunks, rng.choice((1, 2, 4, 8, 16)))
+    assert held > 10  # the probes did answer between the changes
