@@ -116,9 +116,12 @@ def _write_probes(state: ModelState, last: SteadyCall, source: Any, request: Req
 def _keep_guard(state: ModelState, kind: Any, last: SteadyCall, source: Any, request: Request,
                 raw: tuple[Any, Any]) -> None:
     """After a full check of ``last`` passed: write its probes, unless they were written
-    :data:`MAX_GUARD_BUILDS` times already."""
+    :data:`MAX_GUARD_BUILDS` times already or could not be written for it."""
     old = state.steady_guards.get(kind)
-    builds = old.builds + 1 if old is not None and old.last is last else 1
+    same_call = old is not None and old.last is last
+    if same_call and old.probes is None:  # none could be written, or the builds ran out
+        return
+    builds = old.builds + 1 if same_call else 1
     probes = _write_probes(state, last, source, request) if builds <= MAX_GUARD_BUILDS else None
     state.steady_guards[kind] = SteadyGuard(last, source, request.config, raw, probes, builds)
 
@@ -161,12 +164,26 @@ def steady_read(
     last: SteadyCall | None = state.steady.get(kind) if kind is not None else None
     if last is None:
         return None
-    inputs = last.inputs
     guard = state.steady_guards.get(kind)
     if guard is not None and guard.holds(last, source, request):
-        known.update(raw=guard.raw, config=inputs.config, groups=inputs.groups)
-        return inputs, last.bound
+        raw = guard.raw
+    else:
+        raw = _full_check(state, last, chunks, source, request)
+        if raw is None:
+            return None
+        _keep_guard(state, kind, last, source, request, raw)
+    inputs = last.inputs
+    known.update(raw=raw, config=inputs.config, groups=inputs.groups)
+    return inputs, last.bound
+
+
+def _full_check(
+    state: ModelState, last: SteadyCall, chunks: Any, source: Any, request: Request
+) -> tuple[Any, Any] | None:
+    """The memos' own checks of ``last`` (module doc): the config and DDP config this call
+    resolves when they all hold, else None."""
     raw = config_sources(chunks, request)
+    inputs = last.inputs
     (slot, complete_kept), kept_raw = last.slot, last.raw
     stated = inputs.requested if request.finalize else None  # a helper states no sizes
     if (
@@ -176,10 +193,7 @@ def steady_read(
         or not state.still_kept(slot, last.kept, complete_kept, request.reads)
     ):
         return None
-    known.update(raw=raw, config=inputs.config, groups=inputs.groups)
-    if guard is None or guard.probes is not None or guard.last is not last:
-        _keep_guard(state, kind, last, source, request, raw)
-    return inputs, last.bound
+    return raw
 
 
 def keep_steady(inputs: CallInputs, bound: BoundPlan, source: Any, request: Request, raw: tuple[Any, Any]) -> None:

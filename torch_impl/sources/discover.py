@@ -386,11 +386,10 @@ def probe_chunk_reads(probes: Probes, model: Sequence[Any], has_mtp: bool, ddp_o
     embedding's getter called where :func:`shared_word_embedding` calls it. False where
     a chain holds a ``torch.compile`` wrapper (read through per call)."""
     read = ReadRecorder(probes)
+    chunk_configs(model, read)
     for chunk in model:
         read.start(chunk)
-    chunk_configs(model, read)
-    facts = chunk_facts(model, has_mtp, ddp_object, read)
-    for module, _, tied, word, _ in zip(*[iter(facts)] * 5):
+        module, _, tied, word, _ = chunk_facts([chunk], has_mtp, ddp_object, read)
         if (tied or has_mtp) and callable(attr_or(module, "shared_embedding_or_output_weight", None)):
             probes.same(partial(_WORD_GETTER, module), word)
     return not read.compiled
