@@ -4,8 +4,9 @@
   overhead per call with ``num_tokens``, meshgrad (own buffers, drop-in) against
   megatron-core; then the whole meshgrad finalize captured in one CUDA graph and replayed
   (no host sync inside: num_tokens stays on the device), checked by value, timed
-  against eager; megatron-core's finalize is tried under capture too (its
-  ``if num_tokens > 0`` needs the host).
+  against eager; megatron-core's finalize is tried under capture too (0.16's
+  ``if num_tokens > 0`` needs the host; 0.19 clamps the count on the device and captures).
+  On CUDA, also one steady call of each row under torch's sync debug mode: its host syncs.
 * ``--backend fake``: the multi-rank layout (TP=8, PP=2, DP=2) on torch's fake backend
   with gradients on the device: the same capture / replay / value check, with meshgrad's
   pre-scale, in-place reductions (no-ops under fake) and the token scale in the graph.
@@ -38,12 +39,12 @@ FAKE = Layout("gpt-24L-h1024", 24, 1024, tp=8, pp=2, dp=2)
 
 
 def _fill(model_buffers: list[torch.Tensor], seed: int = 0) -> list[torch.Tensor]:
-    """Integer-valued gradients (exact under scaling by a power of two), kept as copies."""
-    gen = torch.Generator().manual_seed(seed)
+    """Integer-valued gradients (exact under scaling by a power of two), kept as copies;
+    drawn on the buffers' device (a host draw of billions of values takes minutes)."""
     out = []
-    for b in model_buffers:
-        values = torch.randint(-8, 9, b.shape, generator=gen).to(b.dtype)
-        b.copy_(values.to(b.device))
+    for i, b in enumerate(model_buffers):
+        gen = torch.Generator(device=b.device).manual_seed(seed * 1000 + i)
+        b.copy_(torch.randint(-8, 9, b.shape, generator=gen, device=b.device, dtype=b.dtype))
         out.append(b.detach().clone())
     return out
 
@@ -52,7 +53,7 @@ def init_world_of_one(backend: str, device: str) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(torch.device(device).index or 0)  # "cuda" alone names no index
     store = os.path.join(tempfile.mkdtemp(prefix="meshgrad-bench-"), "store")
     dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
 
@@ -111,6 +112,23 @@ def graph_check(
     out["time"] = timed
     out["speedup"] = timed["eager"]["median"] / timed["graph replay"]["median"]
     return out
+
+
+def host_syncs(fn: Any) -> dict[str, Any]:
+    """One call of ``fn`` under torch's sync debug mode: the host syncs torch sees it make
+    (a ``.item()``, a copy to the host, ...), counted and the first few named."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0][:160] for w in caught if "called a synchronizing" in str(w.message)]
+    return {"count": len(syncs), "first": syncs[:3]}
 
 
 def run_world_of_one(
@@ -172,6 +190,8 @@ def run_world_of_one(
         **({"meshgrad buffers / megatron": t["meshgrad buffers"] / t["megatron"]} if "megatron" in t else {}),
     }
     result["bytes_copied_meshgrad_buffers"] = execution_stats(own).bytes_copied
+    if device.startswith("cuda"):  # a steady call of each (all ran above): torch's view of its host syncs
+        result["host syncs per call"] = {name: host_syncs(fn) for name, fn in cands.items()}
     result["eager values_ok"] = eager_check(cands["meshgrad buffers"], list(bufs.buffers), tokens, device)
     tokens.fill_(4)
     # Capture: meshgrad's whole finalize, tokens on the device.

@@ -20,9 +20,9 @@ wrapper step (replay) and an eager step are also timed, interleaved.
 **Without megatron-core** (``--impl hand``, the fallback): the hand-rolled capture of one
 step (``zero_grad_buffer()``, forward on a static input, backward, torch_impl's finalize
 with ``num_tokens`` a device tensor) of an MLP in ``bench.ddp.MiniDDP`` (megatron-core's
-DDP when present), warmed up on a side stream with ``torch.cuda.graph``, replayed on new
-inputs written in place (docs/cuda_graphs.md, "The rule") and compared with a twin's eager
-steps.
+DDP when present), built, warmed up and captured with ``torch.cuda.graph`` on one side
+stream (:func:`capture_stream`), replayed on new inputs written in place
+(docs/cuda_graphs.md, "The rule") and compared with a twin's eager steps.
 
 ``--device cpu`` (no GPU, ``bash bench/gpu.sh --cpu-smoke``): nothing can be captured. The
 torch.cuda stream and graph calls the wrapper makes are stood in for
@@ -58,6 +58,27 @@ TOLERANCE = 1e-6  # max abs diff / max abs value, graph against eager
 def _into_main_grad(param: torch.Tensor) -> None:
     param.main_grad.add_(param.grad)
     param.grad = None
+
+
+def capture_stream(device: str) -> Any:
+    """The stream the models are built and every step runs on: the one the capture uses.
+
+    A DDP keeps each parameter's AccumulateGrad node for its hooks, and autograd remembers
+    the stream a node was made on. Unless torch can override that stale stream under capture
+    (``torch.autograd.graph.set_override_stale_capture_stream``, pytorch#180090; torch 2.11
+    lacks it), a backward captured on another stream joins the stream the DDP was built on,
+    and the capture fails (``cudaErrorStreamCaptureImplicit``), whatever the finalize. So the
+    models are built on the capture stream: megatron-core's shared one when it has one
+    (0.19; 0.16's wrapper makes its own inside), else a new stream for the hand-rolled
+    capture. None on a CPU.
+    """
+    if device != "cuda":
+        return None
+    try:
+        from megatron.core.full_cuda_graph import get_shared_capture_stream
+    except ImportError:
+        return torch.cuda.Stream()
+    return get_shared_capture_stream()
 
 
 def _model(device: str) -> tuple[Any, str]:
@@ -110,6 +131,15 @@ def run_hand_rolled(device: str, rounds: int) -> dict[str, Any]:
     """The hand-rolled capture of one step (the fallback without megatron-core)."""
     store = os.path.join(tempfile.mkdtemp(prefix="meshgrad-graph-"), "store")
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    stream = capture_stream(device)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        out = _hand_rolled(device, rounds, stream)
+    dist.destroy_process_group()
+    return out
+
+
+def _hand_rolled(device: str, rounds: int, stream: Any) -> dict[str, Any]:
+    """Build, warm up, capture (on ``stream``, the current one on CUDA), replay and compare."""
     model, kind = _model(device)
     twin, _ = _model(device)  # the same seed: the same parameters
     x, tokens = torch.zeros(BATCH, HIDDEN, device=device), torch.tensor(1, device=device)
@@ -118,14 +148,10 @@ def run_hand_rolled(device: str, rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {"impl": "hand-rolled torch.cuda.graph", "device": device, "ddp": kind}
     gen = torch.Generator().manual_seed(0)
     if device == "cuda":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):  # warm-up: plans, binds, runs the first-call checks
-                step()
-        torch.cuda.current_stream().wait_stream(side)
+        for _ in range(3):  # warm-up on the capture stream: plans, binds, runs the first-call checks
+            step()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             step()
         replay: Callable[[], None] = graph.replay
         out["captured"] = True
@@ -163,7 +189,6 @@ def run_hand_rolled(device: str, rounds: int) -> dict[str, Any]:
                             sync=torch.cuda.synchronize)
         out["time"] = timed
         out["speedup"] = timed["eager step"]["median"] / timed["graph replay"]["median"]
-    dist.destroy_process_group()
     return out
 
 
@@ -384,6 +409,7 @@ def run_wrapper(device: str, rounds: int, kind: str) -> dict[str, Any]:
         tensor_parallel.model_parallel_cuda_manual_seed(0, use_cudagraphable_rng=True)
         if hasattr(torch.autograd.graph, "set_override_stale_capture_stream"):
             torch.autograd.graph.set_override_stale_capture_stream(True)
+        scope.enter_context(torch.cuda.stream(capture_stream(device)))  # models and steps on it
     models = {name: _build(kind, device, fin) for name, fin in (
         ("graph", torch_impl.finalize_model_grads), ("eager", torch_impl.finalize_model_grads),
         ("eager megatron-core", megatron_finalize))}

@@ -4,35 +4,37 @@
 # For a machine with one CUDA GPU, torch preinstalled, no internet, this repository
 # copied to it (megatron-core is optional: without it, meshgrad's numbers alone).
 #
-#   1. python -m bench --device cuda --no-gloo   side by side on the fake backend
-#      (TP=8, PP=2, DP=2 layouts), gradients on the GPU: local overhead per step and per
-#      finalize, collectives and bytes copied per call.
-#   2. python -m bench.cuda --backend nccl       a world of one rank on NCCL: finalize
+#   1. python -m bench.cuda --backend nccl       a world of one rank on NCCL: finalize
 #      with num_tokens against megatron-core and the floor (the count's all-reduce and the
 #      scale), the status round priced against a bare tiny all-reduce + synchronize (its
 #      share of a finalize), then the whole finalize captured in a CUDA graph and replayed
 #      (no host sync inside), checked by value; megatron-core tried under capture too.
 #      Run at three sizes (24 layers x hidden 1024, 2048; 12 layers x 4096).
-#   3. python -m bench.cuda --backend fake       the same capture / replay / check for
+#   2. python -m bench.cuda --backend fake       the same capture / replay / check for
 #      the multi-rank layout under the fake backend.
-#   4. python -m bench.full_graph                with megatron-core: megatron's own
+#   3. python -m bench.full_graph                with megatron-core: megatron's own
 #      FullCudaGraphWrapper around get_forward_backward_func() (a tiny GPTModel in
 #      megatron-core's real DDP, per-token loss, config.finalize_model_grads_func =
 #      torch_impl.finalize_model_grads): eager warm-up steps, capture, replays on new
 #      batches; losses, gradients and parameters compared with eager twins (torch_impl's
 #      finalize, megatron-core's), max abs diff per step, PASS / FAIL; replay and eager
-#      step timed. Without megatron-core: the hand-rolled capture of step 5.
-#   5. python -m bench.full_graph --impl hand    the hand-rolled capture: one step
+#      step timed. Without megatron-core: the hand-rolled capture of step 4.
+#   4. python -m bench.full_graph --impl hand    the hand-rolled capture: one step
 #      (forward, backward, the DDP's sync, torch_impl's finalize with num_tokens) in one
 #      torch.cuda.graph, replays on new inputs compared with a twin's eager steps, timed.
+#   5. python -m bench --device cuda             side by side on the fake backend
+#      (TP=8, PP=2, DP=2 layouts), gradients on the GPU: local overhead per step and per
+#      finalize, collectives and bytes copied per call. The rows that use no GPU (gloo
+#      worlds, real DDP on gloo, JAX, MoE scale and at-scale plans) are left to `python -m bench`.
 #
+# The GPU steps come first: a step that overruns STEP_TIMEOUT is stopped and the next runs.
 # Usage: bash bench/gpu.sh [--quick] [--cpu-smoke]
 #   --quick      fewer rounds, the 24-layer layouts only
 #   --cpu-smoke  no GPU needed: every step on the CPU with tiny layouts (tests this script;
 #                steps 4-5 take the capture path with the torch.cuda graph calls stood in)
 # Every step's JSON and the log are merged into one file at the end: $OUT/gpu_report.json.
 # Environment: OUT (results folder; default bench/results), PYTHON (default python3),
-#   STEP_TIMEOUT (seconds per step, default 900).
+#   STEP_TIMEOUT (seconds per step, default 150: the whole script fits in 8 minutes on one GPU).
 # Exit status: 0 when every step succeeded, 1 when one failed, 2 when no GPU is usable.
 
 set -euo pipefail
@@ -48,7 +50,7 @@ for arg in "$@"; do
   case "$arg" in
     --quick) QUICK=(--quick) ;;
     --cpu-smoke) SMOKE=1; QUICK=(--quick) ;;
-    -h|--help) sed -n '2,37p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,40p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "bench/gpu.sh: unknown argument: $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -76,7 +78,7 @@ if [[ $SMOKE -eq 1 ]]; then
   DEVICE=cpu
   WORLD1=(--backend gloo --device cpu --layers 2 --hidden 128)
   FAKE=(--backend fake --device cpu --layers 2 --hidden 128)
-  SIDE=(--layouts gpt-24L-h1024 --rounds 2 --no-scale --no-jax --no-real-ddp --no-at-scale)
+  SIDE=(--no-gloo --layouts gpt-24L-h1024 --rounds 2 --no-scale --no-jax --no-real-ddp --no-at-scale)
   GRAPH=(--device cpu --rounds 2)
 else
   if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
@@ -86,7 +88,7 @@ else
   DEVICE=cuda
   WORLD1=(--backend nccl --device cuda)
   FAKE=(--backend fake --device cuda)
-  SIDE=()
+  SIDE=(--no-gloo --no-jax --no-real-ddp --no-at-scale --no-scale)
   GRAPH=(--device cuda)
 fi
 
@@ -96,7 +98,7 @@ run() {  # run NAME CMD...: run a step, keep going on failure, remember it
   say "$name"
   echo "+ $*"
   local start=$SECONDS
-  if timeout --kill-after=30 "${STEP_TIMEOUT:-900}" "$@"; then
+  if timeout --kill-after=30 "${STEP_TIMEOUT:-150}" "$@"; then
     echo "---- $name: ok ($((SECONDS - start)) s)"
   else
     local status=$?
@@ -105,22 +107,22 @@ run() {  # run NAME CMD...: run a step, keep going on failure, remember it
   fi
 }
 
-run "1/5 side by side, fake backend, gradients on $DEVICE" \
-  "$PY" -m bench --device "$DEVICE" --no-gloo "${QUICK[@]}" "${SIDE[@]}" --json "$RESULTS/gpu_side_by_side.json"
-run "2/5 world of one (${WORLD1[1]}), CUDA graph capture" \
+run "1/5 world of one (${WORLD1[1]}), CUDA graph capture" \
   "$PY" -m bench.cuda "${WORLD1[@]}" "${QUICK[@]}" --json "$RESULTS/gpu_world_of_one.json"
 if [[ $SMOKE -eq 0 ]]; then
-  run "2b/5 world of one (nccl), hidden 2048" \
+  run "1b/5 world of one (nccl), hidden 2048" \
     "$PY" -m bench.cuda "${WORLD1[@]}" --quick --hidden 2048 --json "$RESULTS/gpu_world_of_one_h2048.json"
-  run "2c/5 world of one (nccl), 12 layers x hidden 4096" \
+  run "1c/5 world of one (nccl), 12 layers x hidden 4096" \
     "$PY" -m bench.cuda "${WORLD1[@]}" --quick --layers 12 --hidden 4096 --json "$RESULTS/gpu_world_of_one_h4096.json"
 fi
-run "3/5 fake multi-rank layout, CUDA graph capture" \
+run "2/5 fake multi-rank layout, CUDA graph capture" \
   "$PY" -m bench.cuda "${FAKE[@]}" "${QUICK[@]}" --json "$RESULTS/gpu_fake_graph.json"
-run "4/5 whole training step in one CUDA graph: megatron's FullCudaGraphWrapper (fallback: hand-rolled), torch_impl finalize" \
+run "3/5 whole training step in one CUDA graph: megatron's FullCudaGraphWrapper (fallback: hand-rolled), torch_impl finalize" \
   "$PY" -m bench.full_graph "${GRAPH[@]}" --json "$RESULTS/gpu_full_step_graph.json"
-run "5/5 whole training step in one CUDA graph: hand-rolled torch.cuda.graph capture, torch_impl finalize" \
+run "4/5 whole training step in one CUDA graph: hand-rolled torch.cuda.graph capture, torch_impl finalize" \
   "$PY" -m bench.full_graph "${GRAPH[@]}" --impl hand --json "$RESULTS/gpu_full_step_graph_hand.json"
+run "5/5 side by side, fake backend, gradients on $DEVICE" \
+  "$PY" -m bench --device "$DEVICE" "${QUICK[@]}" "${SIDE[@]}" --json "$RESULTS/gpu_side_by_side.json"
 
 say "summary"
 "$PY" - "$RESULTS" "${failed[@]}" <<'EOF' || true

@@ -187,6 +187,8 @@ def megatron_config(moe: bool) -> Any:
         moe_router_enable_expert_bias=moe,
         moe_router_bias_update_rate=1e-3,
         moe_router_load_balancing_type="aux_loss",
+        gtp_weight_remat_size=1,  # megatron-core 0.19's GTP remat fields: off
+        expert_gtp_weight_remat_size=1,
     )
 
 

@@ -5,7 +5,7 @@ are printed, and in the benchmark's own run megatron-core's finalize and torch_i
 bit-identical, non-zero gradients on twin DDPs (``overlap_grad_reduce`` off and on, the
 distributed optimizer, bf16 with fp32 reduce; before and after the timed calls). Without megatron-core the rows are skipped with a printed reason.
 
-Also ``bench.full_graph`` (``bench/gpu.sh`` step 4) on a CPU: megatron's ``FullCudaGraphWrapper``
+Also ``bench.full_graph`` (``bench/gpu.sh`` step 3) on a CPU: megatron's ``FullCudaGraphWrapper``
 around its schedule with torch_impl's finalize (the capture path taken, the torch.cuda graph
 calls stood in) against eager twins, and its hand-rolled fallback without megatron-core.
 """
@@ -104,7 +104,7 @@ def test_real_ddp_rows_skipped_with_a_reason(tmp_path: Path) -> None:
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (its FullCudaGraphWrapper, schedule and DDP)")
 @pytest.mark.parametrize("model", ["gpt", "mlp"])
 def test_full_graph_wrapper_cpu_path_matches_eager(tmp_path: Path, model: str) -> None:
-    """``bench.full_graph`` on a CPU (``bench/gpu.sh`` step 4): megatron's
+    """``bench.full_graph`` on a CPU (``bench/gpu.sh`` step 3): megatron's
     ``FullCudaGraphWrapper`` around its schedule with torch_impl's finalize, the capture path
     taken for the capture and every replay, equals the eager twins bit for bit at every step;
     and megatron-core's finalize on the eager twin gives the same values."""
