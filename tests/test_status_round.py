@@ -93,6 +93,43 @@ def test_a_host_token_count_encodes_as_the_device_placement_does(reached: int):
     assert status.decode(big.tolist(), 4) == [4, 0, 0, 0, 0, 1]
 
 
+@pytest.mark.parametrize("reached", [1, 4, 63, 64, 2**15])
+def test_a_quiet_round_sends_and_reads_what_the_full_round_does(monkeypatch: pytest.MonkeyPatch, reached: int):
+    """A healthy rank's round through :class:`QuietRound` (its route's shape worked out once)
+    against :func:`reduce_status`: the same words on the wire for every token count (none,
+    zero, negative, at and past the short word's limit), and the same reading of the reduced
+    words when the other ranks were healthy, flagged something or sent a count too large."""
+    from torch_impl.run.quiet_round import QuietRound
+
+    route = [("the world", None, torch.device("cpu"), reached)]
+    limit = status.token_limit(reached)
+    others = {"healthy": status.wire_words(status.status_vector(), reached, 3),
+              "error": status.wire_words(status.status_vector(error=True), reached),
+              "nonfinite": status.wire_words(status.status_vector(nonfinite=True), reached, 3),
+              "too large": status.wire_words(status.status_vector(), reached, limit)}
+    for count in (None, 0, 5, -7, limit - 1, limit, 1 - limit, -limit, 1 << 40):
+        for kind, other in others.items():
+            sent: list[list[int]] = []
+
+            def summed(value: torch.Tensor, pg: Any) -> None:
+                sent.append(value.tolist())
+                value.add_(torch.tensor(other, dtype=torch.int64))
+
+            monkeypatch.setattr(status, "all_reduce_status", summed)
+            tokens = None if count is None else torch.tensor(count)
+            full = status.reduce_status(status.status_vector(), route, 0, "t", tokens)
+            words, healthy, total = QuietRound(route).run(count, 0, "t")
+            assert sent[1] == sent[0], (count, kind, sent)  # the same words on the wire
+            if healthy:
+                assert full == ([reached, 0, 0, 0, 0], total), (count, kind, full, total)
+            else:
+                assert status.received(words, reached, tokens) == full, (count, kind, words, full)
+            short = status.wire_format(reached) == "short"  # only a short word has a count too large
+            fits = count is None or not short or -limit < count < limit
+            quiet = kind == "healthy" or (kind == "too large" and not short)
+            assert healthy == (quiet and fits), (count, kind)  # the quiet reading where it applies
+
+
 # --------------------------------------------------------------------------- world cases
 
 H = 6  # rows of the one weight

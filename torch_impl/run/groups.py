@@ -80,7 +80,9 @@ class TorchGroups:
         world (:mod:`torch_impl.run.status`).
       layout_text: that layout in words (for errors).
       routes: a cache of the status round's routes over these groups.
-      wires: the host wires those routes' healthy rounds reuse (one per route).
+      wires: the quiet rounds of those routes, each with the host wire its rounds reuse.
+      fused: a cache of whether a status round carries the token count, per round and
+        kind of count (:func:`torch_impl.run.status.fused_tokens`).
     """
 
     rank: int
@@ -96,8 +98,10 @@ class TorchGroups:
     layout_text: str = ""
     #: Status-round routes computed for these groups (torch_impl.run.status.status_route).
     routes: dict[tuple[Group, ...], Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
-    #: Host wires of those routes (torch_impl.run.rounds.HostWire), dropped when a round fails.
+    #: Quiet rounds of those routes (torch_impl.run.quiet_round.QuietRound), dropped when a round fails.
     wires: dict[tuple[Group, ...], Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    #: fused_tokens' answers, per (groups of the round, token group, count's dtype, device, numel).
+    fused: dict[tuple[Any, ...], bool] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ queries
     def group(self, group: Group) -> ProcessGroup | None:

@@ -271,11 +271,30 @@ def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: 
         words = wire_words(status, n)
         place = (lambda elements: place_tokens(elements, tokens, n)) if tokens is not None else None
     reduced, value = _reduce(words, route, rank, what, all_reduce_status, place, wire)
+    return received(reduced, n, tokens, None if place is None else value)
+
+
+def received(reduced: Sequence[int], n: int, tokens: Any, value: torch.Tensor | None = None,
+             ) -> tuple[list[int], int | torch.Tensor | None]:
+    """What the reduced words of a status round over ``n`` ranks say.
+
+    Args:
+      reduced: the reduced words, on the host.
+      n: the ranks the round reached.
+      tokens: this rank's count if the round carried counts, else None.
+      value: the reduced tensor when the counts were placed on its device, else None (they
+        were encoded on the host: the words hold the sum).
+
+    Returns:
+      (the counts (:data:`REACHED` ... :data:`KIND`), the token sum -- an int read from the
+      words, or a 0-d tensor of ``value`` -- or None when no counts were carried or some
+      rank's count did not fit the short word: then the caller reduces the count itself).
+    """
     counts = decode(reduced, n)
     if tokens is None or counts[-1]:  # some rank's count did not fit: a collective of its own
         return counts[:-1], None
     short = wire_format(n) == "short"
-    if place is None:  # encoded on the host: the read-back wire holds the count
+    if value is None:  # encoded on the host: the read-back words hold the count
         return counts[:-1], int(reduced[0]) >> TOKEN_SHIFT if short else int(reduced[-1])
     return counts[:-1], value[0] >> TOKEN_SHIFT if short else value[-1]
 
@@ -326,9 +345,10 @@ def round_failed(rank: int, what: str, over: str, err: BaseException) -> Collect
 
 
 __all__ = [
-    "BIG", "COMPARE", "ERROR", "FIELD_BITS", "FLAGS", "Hop", "HostWire", "KIND", "NONFINITE", "REACHED", "SHORT_BITS",
-    "SHORT_MAX", "STATUS_SIZE", "TOKEN_SHIFT", "TOO_LARGE", "all_reduce_max", "all_reduce_status", "backend",
-    "capturing", "decode", "device_for", "encode", "first_line", "gather_texts", "layout_digest", "layouts_differ",
-    "lowest_flagged", "place_tokens", "reached", "read_back", "reduce_max", "reduce_status", "round_failed",
-    "token_bits", "token_limit", "wire_format", "wire_words", "world_route",
+    "BIG", "COMPARE", "ERROR", "FIELD_BITS", "FLAGS", "Hop", "HostWire", "KIND", "NONFINITE",
+    "REACHED", "SHORT_BITS", "SHORT_MAX", "STATUS_SIZE", "TOKEN_SHIFT", "TOO_LARGE", "all_reduce_max",
+    "all_reduce_status", "backend", "capturing", "decode", "device_for", "encode", "first_line", "gather_texts",
+    "layout_digest", "layouts_differ", "lowest_flagged", "place_tokens", "reached", "read_back", "received",
+    "reduce_max", "reduce_status", "round_failed", "token_bits", "token_limit", "wire_format", "wire_words",
+    "world_route",
 ]

@@ -38,43 +38,13 @@ import torch.distributed as dist
 
 from meshgrad.axes import Group
 from meshgrad.errors import CollectiveError, ConsistencyError, FinalizeInputError
-from meshgrad.status_wire import status_elements
 from torch_impl.run.groups import TorchGroups, world_size
+from torch_impl.run.quiet_round import QuietRound
 from torch_impl.run.rounds import (  # the round's collectives and wire format, re-exported
-    BIG,
-    COMPARE,
-    ERROR,
-    FIELD_BITS,
-    FLAGS,
-    Hop,
-    HostWire,
-    KIND,
-    NONFINITE,
-    REACHED,
-    SHORT_BITS,
-    SHORT_MAX,
-    STATUS_SIZE,
-    TOKEN_SHIFT,
-    all_reduce_max,
-    all_reduce_status,
-    backend,
-    capturing,
-    decode,
-    device_for,
-    encode,
-    first_line,
-    gather_texts,
-    layout_digest,
-    layouts_differ,
-    lowest_flagged,
-    reached,
-    read_back,
-    reduce_max,
-    reduce_status,
-    round_failed,
-    status_vector,
-    wire_format,
-    world_route,
+    BIG, COMPARE, ERROR, FIELD_BITS, FLAGS, Hop, KIND, NONFINITE, REACHED, SHORT_BITS, SHORT_MAX, STATUS_SIZE,
+    TOKEN_SHIFT, all_reduce_max, all_reduce_status, backend, capturing, decode, device_for, encode, first_line,
+    gather_texts, layout_digest, layouts_differ, lowest_flagged, reached, read_back, received, reduce_max,
+    reduce_status, round_failed, status_vector, wire_format, world_route,
 )
 
 #: Groups whose sequential MAX-reduction reaches every rank of a model (docs/semantics.md (ranks, axes and groups) axes).
@@ -299,20 +269,30 @@ def fused_tokens(groups: TorchGroups, over: Sequence[Group], group: Group | None
     broadcast comes first, and the count is one integer on the route's device: the SUM the
     round computes is then the count Megatron all-reduces, bit for bit. Every rank decides
     alike: the route and groups are the layout's, and the kind of ``num_tokens`` (dtype,
-    numel, device type) is compared across ranks whenever it changes.
+    numel, device type) is compared across ranks whenever it changes. The answer depends
+    on nothing else, so the groups keep it per round, group and kind of count.
     """
-    if group is None or not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
+    if group is None or not isinstance(num_tokens, torch.Tensor):
         return None
-    if num_tokens.is_floating_point() or num_tokens.is_complex() or num_tokens.dtype == torch.bool:
-        return None
-    if groups.group(Group.PP) is not None or groups.token_broadcast is not None:
-        return None
+    key = (over, group, num_tokens.dtype, num_tokens.device, num_tokens.numel())
+    fused = groups.fused.get(key)
+    if fused is None:
+        fused = groups.fused[key] = _carries_tokens(groups, over, group, num_tokens)
+    return num_tokens if fused else None
+
+
+def _carries_tokens(groups: TorchGroups, over: Sequence[Group], group: Group, num_tokens: torch.Tensor) -> bool:
+    """:func:`fused_tokens`' answer for one kind of count."""
+    if num_tokens.numel() != 1 or num_tokens.is_floating_point() or num_tokens.is_complex():
+        return False
+    if num_tokens.dtype == torch.bool or groups.group(Group.PP) is not None or groups.token_broadcast is not None:
+        return False
     route = status_route(groups, over)
     token_pg = groups.group(group)
     if len(route) != 1 or token_pg is None or num_tokens.device != route[0][2]:
-        return None
+        return False
     _, pg, _, size = route[0]
-    return num_tokens if pg is token_pg or groups.size(group) == size == world_size() else None
+    return pg is token_pg or groups.size(group) == size == world_size()
 
 
 def status_round(
@@ -350,12 +330,21 @@ def status_round(
       (the reduced vector, the global token count (:func:`reduce_status`) or None).
     """
     route = status_route(groups, over)
-    mine = status_vector(error=error is not None, compare=compare, nonfinite=nonfinite)
-    wire = host_wire(groups, over, route)
+    quiet = quiet_round(groups, over, route)
     try:
-        reduced, total = reduce_status(mine, route, groups.rank, "finalize status check", tokens, wire)
+        if quiet is not None and error is None and not (compare or nonfinite) and (
+                tokens is None or (tokens.device.type == "cpu" and tokens.dtype != torch.uint64)):
+            count = None if tokens is None else int(tokens)
+            words, healthy, total = quiet.run(count, groups.rank, "finalize status check")
+            if healthy:  # nothing to settle or compare: the counts a healthy round decodes to
+                return [quiet.reached, 0, 0, 0, 0], total
+            reduced, total = received(words, quiet.reached, tokens)
+        else:
+            mine = status_vector(error=error is not None, compare=compare, nonfinite=nonfinite)
+            wire = quiet.wire if quiet is not None else None
+            reduced, total = reduce_status(mine, route, groups.rank, "finalize status check", tokens, wire)
     except BaseException:
-        groups.wires.pop(tuple(over), None)  # the failed collective may still hold it
+        groups.wires.pop(tuple(over), None)  # the failed collective may still hold its wire
         raise
     settle(reduced, route, groups.rank, "finalize status check", error=error, layout_text=groups.layout_text)
     if reduced[COMPARE]:
@@ -363,14 +352,14 @@ def status_round(
     return reduced, total
 
 
-def host_wire(groups: TorchGroups, over: Sequence[Group], route: Sequence[Hop]) -> HostWire | None:
-    """The reused host wire of the round over ``over`` (made on its first round), or None
+def quiet_round(groups: TorchGroups, over: Sequence[Group], route: Sequence[Hop]) -> QuietRound | None:
+    """The round over ``over`` with its reused host wire (made on its first round), or None
     when the route is empty or not on the CPU (a device round gets a fresh tensor)."""
     key = tuple(over)
-    wire = groups.wires.get(key)
-    if wire is None and route and route[0][2].type == "cpu":
-        wire = groups.wires[key] = HostWire(status_elements(reached(route)))
-    return wire
+    quiet = groups.wires.get(key)
+    if quiet is None and route and route[0][2].type == "cpu":
+        quiet = groups.wires[key] = QuietRound(route)
+    return quiet
 
 
 def share_error(error: BaseException, route: Sequence[Hop], rank: int, what: str) -> None:
@@ -394,7 +383,7 @@ def already_shared(err: BaseException) -> bool:
 __all__ = [
     "AgreedInputError", "BIG", "SPANNING_GROUPS", "STATUS_SIZE", "all_reduce_max", "all_reduce_status",
     "already_shared", "backend", "capturing", "compare_round", "decode", "device_for", "encode", "first_line",
-    "fused_tokens", "gather_texts", "host_wire", "layout_digest", "layouts_differ", "lowest_flagged", "raise_mismatch",
+    "fused_tokens", "gather_texts", "layout_digest", "layouts_differ", "lowest_flagged", "quiet_round", "raise_mismatch",
     "reached", "read_back", "reduce_max", "reduce_status", "wire_format", "settle", "share_error", "status_round", "status_route", "status_vector", "timeout_of",
     "world_route",
 ]

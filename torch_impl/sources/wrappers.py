@@ -82,7 +82,10 @@ class ReadRecorder:
         value = attr_or(obj, name, NO_ATTR)
         if (id(obj), name) not in self.seen:
             self.seen.add((id(obj), name))
-            self.probes.read(partial(attr_or, obj, name, NO_ATTR), value)
+            # A plain attribute (the instance's or its class's) is read again by getattr itself,
+            # which gives what attr_or gives in every case; a module's store or a miss by attr_or.
+            plain = value is not NO_ATTR and (name in getattr(obj, "__dict__", ()) or hasattr(type(obj), name))
+            self.probes.read(partial(getattr if plain else attr_or, obj, name, NO_ATTR), value)
         if name == "module" and value is not NO_ATTR:
             self.compiled |= uncompiled(value) is not value
         return default if value is NO_ATTR else value

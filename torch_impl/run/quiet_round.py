@@ -1,0 +1,70 @@
+"""The status round of a rank with nothing to report, on a CPU route: the same words and
+collectives as :func:`torch_impl.run.rounds.reduce_status`, with the route's shape worked out
+once (:class:`QuietRound`). A healthy steady step runs its round through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from meshgrad.status_wire import COUNT_MASK, ELEMENTS, FLAG_COUNT, TOKEN_SHIFT, TOO_LARGE, token_limit, wire_format
+from torch_impl.run import rounds
+from torch_impl.run.rounds import Hop
+
+
+class QuietRound:
+    """The status round of one CPU route, its shape worked out once: the route's reused
+    host wire (:class:`~torch_impl.run.rounds.HostWire`), and the round of a rank with
+    nothing to report (no error, no comparison due, no NaN / Inf; its token count, if the
+    round carries one, an int on the host). That rank sends the words
+    :func:`~torch_impl.run.rounds.wire_words` gives a healthy status (zeros, then the
+    count) and runs the same collectives over the same hops, so its peers cannot tell
+    which path it took. When the reduced words flag nothing anywhere, they say what
+    :func:`~torch_impl.run.rounds.reduce_status` would: the healthy counts and the token
+    sum; otherwise the caller reads them as that function does
+    (:func:`~torch_impl.run.rounds.received`).
+
+    Args:
+      route: the round's route (every hop on the CPU).
+    """
+
+    __slots__ = ("wire", "hops", "reached", "short", "limit", "mask")
+
+    def __init__(self, route: Sequence[Hop]) -> None:
+        self.reached = n = rounds.reached(route)
+        fmt = wire_format(n)
+        self.wire = rounds.HostWire(ELEMENTS[fmt])
+        self.hops = [(name, pg) for name, pg, _, _ in route]
+        self.short, self.limit = fmt == "short", token_limit(n)
+        self.mask = COUNT_MASK.get(fmt)  # None: a wide round, one word per count
+
+    def run(self, tokens: int | None, rank: int, what: str) -> tuple[list[int], bool, int | None]:
+        """Send this rank's healthy words (with ``tokens``: this rank's count, or None).
+
+        Returns:
+          (the reduced words, whether every rank was healthy -- nothing flagged, every count
+          carried --, and then the token sum when counts were carried, else None).
+
+        Raises:
+          CollectiveError: a hop failed (timeout): names ``what``, the hop and this rank.
+        """
+        host = self.wire.host
+        host.fill(0)
+        if tokens is not None:
+            if not self.short:
+                host[-1] = tokens
+            else:
+                host[0] = tokens << TOKEN_SHIFT if -self.limit < tokens < self.limit else TOO_LARGE
+        for name, pg in self.hops:
+            try:
+                rounds.all_reduce_status(self.wire.tensor, pg)
+            except RuntimeError as err:
+                raise rounds.round_failed(rank, what, name, err) from err
+        reduced = rounds.read_back(self.wire.tensor, host)
+        healthy = not any(reduced[:FLAG_COUNT]) if self.mask is None else not reduced[0] & self.mask
+        if not healthy or tokens is None:
+            return reduced, healthy, None
+        return reduced, True, int(reduced[0]) >> TOKEN_SHIFT if self.short else int(reduced[-1])
+
+
+__all__ = ["QuietRound"]
