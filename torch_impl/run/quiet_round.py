@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshgrad.status_wire import COUNT_MASK, ELEMENTS, FLAG_COUNT, TOKEN_SHIFT, TOO_LARGE, token_limit, wire_format
+from meshgrad.status_wire import COUNT_MASK, ELEMENTS, FLAG_COUNT, TOKEN_SHIFT, token_bits, wire_format
 from torch_impl.run import rounds
 from torch_impl.run.rounds import Hop
 
@@ -28,14 +28,14 @@ class QuietRound:
       route: the round's route (every hop on the CPU).
     """
 
-    __slots__ = ("wire", "hops", "reached", "short", "limit", "mask")
+    __slots__ = ("wire", "hops", "reached", "short", "mask")
 
     def __init__(self, route: Sequence[Hop]) -> None:
         self.reached = n = rounds.reached(route)
         fmt = wire_format(n)
         self.wire = rounds.HostWire(ELEMENTS[fmt])
         self.hops = [(name, pg) for name, pg, _, _ in route]
-        self.short, self.limit = fmt == "short", token_limit(n)
+        self.short = fmt == "short"
         self.mask = COUNT_MASK.get(fmt)  # None: a wide round, one word per count
 
     def run(self, tokens: int | None, rank: int, what: str) -> tuple[list[int], bool, int | None]:
@@ -51,10 +51,10 @@ class QuietRound:
         host = self.wire.host
         host.fill(0)
         if tokens is not None:
-            if not self.short:
-                host[-1] = tokens
+            if self.short:
+                host[0] = token_bits(tokens, self.reached)  # the count, or the too-large flag
             else:
-                host[0] = tokens << TOKEN_SHIFT if -self.limit < tokens < self.limit else TOO_LARGE
+                host[-1] = tokens
         for name, pg in self.hops:
             try:
                 rounds.all_reduce_status(self.wire.tensor, pg)

@@ -230,7 +230,7 @@ def reached(route: Sequence[Hop]) -> int:
     return n
 
 
-def _host_count(tokens: torch.Tensor, route: Sequence[Hop]) -> bool:
+def host_count(tokens: torch.Tensor, route: Sequence[Hop]) -> bool:
     """Whether a token count is encoded on the host: it and the route are on the CPU (its
     read syncs nothing) and int64 holds every value of its dtype (not uint64)."""
     return tokens.device.type == "cpu" == route[0][2].type and tokens.dtype != torch.uint64
@@ -265,7 +265,7 @@ def reduce_status(status: Sequence[int], route: Sequence[Hop], rank: int, what: 
         return list(status), None
     n = reached(route)
     place = None
-    if tokens is not None and _host_count(tokens, route):
+    if tokens is not None and host_count(tokens, route):
         words = wire_words(status, n, int(tokens))  # no tensor op
     else:
         words = wire_words(status, n)
@@ -345,9 +345,9 @@ def round_failed(rank: int, what: str, over: str, err: BaseException) -> Collect
 
 
 __all__ = [
-    "BIG", "COMPARE", "ERROR", "FIELD_BITS", "FLAGS", "Hop", "HostWire", "KIND", "NONFINITE",
-    "REACHED", "SHORT_BITS", "SHORT_MAX", "STATUS_SIZE", "TOKEN_SHIFT", "TOO_LARGE", "all_reduce_max",
-    "all_reduce_status", "backend", "capturing", "decode", "device_for", "encode", "first_line", "gather_texts",
+    "BIG", "COMPARE", "ERROR", "FIELD_BITS", "FLAGS", "Hop", "HostWire", "KIND", "NONFINITE", "REACHED",
+    "SHORT_BITS", "SHORT_MAX", "STATUS_SIZE", "TOKEN_SHIFT", "TOO_LARGE", "all_reduce_max", "all_reduce_status",
+    "backend", "capturing", "decode", "device_for", "encode", "first_line", "gather_texts", "host_count",
     "layout_digest", "layouts_differ", "lowest_flagged", "place_tokens", "reached", "read_back", "received",
     "reduce_max", "reduce_status", "round_failed", "token_bits", "token_limit", "wire_format", "wire_words",
     "world_route",

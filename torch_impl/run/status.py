@@ -43,7 +43,7 @@ from torch_impl.run.quiet_round import QuietRound
 from torch_impl.run.rounds import (  # the round's collectives and wire format, re-exported
     BIG, COMPARE, ERROR, FIELD_BITS, FLAGS, Hop, KIND, NONFINITE, REACHED, SHORT_BITS, SHORT_MAX, STATUS_SIZE,
     TOKEN_SHIFT, all_reduce_max, all_reduce_status, backend, capturing, decode, device_for, encode, first_line,
-    gather_texts, layout_digest, layouts_differ, lowest_flagged, reached, read_back, received, reduce_max,
+    gather_texts, host_count, layout_digest, layouts_differ, lowest_flagged, reached, read_back, received, reduce_max,
     reduce_status, round_failed, status_vector, wire_format, world_route,
 )
 
@@ -274,7 +274,7 @@ def fused_tokens(groups: TorchGroups, over: Sequence[Group], group: Group | None
     """
     if group is None or not isinstance(num_tokens, torch.Tensor):
         return None
-    key = (over, group, num_tokens.dtype, num_tokens.device, num_tokens.numel())
+    key = (tuple(over), group, num_tokens.dtype, num_tokens.device, num_tokens.numel())
     fused = groups.fused.get(key)
     if fused is None:
         fused = groups.fused[key] = _carries_tokens(groups, over, group, num_tokens)
@@ -332,8 +332,8 @@ def status_round(
     route = status_route(groups, over)
     quiet = quiet_round(groups, over, route)
     try:
-        if quiet is not None and error is None and not (compare or nonfinite) and (
-                tokens is None or (tokens.device.type == "cpu" and tokens.dtype != torch.uint64)):
+        nothing_to_report = error is None and not (compare or nonfinite)
+        if quiet is not None and nothing_to_report and (tokens is None or host_count(tokens, route)):
             count = None if tokens is None else int(tokens)
             words, healthy, total = quiet.run(count, groups.rank, "finalize status check")
             if healthy:  # nothing to settle or compare: the counts a healthy round decodes to
