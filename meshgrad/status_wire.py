@@ -11,6 +11,8 @@ int64, then the token count; beyond, one int64 per count, then the token count.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 #: The flag counts a status carries: ranks that failed, ask for a comparison, found NaN /
 #: Inf, are in a layout round.
 FLAG_COUNT = 4
@@ -50,6 +52,18 @@ def token_bits(count: int, reached: int) -> int:
     return count << TOKEN_SHIFT if -limit < count < limit else TOO_LARGE
 
 
+def nothing_flagged(words: Sequence[int], fmt: str) -> bool:
+    """Whether a round's reduced ``words`` (of format ``fmt``) count no rank in any flag,
+    nor, in a short word, a count too large to carry."""
+    return not any(words[:FLAG_COUNT]) if fmt == "wide" else not int(words[0]) & COUNT_MASK[fmt]
+
+
+def carried_count(words: Sequence[int], fmt: str) -> int:
+    """The token sum in a round's reduced ``words`` (of format ``fmt``) when every rank's
+    count was carried."""
+    return int(words[0]) >> TOKEN_SHIFT if fmt == "short" else int(words[-1])
+
+
 def status_elements(reached: int) -> int:
     """The int64 elements a round over ``reached`` ranks sends."""
     return ELEMENTS[wire_format(reached)]
@@ -57,5 +71,5 @@ def status_elements(reached: int) -> int:
 
 __all__ = [
     "COUNT_MASK", "ELEMENTS", "FIELD_BITS", "FLAG_COUNT", "SHORT_BITS", "SHORT_MAX", "TOKEN_SHIFT", "TOO_LARGE",
-    "status_elements", "token_bits", "token_limit", "wire_format",
+    "carried_count", "nothing_flagged", "status_elements", "token_bits", "token_limit", "wire_format",
 ]

@@ -243,11 +243,11 @@ def case_host_syncs_per_step(rank: int, world: int) -> dict[str, int]:
 
 
 def _wires(model: list[nn.Module]) -> dict[Any, Any]:
-    """The host wires of the groups the model's last steady call resolved."""
+    """The quiet rounds (each with its host wire) of the groups the model's last steady call resolved."""
     from torch_impl.call.model_state import ModelState
 
     (last,) = ModelState.of(model).steady.values()
-    return last.inputs.groups.wires
+    return last.inputs.groups.quiet_rounds
 
 
 def _steady_step(model: list[nn.Module], count: int) -> tuple[list[int], list[float]]:

@@ -80,7 +80,7 @@ class TorchGroups:
         world (:mod:`torch_impl.run.status`).
       layout_text: that layout in words (for errors).
       routes: a cache of the status round's routes over these groups.
-      wires: the quiet rounds of those routes, each with the host wire its rounds reuse.
+      quiet_rounds: the quiet rounds of those routes, each with the host wire its rounds reuse.
       fused: a cache of whether a status round carries the token count, per round and
         kind of count (:func:`torch_impl.run.status.fused_tokens`).
     """
@@ -99,7 +99,7 @@ class TorchGroups:
     #: Status-round routes computed for these groups (torch_impl.run.status.status_route).
     routes: dict[tuple[Group, ...], Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
     #: Quiet rounds of those routes (torch_impl.run.quiet_round.QuietRound), dropped when a round fails.
-    wires: dict[tuple[Group, ...], Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    quiet_rounds: dict[tuple[Group, ...], Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
     #: fused_tokens' answers, per (groups of the round, token group, count's dtype, device, numel).
     fused: dict[tuple[Any, ...], bool] = dataclasses.field(default_factory=dict, init=False, repr=False)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshgrad.status_wire import COUNT_MASK, ELEMENTS, FLAG_COUNT, TOKEN_SHIFT, token_bits, wire_format
+from meshgrad.status_wire import ELEMENTS, carried_count, nothing_flagged, token_bits, wire_format
 from torch_impl.run import rounds
 from torch_impl.run.rounds import Hop
 
@@ -28,15 +28,13 @@ class QuietRound:
       route: the round's route (every hop on the CPU).
     """
 
-    __slots__ = ("wire", "hops", "reached", "short", "mask")
+    __slots__ = ("wire", "hops", "reached", "fmt")
 
     def __init__(self, route: Sequence[Hop]) -> None:
         self.reached = n = rounds.reached(route)
-        fmt = wire_format(n)
+        self.fmt = fmt = wire_format(n)
         self.wire = rounds.HostWire(ELEMENTS[fmt])
         self.hops = [(name, pg) for name, pg, _, _ in route]
-        self.short = fmt == "short"
-        self.mask = COUNT_MASK.get(fmt)  # None: a wide round, one word per count
 
     def run(self, tokens: int | None, rank: int, what: str) -> tuple[list[int], bool, int | None]:
         """Send this rank's healthy words (with ``tokens``: this rank's count, or None).
@@ -51,7 +49,7 @@ class QuietRound:
         host = self.wire.host
         host.fill(0)
         if tokens is not None:
-            if self.short:
+            if self.fmt == "short":
                 host[0] = token_bits(tokens, self.reached)  # the count, or the too-large flag
             else:
                 host[-1] = tokens
@@ -61,10 +59,10 @@ class QuietRound:
             except RuntimeError as err:
                 raise rounds.round_failed(rank, what, name, err) from err
         reduced = rounds.read_back(self.wire.tensor, host)
-        healthy = not any(reduced[:FLAG_COUNT]) if self.mask is None else not reduced[0] & self.mask
+        healthy = nothing_flagged(reduced, self.fmt)
         if not healthy or tokens is None:
             return reduced, healthy, None
-        return reduced, True, int(reduced[0]) >> TOKEN_SHIFT if self.short else int(reduced[-1])
+        return reduced, True, carried_count(reduced, self.fmt)
 
 
 __all__ = ["QuietRound"]

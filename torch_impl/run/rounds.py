@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from meshgrad.errors import CollectiveError
 from meshgrad.status_wire import (
-    COUNT_MASK, ELEMENTS, FIELD_BITS, SHORT_BITS, SHORT_MAX, TOKEN_SHIFT, TOO_LARGE, token_bits, token_limit,
-    wire_format,
+    ELEMENTS, FIELD_BITS, SHORT_BITS, SHORT_MAX, TOKEN_SHIFT, TOO_LARGE, carried_count, nothing_flagged,
+    token_bits, token_limit, wire_format,
 )
 
 #: Positions in a reduced status vector (:func:`decode`): the ranks the round reached, and
@@ -116,11 +116,11 @@ def decode(wire: Sequence[int], reached: int) -> list[int]:
     token count did not fit the short word): a SUM of packed words is the word of the sums,
     as no count can carry into the next field."""
     fmt = wire_format(reached)
+    if nothing_flagged(wire, fmt):  # a healthy round: every count zero
+        return [reached, 0, 0, 0, 0, 0]
     if fmt == "wide":
         return [reached, *wire[: len(FLAGS)], 0]
     word = int(wire[0])
-    if not word & COUNT_MASK[fmt]:  # a healthy round: every count zero
-        return [reached, 0, 0, 0, 0, 0]
     bits = SHORT_BITS if fmt == "short" else FIELD_BITS
     fields = len(FLAGS) + (fmt == "short")
     mask = (1 << bits) - 1
@@ -293,10 +293,10 @@ def received(reduced: Sequence[int], n: int, tokens: Any, value: torch.Tensor | 
     counts = decode(reduced, n)
     if tokens is None or counts[-1]:  # some rank's count did not fit: a collective of its own
         return counts[:-1], None
-    short = wire_format(n) == "short"
+    fmt = wire_format(n)
     if value is None:  # encoded on the host: the read-back words hold the count
-        return counts[:-1], int(reduced[0]) >> TOKEN_SHIFT if short else int(reduced[-1])
-    return counts[:-1], value[0] >> TOKEN_SHIFT if short else value[-1]
+        return counts[:-1], carried_count(reduced, fmt)
+    return counts[:-1], value[0] >> TOKEN_SHIFT if fmt == "short" else value[-1]
 
 
 def reduce_max(values: Sequence[int], route: Sequence[Hop], rank: int, what: str) -> list[int]:

@@ -344,7 +344,7 @@ def status_round(
             wire = quiet.wire if quiet is not None else None
             reduced, total = reduce_status(mine, route, groups.rank, "finalize status check", tokens, wire)
     except BaseException:
-        groups.wires.pop(tuple(over), None)  # the failed collective may still hold its wire
+        groups.quiet_rounds.pop(tuple(over), None)  # the failed collective may still hold its wire
         raise
     settle(reduced, route, groups.rank, "finalize status check", error=error, layout_text=groups.layout_text)
     if reduced[COMPARE]:
@@ -356,9 +356,9 @@ def quiet_round(groups: TorchGroups, over: Sequence[Group], route: Sequence[Hop]
     """The round over ``over`` with its reused host wire (made on its first round), or None
     when the route is empty or not on the CPU (a device round gets a fresh tensor)."""
     key = tuple(over)
-    quiet = groups.wires.get(key)
+    quiet = groups.quiet_rounds.get(key)
     if quiet is None and route and route[0][2].type == "cpu":
-        quiet = groups.wires[key] = QuietRound(route)
+        quiet = groups.quiet_rounds[key] = QuietRound(route)
     return quiet
 
 
