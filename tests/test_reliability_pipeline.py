@@ -27,7 +27,7 @@ from parity_tests.scenarios import make_rank_inputs  # noqa: E402
 from parity_tests.torch_world import device_mesh, load_inputs  # noqa: E402
 from parity_tests.world_cases import case_values, run_cases  # noqa: E402
 from test_reliability_inputs import DP_TP, LINEAR, PP_TP, TIMEOUT, kind_of, param, setup_model, snapshot, timed_collection  # noqa: E402
-from test_reliability_steps import live_vs_fresh  # noqa: E402
+from test_reliability_steps import STEADY, live_vs_fresh  # noqa: E402
 from torch_impl import finalize_model_grads  # noqa: E402
 
 WORLD = 4
@@ -154,6 +154,10 @@ def case_param_data_of_another_shape_after_step1(rank: int, world: int) -> tuple
     return live_vs_fresh(rank, _param_data_of_another_shape)
 
 
+def case_param_data_of_another_shape_after_steady_steps(rank: int, world: int) -> tuple:
+    return live_vs_fresh(rank, _param_data_of_another_shape, warm=STEADY)
+
+
 def case_num_tokens_dtype_differs_on_rank0(rank: int, world: int) -> tuple:
     groups = timed_collection(DP_TP)
     model = setup_model(DP_TP, rank)
@@ -267,14 +271,15 @@ def test_a_layout_switched_back_on_one_rank_is_found_in_the_status_round(world, 
                 "is agreed like a new one); nothing changed; the next call gives a fresh call's numbers")
 
 
-def test_a_parameter_of_another_shape_is_seen_like_a_fresh_call(world, reliability):
-    for rank, (live, fresh, same, message) in enumerate(
-        case_values(world, "case_param_data_of_another_shape_after_step1")
-    ):
+@pytest.mark.parametrize("when", ["after step 1", "after steady steps (answered by the probes)"])
+def test_a_parameter_of_another_shape_is_seen_like_a_fresh_call(world, reliability, when):
+    name = "case_param_data_of_another_shape_" + ("after_step1" if when == "after step 1" else "after_steady_steps")
+    for rank, (live, fresh, same, message, probed) in enumerate(case_values(world, name)):
         assert live == fresh == "ValueError", (rank, live, fresh, message)
         assert "shape" in message, (rank, message)
         assert same, (rank, "the long-lived model differs from a fresh call")
-    reliability("bad input", "param.data replaced by another shape after step 1, gradient left [4 ranks]",
+        assert probed == (when != "after step 1"), (rank, "the probes did not answer the steady calls")
+    reliability("bad input", f"param.data replaced by another shape {when}, gradient left [4 ranks]",
                 "ValueError naming the shape on every rank, as a fresh call raises; nothing changed")
 
 

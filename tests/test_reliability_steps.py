@@ -16,6 +16,11 @@ timeout) runs every ``case_*`` below on every rank. Two kinds of case:
   rank or the group -- well within the timeout, with every gradient and router buffer
   unchanged.
 
+Each case of both kinds runs twice: after step 1 (the change meets the full steady
+check), and after steady steps (``steady_*``: the calls before the change were answered by
+the probes written from that check, and the change must make them miss on the rank that
+made it).
+
 Plus groups built by meshgrad from a DeviceMesh (timeouts inherited from the default
 group, layouts agreed before any group is created), and, in one process, gradient
 layouts (sparse, expanded, aliasing, one parameter in two chunks) and config kinds
@@ -51,9 +56,16 @@ from test_reliability_inputs import (  # noqa: E402
     snapshot,
     timed_collection,
 )
+from meshgrad.axes import Group  # noqa: E402
+from meshgrad.plan import Step  # noqa: E402
 from torch_impl import _allreduce_non_tensor_model_parallel_grads, finalize_model_grads, invalidate_plans  # noqa: E402
+from torch_impl.call.read import Request  # noqa: E402
+from test_steady_watched import probes_hold  # noqa: E402
 
 WORLD = 4
+#: Calls before the change in a ``steady_*`` case: the plan, the full check (which writes
+#: the probes), then one answered by the probes.
+STEADY = 3
 SP_NORM = "decoder.final_layernorm.weight"
 ROUTER = "decoder.layers.0.mlp.router"
 
@@ -119,6 +131,26 @@ def _step2_in_place(model: Sequence[Any], rank: int) -> None:
             p.main_grad = old
 
 
+def _steady_live_case(name: str) -> Callable[[int, int], tuple]:
+    """The live-vs-fresh case ``name``, its change made after steady steps."""
+    case = globals()[name]
+    return lambda rank, world: case(rank, world, warm=STEADY)
+
+
+def steady_name(name: str) -> str:
+    """The name of the ``steady_*`` twin of case ``name``."""
+    return name.replace("case_", "case_steady_", 1)
+
+
+def probes_answer(model: Sequence[Any], groups: Any, helper: bool) -> bool:
+    """Whether the probes kept on ``model`` answer its next finalize call (and, with
+    ``helper``, its next non-TP helper call) without the full steady check."""
+    calls = [(groups, Request(num_tokens=torch.tensor(7)))]
+    if helper:
+        calls.append(({Group.TP: groups.tp}, Request(steps=(Step.NON_TP,), config=_inner(model).config, over=(Group.TP,))))
+    return all(probes_hold(list(model), call) for call in calls)
+
+
 def live_vs_fresh(
     rank: int,
     change: Callable[[list[Any], int], None],
@@ -126,15 +158,16 @@ def live_vs_fresh(
     step2: Callable[[Any], Callable[[Sequence[Any]], None]] = _call,
     warm: int = 1,
 ) -> tuple:
-    """(live kind, fresh kind, live == fresh bit for bit, live message): ``warm`` steps
-    and step 2 are ``step2(groups)`` (finalize, or the non-TP helper then finalize,
-    compared after each); with ``warm`` > 1 step 2's inputs are copied into the held
-    gradient tensors."""
+    """(live kind, fresh kind, live == fresh bit for bit, live message, whether the probes
+    answered the live model's calls before the change): ``warm`` steps and step 2 are
+    ``step2(groups)`` (finalize, or the non-TP helper then finalize, compared after each);
+    with ``warm`` > 1 step 2's inputs are copied into the held gradient tensors."""
     groups = timed_collection(DP_TP)
     live = _model(rank, ddp)
     for _ in range(warm):
         step2(groups)(live)
     (_step2_in_place if warm > 1 else _step2)(live, rank)
+    probed = probes_answer(live, groups, step2 is HelperThenFinalize)
     change(live, rank)
     fresh = _model(rank, ddp)
     _step2(fresh, rank)
@@ -143,16 +176,20 @@ def live_vs_fresh(
     kind_live, message, _, _ = attempt(live, live_call)
     kind_fresh, _, _, _ = attempt(fresh, fresh_call)
     between = getattr(live_call, "after_helper", None) == getattr(fresh_call, "after_helper", None)
-    return kind_live, kind_fresh, between and snapshot(live) == snapshot(fresh), message
+    return kind_live, kind_fresh, between and snapshot(live) == snapshot(fresh), message, probed
 
 
-def one_rank(rank: int, bad: int, change: Callable[[list[Any], int], Any], ddp: bool = False) -> tuple:
-    """After a good step 1, rank ``bad`` alone applies ``change``; ``attempt`` of step 2
-    (``change`` may return a replacement for the model argument)."""
+def one_rank(rank: int, bad: int, change: Callable[[list[Any], int], Any], ddp: bool = False, warm: int = 1) -> tuple:
+    """After ``warm`` good steps, rank ``bad`` alone applies ``change``; (``attempt`` of
+    step 2, whether the probes answered the call before the change). ``change`` may return
+    a replacement for the model argument; with ``warm`` > 1 step 2's inputs are copied into
+    the held gradient tensors."""
     groups = timed_collection(DP_TP)
     model = _model(rank, ddp)
-    _call(groups)(model)
-    _step2(model, rank)
+    for _ in range(warm):
+        _call(groups)(model)
+    (_step2_in_place if warm > 1 else _step2)(model, rank)
+    probed = probes_answer(model, groups, helper=False)
     target: Any = model
     if rank == bad:
         target = change(model, rank) or model
@@ -163,7 +200,7 @@ def one_rank(rank: int, bad: int, change: Callable[[list[Any], int], Any], ddp: 
         kind, message = "ok", ""
     except Exception as err:  # recorded for the parent
         kind, message = kind_of(err), str(err)
-    return kind, message, snapshot(model) == before, time.monotonic() - start
+    return kind, message, snapshot(model) == before, time.monotonic() - start, probed
 
 
 # --------------------------------------------------------------------------- changes
@@ -193,16 +230,16 @@ def set_sp_flag(model: list[Any], rank: int) -> None:
     param([_inner(model)], LINEAR).sequence_parallel = True
 
 
-def case_param_added_after_step1(rank: int, world: int) -> tuple:
-    return live_vs_fresh(rank, add_param)
+def case_param_added_after_step1(rank: int, world: int, warm: int = 1) -> tuple:
+    return live_vs_fresh(rank, add_param, warm=warm)
 
 
-def case_param_replaced_after_step1(rank: int, world: int) -> tuple:
-    return live_vs_fresh(rank, replace_param)
+def case_param_replaced_after_step1(rank: int, world: int, warm: int = 1) -> tuple:
+    return live_vs_fresh(rank, replace_param, warm=warm)
 
 
-def case_flag_set_after_step1(rank: int, world: int) -> tuple:
-    return live_vs_fresh(rank, set_sp_flag)
+def case_flag_set_after_step1(rank: int, world: int, warm: int = 1) -> tuple:
+    return live_vs_fresh(rank, set_sp_flag, warm=warm)
 
 
 def replace_untouched_grad(model: list[Any], rank: int) -> None:
@@ -210,27 +247,27 @@ def replace_untouched_grad(model: list[Any], rank: int) -> None:
     p.main_grad = p.main_grad.clone() * 2 + rank
 
 
-def case_helper_flag_set_after_step1(rank: int, world: int) -> tuple:
-    return live_vs_fresh(rank, set_sp_flag, step2=HelperThenFinalize, warm=2)  # the helper's own check from its 2nd call
+def case_helper_flag_set_after_step1(rank: int, world: int, warm: int = 1) -> tuple:
+    return live_vs_fresh(rank, set_sp_flag, step2=HelperThenFinalize, warm=max(warm, 2))  # checked alone from call 2
 
 
-def case_helper_untouched_grad_replaced_after_step1(rank: int, world: int) -> tuple:
-    return live_vs_fresh(rank, replace_untouched_grad, step2=HelperThenFinalize, warm=2)  # the helper's own check from its 2nd call
+def case_helper_untouched_grad_replaced_after_step1(rank: int, world: int, warm: int = 1) -> tuple:
+    return live_vs_fresh(rank, replace_untouched_grad, step2=HelperThenFinalize, warm=max(warm, 2))  # checked alone from call 2
 
 
-def case_helper_param_replaced_after_step1(rank: int, world: int) -> tuple:
-    return live_vs_fresh(rank, replace_param, step2=HelperThenFinalize, warm=2)  # the helper's own check from its 2nd call
+def case_helper_param_replaced_after_step1(rank: int, world: int, warm: int = 1) -> tuple:
+    return live_vs_fresh(rank, replace_param, step2=HelperThenFinalize, warm=max(warm, 2))  # checked alone from call 2
 
 
-def case_ddp_sp_param_added_after_step1(rank: int, world: int) -> tuple:
-    return live_vs_fresh(rank, lambda m, r: add_param(m, r, sequence_parallel=True), ddp=True)
+def case_ddp_sp_param_added_after_step1(rank: int, world: int, warm: int = 1) -> tuple:
+    return live_vs_fresh(rank, lambda m, r: add_param(m, r, sequence_parallel=True), ddp=True, warm=warm)
 
 
-def case_ddp_sp_param_removed_after_step1(rank: int, world: int) -> tuple:
-    return live_vs_fresh(rank, remove_sp_param, ddp=True)
+def case_ddp_sp_param_removed_after_step1(rank: int, world: int, warm: int = 1) -> tuple:
+    return live_vs_fresh(rank, remove_sp_param, ddp=True, warm=warm)
 
 
-def case_ddp_sp_param_replaced_after_step1(rank: int, world: int) -> tuple:
+def case_ddp_sp_param_replaced_after_step1(rank: int, world: int, warm: int = 1) -> tuple:
     def change(model: list[Any], r: int) -> None:
         owner, leaf = SP_NORM.rsplit(".", 1)
         old = param([_inner(model)], SP_NORM)
@@ -239,15 +276,44 @@ def case_ddp_sp_param_replaced_after_step1(rank: int, world: int) -> tuple:
         new.main_grad = old.main_grad * 3
         setattr(_inner(model).get_submodule(owner), leaf, new)
 
-    return live_vs_fresh(rank, change, ddp=True)
+    return live_vs_fresh(rank, change, ddp=True, warm=warm)
 
 
-def case_ddp_flag_set_then_invalidate_plans(rank: int, world: int) -> tuple:
+def case_ddp_sp_param_replaced_in_its_dict_after_step1(rank: int, world: int, warm: int = 1) -> tuple:
+    def change(model: list[Any], r: int) -> None:  # no registration hook sees it
+        owner, leaf = SP_NORM.rsplit(".", 1)
+        old = param([_inner(model)], SP_NORM)
+        new = nn.Parameter(torch.zeros_like(old))
+        new.sequence_parallel = True
+        new.main_grad = old.main_grad * 5
+        _inner(model).get_submodule(owner)._parameters[leaf] = new
+
+    return live_vs_fresh(rank, change, ddp=True, warm=warm)
+
+
+def case_ddp_sp_grad_storage_swapped_after_step1(rank: int, world: int, warm: int = 1) -> tuple:
+    def change(model: list[Any], r: int) -> None:  # the same tensor object, another storage
+        grad = param([_inner(model)], SP_NORM).main_grad
+        grad.data = grad.detach().clone() * 3 + r
+
+    return live_vs_fresh(rank, change, ddp=True, warm=warm)
+
+
+def case_ddp_sp_param_frozen_after_step1(rank: int, world: int, warm: int = 1) -> tuple:
+    return live_vs_fresh(rank, lambda m, r: param([_inner(m)], SP_NORM).requires_grad_(False), ddp=True, warm=warm)
+
+
+def case_ddp_flag_set_then_invalidate_plans(rank: int, world: int, warm: int = 1) -> tuple:
     def change(model: list[Any], r: int) -> None:
         set_sp_flag(model, r)  # a parameter no step touched: read once per discovery
         invalidate_plans(model)
 
-    return live_vs_fresh(rank, change, ddp=True)
+    return live_vs_fresh(rank, change, ddp=True, warm=warm)
+
+
+LIVE_CASES = [name for name, case in list(globals().items()) if name.startswith("case_") and case.__module__ == __name__]
+for _name in LIVE_CASES:
+    globals()[steady_name(_name)] = _steady_live_case(_name)
 
 
 # one rank only ------------------------------------------------------------------
@@ -312,13 +378,14 @@ ONE_RANK = {
 }
 
 
-def _one_rank_case(name: str) -> Callable[[int, int], tuple]:
+def _one_rank_case(name: str, warm: int) -> Callable[[int, int], tuple]:
     bad, change, _, _ = ONE_RANK[name]
-    return lambda rank, world: one_rank(rank, bad, change)
+    return lambda rank, world: one_rank(rank, bad, change, warm=warm)
 
 
 for _name in ONE_RANK:
-    globals()[_name] = _one_rank_case(_name)
+    globals()[_name] = _one_rank_case(_name, 1)
+    globals()[steady_name(_name)] = _one_rank_case(_name, STEADY)
 
 
 # groups meshgrad creates ---------------------------------------------------------
@@ -375,24 +442,43 @@ LIVE = [
     ("DDP chunks: an SP parameter added after step 1", "case_ddp_sp_param_added_after_step1"),
     ("DDP chunks: an SP parameter removed after step 1", "case_ddp_sp_param_removed_after_step1"),
     ("DDP chunks: an SP parameter replaced after step 1", "case_ddp_sp_param_replaced_after_step1"),
+    ("DDP chunks: an SP parameter replaced in its module's _parameters dict (no hook sees it) after step 1",
+     "case_ddp_sp_param_replaced_in_its_dict_after_step1"),
+    ("DDP chunks: an SP gradient given another storage (grad.data = ...) after step 1",
+     "case_ddp_sp_grad_storage_swapped_after_step1"),
+    ("DDP chunks: an SP parameter frozen (requires_grad_(False)) after step 1", "case_ddp_sp_param_frozen_after_step1"),
     ("DDP chunks: sequence_parallel set on an untouched parameter, then invalidate_plans(model)",
      "case_ddp_flag_set_then_invalidate_plans"),
 ]
+assert sorted(name for _, name in LIVE) == sorted(LIVE_CASES)
 
 
+def _steady_label(label: str) -> str:
+    """A live case's label for its ``steady_*`` twin."""
+    when = "after steady steps (answered by the probes)"
+    return label.replace("after step 1", when) if "after step 1" in label else f"{label}, {when}"
+
+
+@pytest.mark.parametrize("steady", [False, True], ids=["after_step1", "after_steady_steps"])
 @pytest.mark.parametrize("label,name", LIVE, ids=[c[1] for c in LIVE])
-def test_a_changed_model_gets_the_numbers_of_a_fresh_call(world, reliability, label, name):
-    for rank, (live, fresh, same, message) in enumerate(case_values(world, name)):
+def test_a_changed_model_gets_the_numbers_of_a_fresh_call(world, reliability, label, name, steady):
+    for rank, (live, fresh, same, message, probed) in enumerate(case_values(world, steady_name(name) if steady else name)):
         assert live == fresh == "ok", (name, rank, live, fresh, message)
         assert same, (name, rank, "the long-lived model differs from a fresh call")
+        assert probed or not steady, (name, rank, "the probes did not answer the steady calls")
+    label = _steady_label(label) if steady else label
     reliability("bad input", f"{label} [4 ranks]", "replanned: bit-identical to a fresh call on every rank")
 
 
+@pytest.mark.parametrize("steady", [False, True], ids=["after_step1", "after_steady_steps"])
 @pytest.mark.parametrize("name", list(ONE_RANK), ids=list(ONE_RANK))
-def test_a_change_on_one_rank_raises_on_every_rank_before_anything_moves(world, reliability, name):
+def test_a_change_on_one_rank_raises_on_every_rank_before_anything_moves(world, reliability, name, steady):
     bad, _, kind, text = ONE_RANK[name]
     slowest = 0.0
-    for rank, (got, message, untouched, seconds) in enumerate(case_values(world, name)):
+    for rank, (got, message, untouched, seconds, probed) in enumerate(
+        case_values(world, steady_name(name) if steady else name)
+    ):
+        assert probed == steady, (name, rank, "probes answered" if probed else "the probes did not answer")
         assert untouched, (name, rank, "gradients or router state changed")
         assert seconds < TIMEOUT / 2, (name, rank, seconds)
         slowest = max(slowest, seconds)
@@ -404,7 +490,8 @@ def test_a_change_on_one_rank_raises_on_every_rank_before_anything_moves(world, 
         else:
             assert got == "ConsistencyError" and f"rank {bad} failed its own checks" in message, (name, rank, message)
     label = name.removeprefix("case_one_rank_").replace("_", " ")
-    reliability("bad input", f"after step 1, on rank {bad} only: {label} [4 ranks]",
+    when = "after steady steps (answered by the probes)" if steady else "after step 1"
+    reliability("bad input", f"{when}, on rank {bad} only: {label} [4 ranks]",
                 f"{kind} there, ConsistencyError naming it or the group elsewhere, after <= {slowest:.2f} s; nothing changed")
 
 

@@ -129,7 +129,7 @@ def agree_call(findings: Findings, spec: CheckSpec, plan: FinalizePlan, groups: 
             raise error
         return None
     group = plan.token_scale.group if plan.token_scale is not None and spec.over == SPANNING_GROUPS else None
-    tokens = fused_tokens(groups, spec.over, group, num_tokens) if error is None else None
+    tokens = fused_tokens(groups, spec.over, group, num_tokens) if error is None and num_tokens is not None else None
     nonfinite = findings.nonfinite is not None or findings.nonfinite_tokens
     reduced, total = status_round(
         groups, spec.over, error=error, compare=findings.compare, nonfinite=nonfinite,

@@ -121,14 +121,14 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
     nan_due = round_due and nan_check
     spans = None if fresh else record.nan_spans
     try:
-        checked = read_grads(found.tensors, spec.keys if fresh else ())
         if fresh:
-            device = check_gradients(checked, groups, config)
+            device = check_gradients(read_grads(found.tensors, spec.keys), groups, config)
             nccl = record.nccl if record is not None else uses_nccl(groups)
             spans = scan_spans(read_grads(found.tensors, spec.nan_keys)) if nan_check else None
         else:
             device, nccl = record.device, record.nccl
-        check_num_tokens(num_tokens, device, groups, spec.ddp, nccl)
+        if num_tokens is not None:
+            check_num_tokens(num_tokens, device, groups, spec.ddp, nccl)
         if nan_due:  # one fused scan of the kept spans; the gradients are read to name a find
             nonfinite = nonfinite_message(groups.rank, lambda: read_grads(found.tensors, spec.nan_keys), spec.ddp, spans)
             bad_tokens = nonfinite_tokens(num_tokens)

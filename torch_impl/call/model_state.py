@@ -185,13 +185,10 @@ class ModelState:
     def probe_kept(self, probes: Probes, slot: tuple[bool, bool], kept: tuple[Any, ...], complete_kept: bool,
                    reads: Reads) -> bool:
         """Write :meth:`still_kept` down as probes, for a call it has just answered True.
-        False where it cannot be (a helper's reads; see
-        :meth:`~torch_impl.call.model_watch.ModelWatch.probe`)."""
-        if reads != "all":
-            return False
+        False where it cannot be (see :meth:`~torch_impl.call.model_watch.ModelWatch.probe`)."""
         probes.same(partial(self.found.get, slot), kept)
         probes.same(partial(operator.contains, self.found, (slot[0], True)), complete_kept)
-        return kept[2].probe(probes)
+        return kept[2].probe(probes, reads)
 
     def complete_kept(self, slot: tuple[bool, bool]) -> bool:
         """Whether the complete discovery for ``slot``'s ``has_mtp`` is kept (then
@@ -217,9 +214,9 @@ class ModelState:
     def program(self, bound: BoundPlan, found: Discovered, groups: TorchGroups, config: FinalizeConfig) -> Program | None:
         """The plan bound to this step's gradient tensors (cached until the watch fires),
         or None when gradients are DTensors (they are unsharded per step)."""
-        hit = self.plan_memo.program(bound, found)
-        if hit is not None:
-            return hit
+        hit = self.programs.get(id(bound))  # (plan, program, the discovery it was bound to)
+        if hit is not None and hit[0] is bound and hit[2] is found:
+            return hit[1]
         kept = self.kept(found)
         cached = kept[1] if kept is not None else None
         if cached is not None:

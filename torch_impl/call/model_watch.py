@@ -79,15 +79,11 @@ class _Edges:
                 return False
         return self.exact is None or self.exact.same(map(operator.call, self.exact_kinds, self.exact_owners))
 
-    def probe(self, probes: Probes) -> bool:
-        """Write :meth:`same` down as probes: each owner's dict of its kind against its
-        copy. False where a dict is compared by identity (those stay :meth:`same`'s)."""
-        if self.exact is not None:
-            return False
-        for kind, owners, copies in self.plain:
-            for owner, copy in zip(owners, copies):
-                probes.equal(partial(kind, owner), copy)
-        return True
+    def probe(self, probes: Probes) -> None:
+        """Write :meth:`same` down as probes: itself, as one ``check`` (its comparisons run
+        over fixed lists already), where there is any edge."""
+        if self.plain or self.exact is not None:
+            probes.check(self.same)
 
 
 def _watched_module_ids(chunks: Sequence[Any], found: Any) -> list[int]:
@@ -254,16 +250,37 @@ class ModelWatch:
         """True when the cached discovery (and every plan made from it) still holds."""
         return self.structure_same() and self._routers_unchanged() and self.grads.same()
 
-    def probe(self, probes: Probes) -> bool:
-        """Write :meth:`same` down as probes, for a watch that has just answered True: the
-        dirty flag, the module-tree edges and what the chunk facts are read from. False
-        where it cannot be: watched parameters or routers (their checks stay
-        :meth:`same`'s), an edge compared by identity, facts that cannot be probed."""
-        if self.grads.params or self.router_dicts or self.probe_facts is None:
+    def probe(self, probes: Probes, reads: str = "all") -> bool:
+        """Write the check of ``reads`` down as probes (:meth:`same` for ``"all"``,
+        :meth:`touched_same` for ``"touched"``, :meth:`routers_same` for ``"routers"``), for
+        a watch that has just answered True: the dirty flag, the module-tree edges, what the
+        chunk facts are read from, and the bulk checks of the routers and the parameters
+        (``check`` probes: each the watch's own comparison over its fixed lists). False
+        where it cannot be: facts that cannot be probed (a ``torch.compile`` wrapper)."""
+        if self.probe_facts is None:
             return False
-        probes.same(partial(getattr, self, "grads"), self.grads)  # replaced when a plan covers more (cover)
         probes.same(partial(operator.getitem, self.dirty, 0), False)
-        return self.param_edges.probe(probes) and self.router_edges.probe(probes) and self.probe_facts(probes)
+        if self.router_dicts:
+            probes.check(self._routers_unchanged)
+        if reads == "routers":
+            self.router_edges.probe(probes)
+            return self.probe_facts(probes)
+        # Replaced when a plan covers more (cover): the probes below check the old ones.
+        probes.same(partial(getattr, self, "param_edges"), self.param_edges)
+        if reads == "touched":
+            if self._helper is None:  # made by a touched_same that answered True
+                return False
+            probes.same(partial(getattr, self, "_helper"), self._helper)
+            checks: tuple[GradWatch | DictWatch, ...] = self._helper
+        else:
+            probes.same(partial(getattr, self, "grads"), self.grads)
+            checks = (self.grads,)
+        for watch in checks:
+            if len(watch):
+                probes.check(watch.same)
+        self.param_edges.probe(probes)
+        self.router_edges.probe(probes)
+        return self.probe_facts(probes)
 
     def touched_same(self) -> bool:
         """What a seed helper's plan depends on (it does no DP sync): structure, chunk

@@ -19,7 +19,7 @@ from torch_impl.call.plan import build_plan, plan
 from torch_impl.call.plan_memo import BoundPlan
 from torch_impl.call.read import CallInputs, Request, read, read_layout
 from torch_impl.call.steady import keep_steady, steady_read
-from torch_impl.run.errors import ranked
+from torch_impl.run.errors import raise_ranked, ranked
 from torch_impl.run.execute import execute_local, finish_ddp_sync
 from torch_impl.run.grads import GradAccess
 from torch_impl.run.program import without_grad
@@ -52,7 +52,8 @@ def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallI
             raw = known.get("raw", (request.config,))
             share_local_error(err, known.get("groups"), known.get("config"), source=source, raw=raw, **extra)
         raise
-    inputs.state.plan_memo.keep_record(bound, findings.record)
+    if findings.record is not record:  # else the kept one, updated in place
+        inputs.state.plan_memo.keep_record(bound, findings.record)
     return bound, inputs, total
 
 
@@ -76,8 +77,11 @@ def call(model: Any, source: Any, request: Request = Request(), fence: Callable[
       ConsistencyError / NonFiniteGradError / CollectiveError: from the cross-rank rounds
         or a failed collective.
     """
-    with ranked():
+    try:
         bound, inputs, total = _agreed(model, source, request)
+    except (ValueError, TypeError) as err:
+        raise_ranked(err)
+        raise
     if not request.finalize and not bound.plan.actions:
         return
     if request.finalize:
@@ -93,7 +97,8 @@ def _run(request: Request, bound: BoundPlan, inputs: CallInputs, total: Any) -> 
     the plan's actions (its bound program, or each action bound as it runs for DTensor
     gradients) and the num_tokens scale (``total``: the count the status round carried)."""
     state, groups, found, config = inputs.state, inputs.groups, inputs.found, inputs.config
-    finish_ddp_sync(bound.ddp, bound.ddp_force_kwarg, request.force_all_reduce, groups)
+    if bound.ddp:
+        finish_ddp_sync(bound.ddp, bound.ddp_force_kwarg, request.force_all_reduce, groups)
     program = state.program(bound, found, groups, config)
     if program is not None:
         program.run()

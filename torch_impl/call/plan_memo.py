@@ -55,11 +55,6 @@ class PlanMemo:
         self.programs: dict[int, tuple[BoundPlan, Program, Discovered]] = {}
         self.records: dict[int, tuple[BoundPlan, PlanRecord]] = {}
 
-    def program(self, bound: BoundPlan, found: Discovered) -> Program | None:
-        """The program bound for ``bound`` and ``found``, or None."""
-        hit = self.programs.get(id(bound))
-        return hit[1] if hit is not None and hit[0] is bound and hit[2] is found else None
-
     def bind(self, bound: BoundPlan, found: Discovered, groups: TorchGroups, config: FinalizeConfig) -> Program:
         """Bind ``bound`` to the gradient tensors of ``found`` and keep the program."""
         grads = GradAccess(found.tensors, config.use_megatron_fsdp)

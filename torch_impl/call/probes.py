@@ -7,7 +7,7 @@ check passed. Replaying them is a few C-level loops over fixed lists, with no Py
 frame per check: see :mod:`torch_impl.call.steady` for why that is what a step inside
 a distributed world pays for.
 
-Three kinds of entries, each at least as strict as the check it stands for:
+Four kinds of entries, each at least as strict as the check it stands for:
 
 * ``same``: the probe gives the very object it gave (identity; a new object that
   compares equal counts as a change).
@@ -16,6 +16,10 @@ Three kinds of entries, each at least as strict as the check it stands for:
   value (a config's attribute values, a bound method read again).
 * ``live``: a container compared with a copy of it (``==``), for checks that compare a
   dict with its copy.
+* ``check``: a watch's own bulk check (a bound method that must answer True), for what
+  is compared element by element over fixed lists already (a
+  :class:`~torch_impl.call.watches.GradWatch` over many parameters): the check itself,
+  with the layers of calls above it left out.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ _BOUND = (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)
 class Probes:
     """Probes and the values they gave, replayed by :meth:`hold`."""
 
-    __slots__ = ("same_probes", "same_values", "equal_probes", "equal_values", "lives", "copies")
+    __slots__ = ("same_probes", "same_values", "equal_probes", "equal_values", "lives", "copies", "checks")
 
     def __init__(self) -> None:
         self.same_probes: list[Callable[[], Any]] = []
@@ -43,6 +47,7 @@ class Probes:
         self.equal_values: list[Any] = []
         self.lives: list[Any] = []
         self.copies: list[Any] = []
+        self.checks: list[Callable[[], bool]] = []
 
     def same(self, probe: Callable[[], Any], value: Any) -> None:
         """``probe()`` must give ``value`` itself."""
@@ -64,6 +69,11 @@ class Probes:
         self.lives.append(container)
         self.copies.append(copy)
 
+    def check(self, check: Callable[[], bool]) -> None:
+        """``check()`` must answer True (it reads only objects it holds, or ones the other
+        probes reach)."""
+        self.checks.append(check)
+
     def hold(self) -> bool:
         """Whether every probe gives what it gave (False when one raises)."""
         try:
@@ -71,12 +81,13 @@ class Probes:
                 all(map(operator.is_, map(_CALL, self.same_probes), self.same_values))
                 and list(map(_CALL, self.equal_probes)) == self.equal_values
                 and self.lives == self.copies
+                and all(map(_CALL, self.checks))
             )
         except Exception:  # noqa: BLE001 -- a read that raises, or an elementwise comparison's error: a change
             return False
 
     def __len__(self) -> int:
-        return len(self.same_probes) + len(self.equal_probes) + len(self.lives)
+        return len(self.same_probes) + len(self.equal_probes) + len(self.lives) + len(self.checks)
 
 
 __all__ = ["Probes"]

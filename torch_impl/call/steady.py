@@ -19,19 +19,25 @@ always take the stages.
 Inside a distributed world that check costs far more than its own work: after each
 step's collectives the code and objects of each function it runs come back cold from
 memory, a few microseconds per distinct function. So once the full check has passed,
-a ``finalize_model_grads`` call that reads everything through objects (no watched
-parameters or routers, no mesh) also writes it down as probes (:class:`SteadyGuard`,
+the call also writes it down as probes (:class:`SteadyGuard`,
 :class:`~torch_impl.call.probes.Probes`): each memo states its own check as C-level
-reads with the values they gave, and the next call replays them in one pass. Every
-probe is at least as strict as the read it stands for, and each object a check reads
-is reached only through probed reads, so while the probes hold the full check would
-pass too; when they do not, the full check runs and decides (and writes new probes, at
-most :data:`MAX_GUARD_BUILDS` times per kept call: a model whose probed state changes
-every step keeps the full check).
+reads with the values they gave, and the next call replays them in one pass. What a
+memo already compares element by element over fixed lists -- the watched parameters'
+:class:`~torch_impl.call.watches.GradWatch`, the routers, the module-tree edges -- is
+written down as that comparison itself (a ``check`` probe), with the calls above it
+left out. Every probe is at least as strict as the read it stands for, and each object
+a check reads is one its watch holds or is reached only through probed reads, so while
+the probes hold the full check would pass too; when they do not, the full check runs and
+decides (and writes new probes, at most :data:`MAX_GUARD_BUILDS` times per kept call: a
+model whose probed state changes every step keeps the full check). A seed helper's
+groups, a mapping it builds per call, are compared by name and object
+(:func:`_same_helper_groups`) where ``finalize_model_grads``' group source is compared
+by identity.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
 from meshgrad.config import FinalizeConfig
@@ -90,23 +96,34 @@ class SteadyGuard(NamedTuple):
     def holds(self, last: SteadyCall, source: Any, request: Request) -> bool:
         """Whether a call of ``last``'s kind with these arguments would pass the full check."""
         return (
-            self.probes is not None and last is self.last and source is self.source
+            self.probes is not None and last is self.last
+            and (source is self.source or _same_helper_groups(source, self.source, request))
             and request.config is self.config and self.probes.hold()
         )
+
+
+def _same_helper_groups(source: Any, kept: Any, request: Request) -> bool:
+    """Whether a seed helper's groups (the dict it builds per call) name the same group
+    objects, in the same order, as ``kept`` did (another kind of mapping: not compared)."""
+    return (
+        type(source) is dict and type(kept) is dict and not request.finalize and len(source) == len(kept)
+        and all(map(operator.is_, source, kept)) and all(map(operator.is_, source.values(), kept.values()))
+    )
 
 
 def _write_probes(state: ModelState, last: SteadyCall, source: Any, request: Request) -> Probes | None:
     """The full check of ``last`` (which has just passed) as probes, or None where some
     part cannot be written down (module doc)."""
-    if not request.finalize:
-        return None
     probes = Probes()
     inputs = last.inputs
     (slot, complete_kept), (raw, ddp_config) = last.slot, last.raw
     try:
-        state.config_memo.probe(probes, raw, ddp_config, inputs.requested)
-        if not (state.group_memo.probe(probes, source, inputs.config, inputs.groups)
-                and state.probe_kept(probes, slot, last.kept, complete_kept, request.reads)):
+        state.config_memo.probe(probes, raw, ddp_config, inputs.requested if request.finalize else None)
+        if helper_groups(source, request):
+            state.group_memo.probe_explicit(probes, source, inputs.groups)
+        elif not state.group_memo.probe(probes, source, inputs.config, inputs.groups):
+            return None
+        if not state.probe_kept(probes, slot, last.kept, complete_kept, request.reads):
             return None
     except Exception:  # noqa: BLE001 -- a read that raises now: no probes, the full check stays
         return None

@@ -130,9 +130,12 @@ class DictWatch:
         self.snapshots = list(map(dict.copy, self.plain))
         self.exact_now = ExactDicts(self.exact)
 
+    def __len__(self) -> int:
+        return len(self.plain) + len(self.exact)
+
     def same(self) -> bool:
         """Whether every dict holds what it held at construction."""
-        return not differs(self.plain, self.snapshots) and self.exact_now.same(self.exact)
+        return not differs(self.plain, self.snapshots) and (not self.exact or self.exact_now.same(self.exact))
 
 
 class GradWatch:
@@ -187,6 +190,9 @@ class GradWatch:
         # requires_grad and shapes in one C++ call where torch has the guard.
         self.param_check, self.grad_check = GuardedCheck(), GuardedCheck()
 
+    def __len__(self) -> int:
+        return len(self.params)
+
     def same(self) -> bool:
         """True when nothing a bound program or the plan depends on has changed (at once
         for a watch of no parameters: a Megatron DDP chunk without flagged ones)."""
@@ -195,19 +201,24 @@ class GradWatch:
             and self.attributes.same()
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
             and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
-            and self._grad_sizes_same()
+            and (not self.tensors or self._grad_sizes_same())
             and list(map(torch.Tensor.data_ptr, self.plain_params)) == self.param_ptrs
         )
 
     def _params_same(self) -> bool:
-        """The parameters' requires_grad and shapes (one guard call once armed)."""
-        return self.param_check.same(self.params, lambda: (
+        """The parameters' requires_grad and shapes (one guard call once armed, asked here
+        first: the steady step's answer without a call more)."""
+        guard = self.param_check.guard
+        return (guard is not None and guard.check(*self.params)) or self.param_check.same(self.params, lambda: (
             list(map(_REQUIRES_GRAD, self.params)) == self.requires and _sizes_same(self.params, self.param_sizes)
         ))
 
     def _grad_sizes_same(self) -> bool:
-        """The plain gradient tensors' shapes (one guard call once armed)."""
-        return self.grad_check.same(self.tensors, lambda: _sizes_same(self.tensors, self.sizes))
+        """The plain gradient tensors' shapes (one guard call once armed, asked here first)."""
+        guard = self.grad_check.guard
+        return (guard is not None and guard.check(*self.tensors)) or self.grad_check.same(
+            self.tensors, lambda: _sizes_same(self.tensors, self.sizes)
+        )
 
     def has_dtensor(self) -> bool:
         return any(is_dtensor(g) for g in map(get_grad, self.params))

@@ -16,8 +16,9 @@ cross-rank rounds (:mod:`torch_impl.call.agree`) before any gradient moves;
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from meshgrad.axes import Group
 # The cross-rank and NaN error types are meshgrad's, shared with jax_impl (same class for
@@ -34,6 +35,8 @@ from meshgrad.actions import Action
 from torch_impl.run.groups import TorchGroups, group_ranks, world_rank
 from torch_impl.run.status import first_line
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 class MegatronAssertionError(FinalizeInputError, AssertionError):
     """Bad input that Megatron-Core rejects with an assertion (or a crash on None)."""
@@ -45,24 +48,44 @@ _HINT = (
 )
 
 
-class ranked(contextlib.ContextDecorator):  # noqa: N801 -- used like a function
+def raise_ranked(err: BaseException) -> None:
+    """Raise ``err`` (a ValueError / TypeError) again with this rank's prefix when its
+    message lacks one; return when it has one or is of another type (the caller re-raises)."""
+    if not isinstance(err, (ValueError, TypeError)):
+        return
+    text = str(err)
+    if text.startswith("rank "):
+        return
+    try:
+        renamed = type(err)(f"rank {world_rank()}: {text}")
+    except Exception:  # an exception type with another constructor
+        raise err from None
+    raise renamed from err
+
+
+class ranked:  # noqa: N801 -- used like a function
     """Prefix the message of a ValueError / TypeError with this rank when it lacks one
-    (a context manager and a decorator; a plain class: it is entered on every call)."""
+    (:func:`raise_ranked`): a context manager, and a decorator whose wrapper catches
+    itself (no context manager entered per call: entry points run it on every step)."""
 
     def __enter__(self) -> "ranked":
         return self
 
     def __exit__(self, kind: Any, err: BaseException | None, trace: Any) -> bool:
-        if not isinstance(err, (ValueError, TypeError)):
-            return False
-        text = str(err)
-        if text.startswith("rank "):
-            return False
-        try:
-            renamed = type(err)(f"rank {world_rank()}: {text}")
-        except Exception:  # an exception type with another constructor
-            raise err from None
-        raise renamed from err
+        if err is not None:
+            raise_ranked(err)
+        return False
+
+    def __call__(self, fn: F) -> F:
+        @functools.wraps(fn)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except (ValueError, TypeError) as err:
+                raise_ranked(err)
+                raise
+
+        return entry  # type: ignore[return-value]
 
 
 def _ranks_text(groups: TorchGroups, group: Group | None) -> str:
@@ -145,5 +168,6 @@ __all__ = [
     "collective_guard",
     "describe",
     "first_line",
+    "raise_ranked",
     "ranked",
 ]

@@ -60,16 +60,22 @@ class Program:
             without_grad(self._scale, factor)
 
 
+#: What ``torch.set_grad_enabled(mode)`` calls to switch grad mode (its own Python
+#: ``__init__`` around it is a function more per switch); the class itself where this
+#: torch has no such function.
+_SET_GRAD_ENABLED: Callable[[bool], Any] = getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
+
+
 def without_grad(fn: Callable[..., None], *args: Any) -> None:
     """``fn(*args)`` with grad mode off, as under ``torch.no_grad()``, and on again after
     (an error included): switched only when it is on (finalize's run stage already runs
-    with it off), by ``torch.set_grad_enabled`` called as a function, a third of the
-    context manager's cost on every step."""
+    with it off), by torch's own switch called as a function, a third of the context
+    manager's cost on every step."""
     if not torch.is_grad_enabled():
         fn(*args)
         return
-    torch.set_grad_enabled(False)
+    _SET_GRAD_ENABLED(False)
     try:
         fn(*args)
     finally:
-        torch.set_grad_enabled(True)
+        _SET_GRAD_ENABLED(True)

@@ -28,9 +28,10 @@ class QuietRound:
       route: the round's route (every hop on the CPU).
     """
 
-    __slots__ = ("wire", "hops", "reached", "fmt")
+    __slots__ = ("route", "wire", "hops", "reached", "fmt")
 
     def __init__(self, route: Sequence[Hop]) -> None:
+        self.route = route
         self.reached = n = rounds.reached(route)
         self.fmt = fmt = wire_format(n)
         self.wire = rounds.HostWire(ELEMENTS[fmt])

@@ -329,8 +329,12 @@ def status_round(
     Returns:
       (the reduced vector, the global token count (:func:`reduce_status`) or None).
     """
-    route = status_route(groups, over)
-    quiet = quiet_round(groups, over, route)
+    quiet = groups.quiet_rounds.get(tuple(over))
+    if quiet is not None:  # it holds its route
+        route = quiet.route
+    else:
+        route = status_route(groups, over)
+        quiet = quiet_round(groups, over, route)
     try:
         nothing_to_report = error is None and not (compare or nonfinite)
         if quiet is not None and nothing_to_report and (tokens is None or host_count(tokens, route)):

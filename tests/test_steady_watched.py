@@ -1,0 +1,159 @@
+"""Probes over watched parameters and seed helpers (``torch_impl.call.steady``): a model
+whose plan depends on some parameters' flags and gradient tensors (a Megatron-DDP chunk
+with a sequence-parallel parameter), and a seed helper's calls (its groups a mapping
+built per call), are answered by their probes -- each watch's own bulk check among
+them -- and every change the full check sees makes those probes miss.
+
+World of one rank (no process group): finalize's numbers are checked after each step's
+num_tokens scale (``step``), the non-TP helper's (over a tensor-parallel group of one)
+are its inputs unchanged; for every change the probes are held against the full check.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from meshgrad.axes import Group  # noqa: E402
+from meshgrad.plan import Step  # noqa: E402
+from torch_impl import _allreduce_non_tensor_model_parallel_grads  # noqa: E402
+from torch_impl.call.model_state import ModelState  # noqa: E402
+from torch_impl.call.read import Request  # noqa: E402
+from test_steady_guard import DDP, Config, FILLER, Inner, full_checks, step  # noqa: E402, F401 -- full_checks: a fixture
+
+steady = importlib.import_module("torch_impl.call.steady")
+
+
+def model() -> list[DDP]:
+    """A DDP chunk whose ``a`` is sequence-parallel: watched, with its gradient tensor."""
+    inner = Inner()
+    inner.a.sequence_parallel = True
+    return [DDP(inner, Config(calculate_per_token_loss=True, qk_layernorm=False, **FILLER))]
+
+
+def _finalize_call() -> tuple[Any, Request]:
+    return None, Request(num_tokens=torch.tensor(1))
+
+
+def _helper_call(chunks: list[DDP], tp: Any = None) -> tuple[Any, Request]:
+    return {Group.TP: tp}, Request(steps=(Step.NON_TP,), config=chunks[0].config, over=(Group.TP,))
+
+
+def probes_hold(chunks: list[DDP], call: tuple[Any, Request]) -> bool:
+    """Whether the kept probes answer the next call of this kind with these arguments."""
+    source, request = call
+    state = ModelState.of(chunks)
+    kind = steady._kind(request)
+    last, guard = state.steady.get(kind), state.steady_guards.get(kind)
+    return last is not None and guard is not None and guard.holds(last, source, request)
+
+
+def full_check_passes(chunks: list[DDP], call: tuple[Any, Request]) -> bool:
+    """The full steady check of the next call of this kind, without the probes."""
+    source, request = call
+    state = ModelState.of(chunks)
+    kept = dict(state.steady_guards)
+    state.steady_guards.clear()
+    try:
+        return steady.steady_read(chunks, source, request, {}) is not None
+    finally:
+        state.steady_guards.update(kept)
+
+
+def helper_step(chunks: list[DDP]) -> None:
+    """The non-TP helper over a tensor-parallel group of one: every gradient unchanged."""
+    for c in chunks:
+        c.fill()
+    want = [p.main_grad.clone() for c in chunks for p in c.module.parameters()]
+    _allreduce_non_tensor_model_parallel_grads(chunks, chunks[0].config, None)
+    assert all(torch.equal(p.main_grad, w) for p, w in zip((p for c in chunks for p in c.module.parameters()), want))
+
+
+def test_a_model_with_watched_parameters_is_answered_by_its_probes(full_checks: list[int]) -> None:
+    chunks = model()
+    for n in (2, 4, 8, 4, 2):
+        step(chunks, n)
+    assert len(full_checks) == 1  # call 2; calls 3 to 5 by the probes
+    guard = next(iter(ModelState.of(chunks).steady_guards.values()))
+    assert guard.probes is not None and guard.probes.checks  # the parameters' watch among them
+
+
+def test_a_seed_helpers_calls_are_answered_by_its_probes(full_checks: list[int]) -> None:
+    chunks = model()
+    for _ in range(5):
+        helper_step(chunks)
+    assert len(full_checks) == 1
+    assert probes_hold(chunks, _helper_call(chunks))  # a new mapping of the same groups
+    assert not probes_hold(chunks, _helper_call(chunks, tp=object()))  # another group object
+    source, request = _helper_call(chunks)
+    other_config = Request(steps=request.steps, config=Config(**FILLER), over=request.over)
+    assert not probes_hold(chunks, (source, other_config))
+
+
+def _clear_flag(chunks: list[DDP]) -> None:
+    del chunks[0].module.a.sequence_parallel
+
+
+def _replace_grad(chunks: list[DDP]) -> None:
+    chunks[0].module.a.main_grad = torch.empty(3)
+
+
+def _swap_grad_storage(chunks: list[DDP]) -> None:
+    grad = chunks[0].module.a.main_grad
+    grad.data = torch.empty(3)
+
+
+def _freeze(chunks: list[DDP]) -> None:
+    chunks[0].module.a.requires_grad_(False)
+
+
+def _swap_param_storage(chunks: list[DDP]) -> None:
+    chunks[0].module.a.data = torch.zeros(3)
+
+
+def _replace_in_dict(chunks: list[DDP]) -> None:
+    new = nn.Parameter(torch.zeros(3))
+    new.sequence_parallel = True
+    chunks[0].module._parameters["a"] = new  # no registration hook sees it
+
+
+def _flag_other(chunks: list[DDP]) -> None:
+    chunks[0].module.b.sequence_parallel = True
+
+
+#: (change, which calls' full check sees it): the flags of a DDP chunk's other parameters
+#: are read once per discovery, by either call (``invalidate_plans`` re-reads them).
+CHANGES: list[tuple[Callable[[list[DDP]], None], tuple[str, ...]]] = [
+    (_clear_flag, ("finalize", "helper")),
+    (_replace_grad, ("finalize", "helper")),
+    (_swap_grad_storage, ("finalize", "helper")),
+    (_freeze, ("finalize", "helper")),
+    (_swap_param_storage, ("finalize", "helper")),
+    (_replace_in_dict, ("finalize", "helper")),
+    (_flag_other, ()),
+]
+
+
+@pytest.mark.parametrize("kind", ["finalize", "helper"])
+@pytest.mark.parametrize("change,seen_by", CHANGES, ids=lambda c: getattr(c, "__name__", "").strip("_"))
+def test_every_change_of_a_watched_parameter_makes_the_probes_miss(change, seen_by, kind: str) -> None:
+    chunks = model()
+    run = step if kind == "finalize" else helper_step
+    calls = [(lambda n=n: run(chunks, n)) if kind == "finalize" else (lambda: run(chunks)) for n in (2, 4, 8)]
+    for call in calls:
+        call()
+    call_args = _finalize_call() if kind == "finalize" else _helper_call(chunks)
+    assert probes_hold(chunks, call_args) and full_check_passes(chunks, call_args)
+    change(chunks)
+    holds, passes = probes_hold(chunks, call_args), full_check_passes(chunks, call_args)
+    assert holds == passes, "the probes and the full check disagree"
+    assert holds != (kind in seen_by)
+    for call in calls[:2]:  # the stages read the change; the numbers stay right
+        call()
+    assert probes_hold(chunks, call_args) and full_check_passes(chunks, call_args)
