@@ -23,7 +23,7 @@ from torch import nn  # noqa: E402
 from meshgrad import FinalizeConfig  # noqa: E402
 from torch_impl import finalize_model_grads, invalidate_plans  # noqa: E402
 from torch_impl.call.config_memo import ConfigMemo  # noqa: E402
-from torch_impl.call.group_memo import GroupMemo  # noqa: E402
+from torch_impl.call.group_memo import GroupMemo, probe_world_size  # noqa: E402
 from torch_impl.call.memo import probe_absent  # noqa: E402
 from torch_impl.call.model_state import ModelState  # noqa: E402
 from torch_impl.call.probes import Probes  # noqa: E402
@@ -400,6 +400,35 @@ def test_the_group_memos_probes_follow_parallel_state(monkeypatch: pytest.Monkey
     agree(False)
     monkeypatch.setitem(sys.modules, PARALLEL_STATE, types.ModuleType(PARALLEL_STATE))  # another module
     agree(False)
+
+
+def test_the_world_size_probe_follows_the_default_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from torch_impl.run.groups import world_size
+
+    class Group:  # stands in for a default process group (all the world size reads of it)
+        def __init__(self, size: int) -> None:
+            self.ranks = size
+
+        def size(self) -> int:
+            return self.ranks
+
+    world = dist.distributed_c10d._world
+    monkeypatch.setattr(world, "_default_pg", None)
+    probes = _written(lambda p: probe_world_size(p, world_size()))
+    assert world_size() == 1 and probes.hold()
+    first = Group(4)
+    monkeypatch.setattr(world, "_default_pg", first)  # initialized: another world size
+    assert world_size() == 4 and not probes.hold()
+    probes = _written(lambda p: probe_world_size(p, 4))
+    assert probes.hold()
+    monkeypatch.setattr(world, "_default_pg", Group(4))  # re-initialized, the same size: a miss all the same
+    assert world_size() == 4 and not probes.hold()
+    monkeypatch.setattr(world, "_default_pg", first)
+    assert probes.hold()
+    stale = _written(lambda p: probe_world_size(p, 2))  # a size the world does not have: read again
+    assert not stale.hold() and len(stale) == 1
 
 
 def test_a_watch_that_comes_to_cover_more_makes_the_probes_miss() -> None:

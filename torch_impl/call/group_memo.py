@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
+import torch.distributed as dist
+
 from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from torch_impl.sources.group_sources import MESH_KINDS, resolve_groups, source_kind
@@ -28,6 +30,26 @@ def _key(config: FinalizeConfig) -> tuple[Any, ...]:
     """What a source's resolved groups depend on besides the source: the world's size and
     the config fields that add groups."""
     return world_size(), config.moe_router_enable_expert_bias, config.flextron
+
+
+#: Where torch.distributed keeps the default process group it reads the world size from
+#: (private to torch: :func:`probe_world_size` reads it only where it is there).
+_C10D = getattr(dist, "distributed_c10d", None)
+_ABSENT = object()
+
+
+def probe_world_size(probes: Probes, size: int) -> None:
+    """``world_size() == size`` written down as a probe: the default process group itself,
+    by identity (one C-level read: a group's size is fixed, and ``get_world_size`` reads it
+    from that group; None while torch.distributed is not initialized), where torch keeps
+    it as ``distributed_c10d._world._default_pg`` and it gives ``size``; else
+    :func:`~torch_impl.run.groups.world_size` itself, read again."""
+    world = getattr(_C10D, "_world", None)
+    pg = getattr(world, "_default_pg", _ABSENT)
+    if pg is not _ABSENT and (1 if pg is None else pg.size()) == size == world_size():
+        probes.same(partial(getattr, world, "_default_pg"), pg)
+    else:
+        probes.equal(world_size, size)
 
 
 class GroupMemo:
@@ -107,7 +129,7 @@ class GroupMemo:
         if kind in MESH_KINDS:
             return False
         probes.same(partial(getattr, self, "groups"), self.groups)
-        probes.equal(world_size, self.groups[1][0])  # type: ignore[index]  # _key's one read (the config is fixed)
+        probe_world_size(probes, self.groups[1][0])  # type: ignore[index]  # _key's one read (the config is fixed)
         self.groups[0].probe(probes)  # type: ignore[index]
         return True
 
