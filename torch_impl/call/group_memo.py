@@ -138,13 +138,6 @@ class GroupMemo:
         hit = self.explicit_groups.get((tuple(values), tuple(map(id, values.values()))))
         return hit is not None and hit[1] is groups and all(map(operator.is_, hit[0].values(), values.values()))
 
-    def probe_explicit(self, probes: Probes, values: Mapping[Group, Any], groups: TorchGroups) -> None:
-        """Write :meth:`explicit_unchanged` down as probes, for a call it has just answered
-        True: the memo's entry for these names and group objects is still the same (the
-        caller compares later calls' groups with ``values``: the same objects in order)."""
-        key = (tuple(values), tuple(map(id, values.values())))
-        probes.same(partial(self.explicit_groups.get, key), self.explicit_groups[key])
-
     def explicit(self, values: Mapping[Group, Any]) -> TorchGroups:
         """TorchGroups from a seed helper's groups, memoized on the group objects'
         identity (the memo holds the groups, so their ids stay theirs) and the names'

@@ -30,14 +30,13 @@ a check reads is one its watch holds or is reached only through probed reads, so
 the probes hold the full check would pass too; when they do not, the full check runs and
 decides (and writes new probes, at most :data:`MAX_GUARD_BUILDS` times per kept call: a
 model whose probed state changes every step keeps the full check). A seed helper's
-groups, a mapping it builds per call, are compared by name and object
-(:func:`_same_helper_groups`) where ``finalize_model_grads``' group source is compared
+groups, a dict it builds per call, are checked by the group memo's own check on every
+call (:func:`_per_call_groups`), where ``finalize_model_grads``' group source is compared
 by identity.
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Any, NamedTuple
 
 from meshgrad.config import FinalizeConfig
@@ -72,6 +71,9 @@ class SteadyCall(NamedTuple):
 #: How many times the probes of one kept call are written (the first, then after each
 #: miss whose full check passed), before its calls keep the full check.
 MAX_GUARD_BUILDS = 4
+#: A guard's ``source`` when the call's groups are a dict made per call: asked of the group
+#: memo's own check on every call instead of compared by identity.
+PER_CALL = object()
 
 
 class SteadyGuard(NamedTuple):
@@ -79,7 +81,8 @@ class SteadyGuard(NamedTuple):
 
     Args:
       last: the kept call it stands for.
-      source: the group source of the call that wrote it (compared by identity).
+      source: the group source of the call that wrote it (compared by identity), or
+        :data:`PER_CALL` for a seed helper's per-call groups (:func:`_per_call_groups`).
       config: that call's own config argument (compared by identity).
       raw: the config and DDP config that call resolved.
       probes: the probes (None: none could be written, or :data:`MAX_GUARD_BUILDS` ran out).
@@ -96,19 +99,18 @@ class SteadyGuard(NamedTuple):
     def holds(self, last: SteadyCall, source: Any, request: Request) -> bool:
         """Whether a call of ``last``'s kind with these arguments would pass the full check."""
         return (
-            self.probes is not None and last is self.last
-            and (source is self.source or _same_helper_groups(source, self.source, request))
-            and request.config is self.config and self.probes.hold()
+            self.probes is not None and last is self.last and request.config is self.config
+            and (source is self.source or self.source is PER_CALL and type(source) is dict
+                 and last.inputs.state.group_memo.explicit_unchanged(source, last.inputs.groups))
+            and self.probes.hold()
         )
 
 
-def _same_helper_groups(source: Any, kept: Any, request: Request) -> bool:
-    """Whether a seed helper's groups (the dict it builds per call) name the same group
-    objects, in the same order, as ``kept`` did (another kind of mapping: not compared)."""
-    return (
-        type(source) is dict and type(kept) is dict and not request.finalize and len(source) == len(kept)
-        and all(map(operator.is_, source, kept)) and all(map(operator.is_, source.values(), kept.values()))
-    )
+def _per_call_groups(source: Any, request: Request) -> bool:
+    """Whether ``source`` is a seed helper's groups as the helpers build them, a new dict
+    per call: no probe stands for it, the guard asks the group memo's own check each call
+    (:meth:`~torch_impl.call.group_memo.GroupMemo.explicit_unchanged`; :data:`PER_CALL`)."""
+    return type(source) is dict and not request.finalize
 
 
 def _write_probes(state: ModelState, last: SteadyCall, source: Any, request: Request) -> Probes | None:
@@ -119,10 +121,10 @@ def _write_probes(state: ModelState, last: SteadyCall, source: Any, request: Req
     (slot, complete_kept), (raw, ddp_config) = last.slot, last.raw
     try:
         state.config_memo.probe(probes, raw, ddp_config, inputs.requested if request.finalize else None)
-        if helper_groups(source, request):
-            state.group_memo.probe_explicit(probes, source, inputs.groups)
-        elif not state.group_memo.probe(probes, source, inputs.config, inputs.groups):
-            return None
+        if _per_call_groups(source, request):
+            pass  # asked of the group memo on every call (PER_CALL)
+        elif helper_groups(source, request) or not state.group_memo.probe(probes, source, inputs.config, inputs.groups):
+            return None  # another kind of mapping as a helper's groups: the full check
         if not state.probe_kept(probes, slot, last.kept, complete_kept, request.reads):
             return None
     except Exception:  # noqa: BLE001 -- a read that raises now: no probes, the full check stays
@@ -140,7 +142,8 @@ def _keep_guard(state: ModelState, kind: Any, last: SteadyCall, source: Any, req
         return
     builds = old.builds + 1 if same_call else 1
     probes = _write_probes(state, last, source, request) if builds <= MAX_GUARD_BUILDS else None
-    state.steady_guards[kind] = SteadyGuard(last, source, request.config, raw, probes, builds)
+    kept_source = PER_CALL if _per_call_groups(source, request) else source
+    state.steady_guards[kind] = SteadyGuard(last, kept_source, request.config, raw, probes, builds)
 
 
 def _kind(request: Request) -> tuple[Any, ...] | None:
@@ -232,4 +235,4 @@ def keep_steady(inputs: CallInputs, bound: BoundPlan, source: Any, request: Requ
     put(state.steady, kind, SteadyCall(raw, config, (kept[0], state.complete_kept(kept[0])), kept[1], inputs, bound))
 
 
-__all__ = ["MAX_GUARD_BUILDS", "SteadyCall", "SteadyGuard", "keep_steady", "steady_read"]
+__all__ = ["MAX_GUARD_BUILDS", "PER_CALL", "SteadyCall", "SteadyGuard", "keep_steady", "steady_read"]

@@ -334,7 +334,7 @@ def status_round(
         route = quiet.route
     else:
         route = status_route(groups, over)
-        quiet = quiet_round(groups, over, route)
+        quiet = _new_quiet_round(groups, over, route)
     try:
         nothing_to_report = error is None and not (compare or nonfinite)
         if quiet is not None and nothing_to_report and (tokens is None or host_count(tokens, route)):
@@ -356,13 +356,13 @@ def status_round(
     return reduced, total
 
 
-def quiet_round(groups: TorchGroups, over: Sequence[Group], route: Sequence[Hop]) -> QuietRound | None:
-    """The round over ``over`` with its reused host wire (made on its first round), or None
-    when the route is empty or not on the CPU (a device round gets a fresh tensor)."""
-    key = tuple(over)
-    quiet = groups.quiet_rounds.get(key)
-    if quiet is None and route and route[0][2].type == "cpu":
-        quiet = groups.quiet_rounds[key] = QuietRound(route)
+def _new_quiet_round(groups: TorchGroups, over: Sequence[Group], route: Sequence[Hop]) -> QuietRound | None:
+    """The round over ``over`` with its reused host wire, made on its first round and kept
+    on the groups, or None when the route is empty or not on the CPU (a device round gets a
+    fresh tensor)."""
+    if not route or route[0][2].type != "cpu":
+        return None
+    quiet = groups.quiet_rounds[tuple(over)] = QuietRound(route)
     return quiet
 
 
@@ -387,7 +387,7 @@ def already_shared(err: BaseException) -> bool:
 __all__ = [
     "AgreedInputError", "BIG", "SPANNING_GROUPS", "STATUS_SIZE", "all_reduce_max", "all_reduce_status",
     "already_shared", "backend", "capturing", "compare_round", "decode", "device_for", "encode", "first_line",
-    "fused_tokens", "gather_texts", "layout_digest", "layouts_differ", "lowest_flagged", "quiet_round", "raise_mismatch",
+    "fused_tokens", "gather_texts", "layout_digest", "layouts_differ", "lowest_flagged", "raise_mismatch",
     "reached", "read_back", "reduce_max", "reduce_status", "wire_format", "settle", "share_error", "status_round", "status_route", "status_vector", "timeout_of",
     "world_route",
 ]
