@@ -31,6 +31,17 @@ def run_helper(model: Any, groups: Mapping[Group, Any] | TorchGroups, request: R
     call(model, groups, request)
 
 
+def _reduces_over(embd_group: ProcessGroup | None) -> bool:
+    """Whether this rank is a member of ``embd_group`` and it has several ranks. A
+    ``ProcessGroup`` object is given only to its members (torch gives the others
+    ``GroupMember.NON_GROUP_MEMBER``), so its own size and rank answer in C++; any other
+    group is looked up by its global ranks."""
+    if type(embd_group) is dist.ProcessGroup and embd_group.rank() >= 0:
+        return embd_group.size() > 1
+    members = dist.get_process_group_ranks(embd_group) if embd_group is not None else ()
+    return len(members) > 1 and world_rank() in members
+
+
 def embedding_grad(
     model: list[nn.Module],
     embd_group: ProcessGroup | None,
@@ -43,8 +54,7 @@ def embedding_grad(
     """:func:`torch_impl.finalize._allreduce_embedding_grad` with the MTP chunk rule decided by the caller
     (Megatron's position-embedding helper never applies it): members of an embedding group
     of size > 1 run the helper's step; the read stage picks the chunk and its weight."""
-    members = dist.get_process_group_ranks(embd_group) if embd_group is not None else ()
-    if len(members) <= 1 or world_rank() not in members:
+    if not _reduces_over(embd_group):
         return
     # Without a pp group Megatron treats the rank as the first stage; the embedding
     # group's members then stand in for the stages.

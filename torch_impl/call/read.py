@@ -165,6 +165,11 @@ def _read_sources(chunks: list[Any], source: Any, request: Request, known: dict[
     return state, config, requested, groups
 
 
+#: The key of ``known`` under which the steady path hands the read stage an embedding
+#: helper's discovery it read for this call (its getter is called once per call).
+EMBEDDING_FOUND = "embedding_found"
+
+
 def read(model: Any, source: Any, request: Request, known: dict[str, Any]) -> CallInputs:
     """The read stage: everything the call reads from the user's objects (chunks, config,
     group source, parameters, gradients, routers), memoized on the model while unchanged.
@@ -178,7 +183,9 @@ def read(model: Any, source: Any, request: Request, known: dict[str, Any]) -> Ca
     chunks = as_chunks(model)
     state, config, requested, groups = _read_sources(chunks, source, request, known)
     if request.embedding is not None:
-        found = state.embedding(chunks, groups, request.embedding)
+        found = known.pop(EMBEDDING_FOUND, None)  # read by the steady path's check already
+        if found is None:
+            found = state.embedding(chunks, groups, request.embedding)
         token, ddp = (found.params, found.routers), (None,) * len(chunks)
     else:
         gtp = groups.size(Group.GTP) > 1 or groups.size(Group.EGTP) > 1
@@ -198,5 +205,6 @@ def read_layout(model: Any, source: Any) -> CallInputs:
 
 
 __all__ = [
-    "DEFAULT_CONFIG", "CallInputs", "Request", "as_chunks", "config_sources", "helper_groups", "read", "read_layout",
+    "DEFAULT_CONFIG", "EMBEDDING_FOUND", "CallInputs", "Request", "as_chunks", "config_sources", "helper_groups",
+    "read", "read_layout",
 ]

@@ -12,9 +12,13 @@ one the model state holds for the call, and its
 the call's options. Where each holds, the read stage would return the same config, groups
 and discovery, and the plan stage, keyed by exactly those, the same plan: the path skips
 nothing the stages would find different. The check, agree and run stages run as on every
-call. An embedding helper (it reads one weight its own way), a torch FSDP2 / DDP model
-(their hooks' settings are read per call) and a mesh group source (resolved per call)
-always take the stages.
+call. An embedding helper reads its one weight its own way, through a getter it is given
+per call: the path runs that read in full on every call (the getter called on the chunk
+Megatron's rule picks, the weight, its gradient tensor and ``requires_grad`` compared
+with the kept discovery's, :meth:`~torch_impl.call.model_state.ModelState.embedding`) and
+takes the kept plan only when it gives the kept discovery itself. A torch FSDP2 / DDP
+model (their hooks' settings are read per call) and a mesh group source (resolved per
+call) always take the stages.
 
 Inside a distributed world that check costs far more than its own work: after each
 step's collectives the code and objects of each function it runs come back cold from
@@ -44,7 +48,7 @@ from torch_impl.call.memo import put
 from torch_impl.call.model_state import ModelState
 from torch_impl.call.plan_memo import BoundPlan
 from torch_impl.call.probes import Probes
-from torch_impl.call.read import CallInputs, Request, as_chunks, config_sources, helper_groups
+from torch_impl.call.read import EMBEDDING_FOUND, CallInputs, Request, as_chunks, config_sources, helper_groups
 from torch_impl.sources.group_sources import MESH_KINDS, source_kind
 
 
@@ -54,8 +58,10 @@ class SteadyCall(NamedTuple):
     Args:
       raw: the config and DDP config it resolved.
       config: the FinalizeConfig resolved from them (before a helper's own rules).
-      slot: the model state's discovery slot it read, and whether the complete slot was kept then.
-      kept: the model state's entry in that slot (token, discovery, watch, DDP objects).
+      slot: the model state's discovery slot it read, and whether the complete slot was kept
+        then (:data:`EMBEDDING_SLOT` for an embedding helper: its discovery is its own).
+      kept: the model state's entry in that slot (token, discovery, watch, DDP objects;
+        empty for an embedding helper).
       inputs: what the read stage read.
       bound: the plan.
     """
@@ -68,6 +74,9 @@ class SteadyCall(NamedTuple):
     bound: BoundPlan
 
 
+#: The slot of an embedding helper's kept call: it reads no discovery slot of the model
+#: state (its own discovery is checked per call, :func:`_embedding_unchanged`).
+EMBEDDING_SLOT: tuple[Any, bool] = (None, False)
 #: How many times the probes of one kept call are written (the first, then after each
 #: miss whose full check passed), before its calls keep the full check.
 MAX_GUARD_BUILDS = 4
@@ -125,7 +134,7 @@ def _write_probes(state: ModelState, last: SteadyCall, source: Any, request: Req
             pass  # asked of the group memo on every call (PER_CALL)
         elif helper_groups(source, request) or not state.group_memo.probe(probes, source, inputs.config, inputs.groups):
             return None  # another kind of mapping as a helper's groups: the full check
-        if not state.probe_kept(probes, slot, last.kept, complete_kept, request.reads):
+        if request.embedding is None and not state.probe_kept(probes, slot, last.kept, complete_kept, request.reads):
             return None
     except Exception:  # noqa: BLE001 -- a read that raises now: no probes, the full check stays
         return None
@@ -146,13 +155,14 @@ def _keep_guard(state: ModelState, kind: Any, last: SteadyCall, source: Any, req
     state.steady_guards[kind] = SteadyGuard(last, kept_source, request.config, raw, probes, builds)
 
 
-def _kind(request: Request) -> tuple[Any, ...] | None:
+def _kind(request: Request) -> tuple[Any, ...]:
     """What of ``request`` decides its read and plan besides its config (num_tokens only by
-    presence); None for an embedding helper, which takes the stages."""
-    if request.embedding is not None:
-        return None
+    presence; of an embedding helper's read, all but its getter, which is given per call
+    and called on every call)."""
+    read = request.embedding
     return (request.steps, request.force_all_reduce, request.num_tokens is None, request.merge_ddp_config,
-            request.config_default, request.per_token_loss, request.over)
+            request.config_default, request.per_token_loss, request.over,
+            None if read is None else (read.role, read.required, read.has_mtp, read.pp_given))
 
 
 def _same_raw(raw: Any, kept: Any) -> bool:
@@ -181,7 +191,7 @@ def steady_read(
     chunks = as_chunks(model)
     state = ModelState.of(chunks)
     kind = _kind(request)
-    last: SteadyCall | None = state.steady.get(kind) if kind is not None else None
+    last: SteadyCall | None = state.steady.get(kind)
     if last is None:
         return None
     guard = state.steady_guards.get(kind)
@@ -194,7 +204,26 @@ def steady_read(
         _keep_guard(state, kind, last, source, request, raw)
     inputs = last.inputs
     known.update(raw=raw, config=inputs.config, groups=inputs.groups)
+    if request.embedding is not None and not _embedding_unchanged(state, chunks, request, inputs, known):
+        return None
     return inputs, last.bound
+
+
+def _embedding_unchanged(
+    state: ModelState, chunks: list[Any], request: Request, inputs: CallInputs, known: dict[str, Any]
+) -> bool:
+    """Whether an embedding helper's read, run now in full, gives the kept discovery. The
+    groups are the ones the read stage would resolve (checked before), so on a miss the
+    discovery is handed to it in ``known`` (the getter is called once per call).
+
+    Raises:
+      ValueError: the weight is required and the chunk has none (as the read stage raises).
+    """
+    found = state.embedding(chunks, inputs.groups, request.embedding)
+    if found is inputs.found:
+        return True
+    known[EMBEDDING_FOUND] = found
+    return False
 
 
 def _full_check(
@@ -210,7 +239,7 @@ def _full_check(
         not _same_raw(raw[0], kept_raw[0]) or raw[1] is not kept_raw[1]
         or not state.config_memo.unchanged(kept_raw[0], raw[1], last.config, stated)
         or not _groups_unchanged(state, source, request, inputs)
-        or not state.still_kept(slot, last.kept, complete_kept, request.reads)
+        or request.embedding is None and not state.still_kept(slot, last.kept, complete_kept, request.reads)
     ):
         return None
     return raw
@@ -221,10 +250,8 @@ def keep_steady(inputs: CallInputs, bound: BoundPlan, source: Any, request: Requ
     (:func:`steady_read`); a call the steady path does not serve (module doc) drops what
     was kept for its kind."""
     kind = _kind(request)
-    if kind is None:
-        return
     state, found = inputs.state, inputs.found
-    kept = state.kept(found)
+    kept = state.kept(found) if request.embedding is None else (EMBEDDING_SLOT, ())
     if kept is None or found.fsdp or found.torch_ddp or source_kind(source) in MESH_KINDS:
         state.steady.pop(kind, None)
         return
@@ -232,7 +259,10 @@ def keep_steady(inputs: CallInputs, bound: BoundPlan, source: Any, request: Requ
     if config is None:
         state.steady.pop(kind, None)
         return
-    put(state.steady, kind, SteadyCall(raw, config, (kept[0], state.complete_kept(kept[0])), kept[1], inputs, bound))
+    slot = kept[0] if request.embedding is not None else (kept[0], state.complete_kept(kept[0]))
+    put(state.steady, kind, SteadyCall(raw, config, slot, kept[1], inputs, bound))
 
 
-__all__ = ["MAX_GUARD_BUILDS", "PER_CALL", "SteadyCall", "SteadyGuard", "keep_steady", "steady_read"]
+__all__ = [
+    "EMBEDDING_SLOT", "MAX_GUARD_BUILDS", "PER_CALL", "SteadyCall", "SteadyGuard", "keep_steady", "steady_read",
+]
