@@ -25,7 +25,7 @@ from torch import nn  # noqa: E402
 from parity_tests.scenarios import WORD_EMB, RankData  # noqa: E402
 from parity_tests.torch_world import read_outputs  # noqa: E402
 from parity_tests.world_cases import case_values, run_cases  # noqa: E402
-from test_torch_helpers import POS_ALL, PP_TP, WORLD, _embedding_expected, _inputs, _prepare  # noqa: E402
+from test_torch_helpers import POS_ALL, PP_TP, WORLD, _embedding_expected, _inputs, _peers, _prepare  # noqa: E402
 
 #: Calls before the change: the first through the stages, the rest on the steady path.
 STEADY = 3
@@ -155,6 +155,19 @@ def _moving_getter(model: list[Any], pgc: Any, index: int) -> None:
     _allreduce_embedding_grad(model, pgc.embd, pgc.pp, lambda m: m.get_parameter(target), config=model[0].config)
 
 
+def _failing_getter(model: list[Any], pgc: Any, index: int) -> None:
+    """A getter that raises on rank 0 from the change on (the other ranks' calls would be
+    steady): every rank must raise, before anything changes."""
+    from torch_impl import _allreduce_embedding_grad
+
+    def getter(module: nn.Module) -> nn.Parameter:
+        if index >= STEADY and torch.distributed.get_rank() == 0:
+            raise RuntimeError("the getter failed on rank 0")
+        return module.get_parameter(WORD_EMB)
+
+    _allreduce_embedding_grad(model, pgc.embd, pgc.pp, getter, config=model[0].config)
+
+
 def case_word(rank: int, world: int) -> dict[str, Any]:
     return {change: _steps(rank, PP_TP, _word, WORD_EMB, change) for change in CHANGES}
 
@@ -165,7 +178,8 @@ def case_position(rank: int, world: int) -> dict[str, Any]:
 
 
 def case_moving_getter(rank: int, world: int) -> dict[str, Any]:
-    return {"getter moved": _steps(rank, PP_TP, _moving_getter, LAYERNORM, "none")}
+    return {"getter moved": _steps(rank, PP_TP, _moving_getter, LAYERNORM, "none"),
+            "getter raised on rank 0": _steps(rank, PP_TP, _failing_getter, WORD_EMB, "none")}
 
 
 #: Groups every rank makes, by their global ranks (a non-member gets torch's NON_GROUP_MEMBER).
@@ -262,6 +276,13 @@ def test_each_change_moved_the_numbers_a_stale_plan_would_get_wrong(world) -> No
     for rank, runs in enumerate(word):
         frozen = runs["frozen"]
         assert frozen["live"][STEADY][0] == frozen["fresh"][0], rank
+    for rank, runs in enumerate(case_values(world, "case_moving_getter")):
+        status, value = runs["getter raised on rank 0"]["live"][STEADY]
+        if 0 in _peers(PP_TP, rank, ("pp",)):  # rank 0's embedding group: every rank raised
+            message, untouched = value
+            assert status == "error" and untouched and "the getter failed on rank 0" in message, (rank, value)
+        else:  # the other group's ranks reduce as on every step
+            assert status == "ok", (rank, value)
 
 
 def test_the_helpers_reduce_where_this_rank_is_in_a_group_of_several(world) -> None:
