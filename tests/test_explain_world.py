@@ -117,12 +117,12 @@ def _run(name: str, rank: int) -> dict[str, Any]:
     rounds: list[tuple[str, tuple[int, ...], str, int]] = []
     original = status.all_reduce_status  # the status round's one reduction
 
-    def recorded(value: Any, pg: Any) -> None:
+    def recorded(value: Any, pg: Any, options: Any = None) -> None:
         import torch.distributed as dist
 
         rounds.append(("status", tuple(dist.get_process_group_ranks(pg)), str(value.dtype).removeprefix("torch."),
                        value.numel()))
-        original(value, pg)
+        original(value, pg, options)
 
     status.all_reduce_status = recorded
     try:

@@ -111,7 +111,9 @@ def test_a_quiet_round_sends_and_reads_what_the_full_round_does(monkeypatch: pyt
         for kind, other in others.items():
             sent: list[list[int]] = []
 
-            def summed(value: torch.Tensor, pg: Any) -> None:
+            def summed(value: torch.Tensor, pg: Any, options: Any = None) -> None:
+                # the quiet round hands over the SUM options it keeps; the full round none
+                assert options is None or options.reduceOp == torch.distributed.ReduceOp.SUM, options
                 sent.append(value.tolist())
                 value.add_(torch.tensor(other, dtype=torch.int64))
 
@@ -281,7 +283,7 @@ def case_a_failed_round_drops_its_wire(rank: int, world: int) -> dict[str, Any]:
     (before,) = wires.values()
     original = status.all_reduce_status
 
-    def failing(value: torch.Tensor, pg: Any) -> None:
+    def failing(value: torch.Tensor, pg: Any, options: Any = None) -> None:
         raise RuntimeError("simulated: connection closed by peer")
 
     grad = model[0].weight.grad.clone()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch.distributed as dist
+
 from meshgrad.status_wire import ELEMENTS, carried_count, nothing_flagged, token_bits, wire_format
 from torch_impl.run import rounds
 from torch_impl.run.rounds import Hop
@@ -28,7 +30,7 @@ class QuietRound:
       route: the round's route (every hop on the CPU).
     """
 
-    __slots__ = ("route", "wire", "hops", "reached", "fmt")
+    __slots__ = ("route", "wire", "hops", "reached", "fmt", "options")
 
     def __init__(self, route: Sequence[Hop]) -> None:
         self.route = route
@@ -36,6 +38,8 @@ class QuietRound:
         self.fmt = fmt = wire_format(n)
         self.wire = rounds.HostWire(ELEMENTS[fmt])
         self.hops = [(name, pg) for name, pg, _, _ in route]
+        # the options of the round's all-reduces, made once (torch only reads them)
+        self.options = rounds.reduce_options(dist.ReduceOp.SUM)
 
     def run(self, tokens: int | None, rank: int, what: str) -> tuple[list[int], bool, int | None]:
         """Send this rank's healthy words (with ``tokens``: this rank's count, or None).
@@ -56,7 +60,7 @@ class QuietRound:
                 host[-1] = tokens
         for name, pg in self.hops:
             try:
-                rounds.all_reduce_status(self.wire.tensor, pg)
+                rounds.all_reduce_status(self.wire.tensor, pg, self.options)
             except RuntimeError as err:
                 raise rounds.round_failed(rank, what, name, err) from err
         reduced = rounds.read_back(self.wire.tensor, host)

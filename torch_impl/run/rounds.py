@@ -172,18 +172,26 @@ def world_route() -> list[Hop]:
     return [("the world", world, device_for(world), dist.get_world_size())]
 
 
+def reduce_options(op: Any) -> Any:
+    """The options of a rounds' all-reduce with ``op`` (a ``ReduceOp``), the process
+    group's default timeout."""
+    options = dist.AllreduceOptions()
+    options.reduceOp = op
+    return options
+
+
 def _all_reduce(value: torch.Tensor, pg: Any, op: Any) -> None:
     """All-reduce ``value`` in place over ``pg``, through the process group itself: the
     rounds stay apart from the ``torch.distributed`` calls that move data (which tests and
     benchmarks count) and skip their Python layer (a few microseconds a step)."""
-    options = dist.AllreduceOptions()
-    options.reduceOp = op
-    pg.allreduce([value], options).wait()
+    pg.allreduce([value], reduce_options(op)).wait()
 
 
-def all_reduce_status(value: torch.Tensor, pg: Any) -> None:
-    """SUM-all-reduce a status vector in place over ``pg`` (the status round's one reduction)."""
-    _all_reduce(value, pg, dist.ReduceOp.SUM)
+def all_reduce_status(value: torch.Tensor, pg: Any, options: Any = None) -> None:
+    """SUM-all-reduce a status vector in place over ``pg`` (the status round's one
+    reduction); ``options``: ``reduce_options(ReduceOp.SUM)`` kept by the caller (None:
+    made here)."""
+    pg.allreduce([value], options if options is not None else reduce_options(dist.ReduceOp.SUM)).wait()
 
 
 def all_reduce_max(value: torch.Tensor, pg: Any) -> None:
@@ -349,6 +357,6 @@ __all__ = [
     "SHORT_BITS", "SHORT_MAX", "STATUS_SIZE", "TOKEN_SHIFT", "TOO_LARGE", "all_reduce_max", "all_reduce_status",
     "backend", "capturing", "decode", "device_for", "encode", "first_line", "gather_texts", "host_count",
     "layout_digest", "layouts_differ", "lowest_flagged", "place_tokens", "reached", "read_back", "received",
-    "reduce_max", "reduce_status", "round_failed", "token_bits", "token_limit", "wire_format", "wire_words",
+    "reduce_max", "reduce_options", "reduce_status", "round_failed", "token_bits", "token_limit", "wire_format", "wire_words",
     "world_route",
 ]
