@@ -2,13 +2,14 @@
 
 :func:`run_cases` runs ``module.name(rank, world_size)`` for every name on every rank of
 one :func:`~parity_tests.process_world.spawn_world` world and returns each rank's result
-or error per case; :func:`case_values` turns one case's results into values, failing the
+or error per case; :func:`case_values` turns one case's results into values (:func:`local_cases`: a module's
+cases), failing the
 test that asked for them with every rank's problem.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from parity_tests.process_world import Sink, spawn_world
@@ -59,6 +60,14 @@ def run_cases(
     return {
         name: [outcome.results[r].get(name, ("missing", why)) for r in range(world_size)] for name in names
     }
+
+
+def local_cases(namespace: Mapping[str, Any]) -> list[str]:
+    """The names of the ``case_*`` functions a test module defines itself, in order, given
+    its ``globals()`` (an imported one, such as :func:`case_values`, is not a case)."""
+    module = namespace["__name__"]
+    return [name for name, value in namespace.items()
+            if name.startswith("case_") and callable(value) and getattr(value, "__module__", None) == module]
 
 
 def case_values(world: dict[str, list[tuple[str, Any]]], name: str) -> list[Any]:

@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 from meshgrad import FinalizeConfig  # noqa: E402
 from parity_tests.scenarios import Scenario  # noqa: E402
 from parity_tests.torch_world import device_mesh  # noqa: E402
-from parity_tests.world_cases import case_values, run_cases  # noqa: E402
+from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
 from test_reliability_inputs import DP_TP, TIMEOUT, kind_of, setup_model, snapshot, timed_collection  # noqa: E402
 from torch_impl import finalize_model_grads  # noqa: E402
 
@@ -591,7 +591,7 @@ def case_load_balancing_typo_everywhere(rank: int, world: int) -> tuple:
     return texts, snapshot(model) == snapshot(known)
 
 
-CASES = [name for name in list(globals()) if name.startswith("case_") and name != "case_values"]
+CASES = local_cases(globals())
 
 
 # =========================================================================== parent

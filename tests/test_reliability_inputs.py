@@ -37,7 +37,7 @@ from parity_tests.scenarios import (  # noqa: E402
     moe_routers,
 )
 from parity_tests.torch_world import build_model, load_inputs, scenario_config  # noqa: E402
-from parity_tests.world_cases import run_cases  # noqa: E402
+from parity_tests.world_cases import local_cases, run_cases  # noqa: E402
 from torch_impl import finalize_model_grads  # noqa: E402
 from torch_impl.run.errors import CollectiveError, ConsistencyError, NonFiniteGradError  # noqa: E402
 
@@ -320,7 +320,7 @@ def case_check_collectives_per_mode(rank: int, world: int) -> dict[str, list[int
     return out
 
 
-CASES = [name for name in list(globals()) if name.startswith("case_")]
+CASES = local_cases(globals())
 
 
 # =========================================================================== world tests (parent)

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 
 from parity_tests.scenarios import make_rank_inputs  # noqa: E402
 from parity_tests.torch_world import device_mesh, load_inputs  # noqa: E402
-from parity_tests.world_cases import case_values, run_cases  # noqa: E402
+from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
 from test_reliability_inputs import DP_TP, LINEAR, PP_TP, TIMEOUT, kind_of, param, setup_model, snapshot, timed_collection  # noqa: E402
 from test_reliability_steps import STEADY, live_vs_fresh  # noqa: E402
 from torch_impl import finalize_model_grads  # noqa: E402
@@ -188,7 +188,7 @@ def case_zz_finalize_entered_on_some_ranks_only(rank: int, world: int) -> tuple:
     return attempt_any(model, _finalize(groups))
 
 
-CASES = [name for name in list(globals()) if name.startswith("case_")]
+CASES = local_cases(globals())
 
 
 # =========================================================================== parent

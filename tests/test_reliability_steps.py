@@ -43,7 +43,7 @@ from torch import nn  # noqa: E402
 from meshgrad import FinalizeConfig  # noqa: E402
 from parity_tests.scenarios import make_rank_inputs  # noqa: E402
 from parity_tests.torch_world import load_inputs  # noqa: E402
-from parity_tests.world_cases import case_values, run_cases  # noqa: E402
+from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
 from test_reliability_inputs import (  # noqa: E402
     DP_TP,
     LINEAR,
@@ -418,7 +418,7 @@ def case_mesh_groups_inherit_timeout_and_agree(rank: int, world: int) -> dict[st
             "seconds": time.monotonic() - start}
 
 
-CASES = [name for name in list(globals()) if name.startswith("case_")]
+CASES = local_cases(globals())
 
 
 # =========================================================================== parent

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from meshgrad import FinalizeConfig  # noqa: E402
-from parity_tests.world_cases import run_cases  # noqa: E402
+from parity_tests.world_cases import local_cases, run_cases  # noqa: E402
 from torch_impl.run import rounds as status  # noqa: E402  (the round's wire format and collectives)
 
 WORLD = 4
@@ -303,7 +303,7 @@ def case_a_failed_round_drops_its_wire(rank: int, world: int) -> dict[str, Any]:
             "new wire": next(iter(_wires(model).values())) is not before}
 
 
-CASES = [name for name in list(globals()) if name.startswith("case_")]
+CASES = local_cases(globals())
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from torch import nn  # noqa: E402
 
 from parity_tests.scenarios import WORD_EMB, RankData  # noqa: E402
 from parity_tests.torch_world import read_outputs  # noqa: E402
-from parity_tests.world_cases import case_values, run_cases  # noqa: E402
+from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
 from test_torch_helpers import POS_ALL, PP_TP, WORLD, _embedding_expected, _inputs, _peers, _prepare  # noqa: E402
 
 #: Calls before the change: the first through the stages, the rest on the steady path.
@@ -194,8 +194,7 @@ def case_membership(rank: int, world: int) -> list[bool]:
     return [_reduces_over(group) for group in groups] + [_reduces_over(None)]
 
 
-CASES = [name for name, value in list(globals().items())
-         if name.startswith("case_") and getattr(value, "__module__", None) == __name__]
+CASES = local_cases(globals())
 
 
 # =========================================================================== tests (parent)

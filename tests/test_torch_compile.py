@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from meshgrad import FinalizeConfig  # noqa: E402
-from parity_tests.world_cases import case_values, run_cases  # noqa: E402
+from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
 from torch_impl import discover, finalize_model_grads  # noqa: E402
 from torch_impl.sources.wrappers import eager_under_compile, uncompiled, uncompiled_name  # noqa: E402
 from torch_impl.sources.wrappers import find_attr, unwrap  # noqa: E402
@@ -276,7 +276,7 @@ def case_tied_embedding_pp(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-CASES = [name for name in list(globals()) if name.startswith("case_")]
+CASES = local_cases(globals())
 
 
 # =========================================================================== parent

@@ -28,7 +28,7 @@ import torch_impl  # noqa: E402
 from parity_tests.scenarios import RankData, Scenario, gpt_params, make_rank_inputs, moe_routers  # noqa: E402
 from test_reliability_inputs import kind_of  # noqa: E402
 from parity_tests.torch_world import build_model, collection, load_inputs, read_outputs  # noqa: E402
-from parity_tests.world_cases import run_cases  # noqa: E402
+from parity_tests.world_cases import local_cases, run_cases  # noqa: E402
 
 #: Parameter names, in order, of every function of the seed API page (megatron-core).
 SEED_SIGNATURES = {
@@ -309,7 +309,7 @@ def case_wrapped(rank: int, world: int) -> dict[str, Any]:
     return {"wrapped": got, "collectives": seen}
 
 
-CASES = [name for name in list(globals()) if name.startswith("case_")]
+CASES = local_cases(globals())
 
 
 @pytest.fixture(scope="module")

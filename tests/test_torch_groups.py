@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from meshgrad import Group, ParallelDims, stage_set  # noqa: E402
 from parity_tests.scenarios import Scenario, gpt_params, make_rank_inputs, moe_routers  # noqa: E402
 from parity_tests.torch_world import build_model, collection, load_inputs, read_outputs, scenario_config  # noqa: E402
-from parity_tests.world_cases import case_values, run_cases  # noqa: E402
+from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
 
 WORLD = 8
 _CACHE: dict[Any, Any] = {}  # per worker process (tests only)
@@ -234,7 +234,7 @@ def case_one_collective_per_action(rank: int, world: int) -> tuple[int, int, int
     return first, len(calls) - first, expected
 
 
-CASES = [name for name in list(globals()) if name.startswith("case_")]
+CASES = local_cases(globals())
 
 
 # =========================================================================== tests (parent)

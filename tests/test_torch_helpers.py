@@ -29,7 +29,7 @@ from parity_tests.scenarios import (  # noqa: E402
     moe_routers,
 )
 from parity_tests.torch_world import build_model, collection, load_inputs, read_outputs  # noqa: E402
-from parity_tests.world_cases import case_values, run_cases  # noqa: E402
+from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
 
 WORLD = 4
 _GROUPS: dict[Any, Any] = {}  # per worker process: groups per mesh (tests only)
@@ -324,7 +324,7 @@ def _same_grads(a: RankData, b: RankData) -> bool:
     )
 
 
-CASES = [name for name in list(globals()) if name.startswith("case_")]
+CASES = local_cases(globals())
 
 
 # =========================================================================== tests (parent)

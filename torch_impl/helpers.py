@@ -31,12 +31,16 @@ def run_helper(model: Any, groups: Mapping[Group, Any] | TorchGroups, request: R
     call(model, groups, request)
 
 
+#: torch's process group class (None where torch.distributed has none).
+_PROCESS_GROUP = getattr(dist, "ProcessGroup", None)
+
+
 def _reduces_over(embd_group: ProcessGroup | None) -> bool:
     """Whether this rank is a member of ``embd_group`` and it has several ranks. A
     ``ProcessGroup`` object is given only to its members (torch gives the others
     ``GroupMember.NON_GROUP_MEMBER``), so its own size and rank answer in C++; any other
     group is looked up by its global ranks."""
-    if type(embd_group) is dist.ProcessGroup and embd_group.rank() >= 0:
+    if type(embd_group) is _PROCESS_GROUP and embd_group.rank() >= 0:
         return embd_group.size() > 1
     members = dist.get_process_group_ranks(embd_group) if embd_group is not None else ()
     return len(members) > 1 and world_rank() in members
