@@ -12,7 +12,6 @@ the changed step. Data are small integers: every comparison is bit-exact.
 from __future__ import annotations
 
 import importlib
-import types
 from collections.abc import Callable
 from typing import Any
 

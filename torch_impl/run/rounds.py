@@ -174,17 +174,12 @@ def world_route() -> list[Hop]:
 
 def reduce_options(op: Any) -> Any:
     """The options of a rounds' all-reduce with ``op`` (a ``ReduceOp``), the process
-    group's default timeout."""
+    group's default timeout. The rounds call the process group itself: they stay apart from
+    the ``torch.distributed`` calls that move data (which tests and benchmarks count) and
+    skip their Python layer (a few microseconds a step)."""
     options = dist.AllreduceOptions()
     options.reduceOp = op
     return options
-
-
-def _all_reduce(value: torch.Tensor, pg: Any, op: Any) -> None:
-    """All-reduce ``value`` in place over ``pg``, through the process group itself: the
-    rounds stay apart from the ``torch.distributed`` calls that move data (which tests and
-    benchmarks count) and skip their Python layer (a few microseconds a step)."""
-    pg.allreduce([value], reduce_options(op)).wait()
 
 
 def all_reduce_status(value: torch.Tensor, pg: Any, options: Any = None) -> None:
@@ -197,7 +192,7 @@ def all_reduce_status(value: torch.Tensor, pg: Any, options: Any = None) -> None
 def all_reduce_max(value: torch.Tensor, pg: Any) -> None:
     """MAX-all-reduce ``value`` in place over ``pg`` (the rounds that only run after a
     status round found something: a comparison's outcome, the rank that found NaN)."""
-    _all_reduce(value, pg, dist.ReduceOp.MAX)
+    pg.allreduce([value], reduce_options(dist.ReduceOp.MAX)).wait()
 
 
 def read_back(value: torch.Tensor, host: np.ndarray | None = None) -> list[int]:
@@ -357,6 +352,6 @@ __all__ = [
     "SHORT_BITS", "SHORT_MAX", "STATUS_SIZE", "TOKEN_SHIFT", "TOO_LARGE", "all_reduce_max", "all_reduce_status",
     "backend", "capturing", "decode", "device_for", "encode", "first_line", "gather_texts", "host_count",
     "layout_digest", "layouts_differ", "lowest_flagged", "place_tokens", "reached", "read_back", "received",
-    "reduce_max", "reduce_options", "reduce_status", "round_failed", "token_bits", "token_limit", "wire_format", "wire_words",
-    "world_route",
+    "reduce_max", "reduce_options", "reduce_status", "round_failed", "token_bits", "token_limit", "wire_format",
+    "wire_words", "world_route",
 ]
