@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_reliability_inputs import kind_of  # noqa: E402
-from parity_tests.world_cases import case_values, run_cases  # noqa: E402
+from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
 
 WORLD = 4
 FIELDS = ("tp", "pp", "embd", "pos_embd", "dp_cp", "dp_cp_gtp_remat", "tp_dp_cp", "expt_dp", "gtp_remat",
@@ -290,7 +290,7 @@ def case_helper_bad_model_on_one_rank(rank: int, world: int) -> Any:
     return err, time.perf_counter() - start, all(np.array_equal(before[k], v) for k, v in _state(model).items())
 
 
-CASES = [name for name in dir(sys.modules[__name__]) if name.startswith("case_")]
+CASES = sorted(local_cases(globals()))  # alphabetical, the order these worlds always ran in
 
 
 # --------------------------------------------------------------------------- tests
