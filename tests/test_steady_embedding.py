@@ -24,7 +24,9 @@ from torch import nn  # noqa: E402
 from parity_tests.scenarios import WORD_EMB, RankData  # noqa: E402
 from parity_tests.torch_world import read_outputs  # noqa: E402
 from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
-from test_torch_helpers import POS_ALL, PP_TP, WORLD, _embedding_expected, _inputs, _peers, _prepare  # noqa: E402
+from test_torch_helpers import (  # noqa: E402
+    POS_ALL, PP_TP, WORLD, _embedding_expected, _inputs, _peers, _prepare, _same_grads,
+)
 
 #: Calls before the change: the first through the stages, the rest on the steady path.
 STEADY = 3
@@ -94,9 +96,7 @@ def _outcome(call: Callable[[], None], model: list[Any], scenario: Any, data: Ra
     try:
         call()
     except Exception as err:  # noqa: BLE001 -- compared with the fresh model's outcome
-        after = read_outputs(model, scenario, data)
-        same = all(np.array_equal(v, after.grads[k]) for k, v in before.grads.items() if v is not None)
-        return "error", (f"{type(err).__name__}: {err}", same)
+        return "error", (f"{type(err).__name__}: {err}", _same_grads(before, read_outputs(model, scenario, data)))
     return "ok", read_outputs(model, scenario, data).grads
 
 

@@ -164,3 +164,18 @@ def test_a_tensor_listed_twice_fails_the_guard_and_the_slow_check_answers():
     got = [check.same([tensor, tensor], lambda a=a: a) for a in answers]
     assert got == answers
     assert check.guard is None and check.usable is False and check.rearms == MAX_REARMS + 1
+
+
+def test_a_caller_that_asked_the_guard_gets_the_slow_checks_answer():
+    """``asked=True`` (the watches ask the armed guard themselves first): the slow check
+    answers, the guard is not asked again, and a passing slow check re-arms it."""
+    tensor = torch.zeros(2, 3)
+    check = GuardedCheck()
+    assert check.same([tensor], lambda: True)  # arms a guard
+    armed = check.guard
+    assert armed is not None and armed.check(tensor)
+    slow: list[bool] = []
+    assert check.same([tensor], lambda: slow.append(False) or False, asked=True) is False
+    assert slow == [False] and check.guard is armed  # the slow check answered; a failed one re-arms nothing
+    assert check.same([tensor], lambda: slow.append(True) or True, asked=True) is True
+    assert slow == [False, True] and check.rearms == 1  # counted as a guard that failed where the slow check passed

@@ -130,10 +130,12 @@ def _write_probes(state: ModelState, last: SteadyCall, source: Any, request: Req
     (slot, complete_kept), (raw, ddp_config) = last.slot, last.raw
     try:
         state.config_memo.probe(probes, raw, ddp_config, inputs.requested if request.finalize else None)
-        if _per_call_groups(source, request):
-            pass  # asked of the group memo on every call (PER_CALL)
-        elif helper_groups(source, request) or not state.group_memo.probe(probes, source, inputs.config, inputs.groups):
-            return None  # another kind of mapping as a helper's groups: the full check
+        # A helper's per-call dict is asked of the group memo on every call (PER_CALL); another
+        # kind of mapping as a helper's groups keeps the full check.
+        if not _per_call_groups(source, request) and (
+            helper_groups(source, request) or not state.group_memo.probe(probes, source, inputs.config, inputs.groups)
+        ):
+            return None
         if request.embedding is None and not state.probe_kept(probes, slot, last.kept, complete_kept, request.reads):
             return None
     except Exception:  # noqa: BLE001 -- a read that raises now: no probes, the full check stays
@@ -251,16 +253,16 @@ def keep_steady(inputs: CallInputs, bound: BoundPlan, source: Any, request: Requ
     was kept for its kind."""
     kind = _kind(request)
     state, found = inputs.state, inputs.found
-    kept = state.kept(found) if request.embedding is None else (EMBEDDING_SLOT, ())
-    if kept is None or found.fsdp or found.torch_ddp or source_kind(source) in MESH_KINDS:
-        state.steady.pop(kind, None)
-        return
+    if request.embedding is not None:  # its discovery is its own, checked on every call
+        slot, entry = EMBEDDING_SLOT, ()
+    else:
+        kept = state.kept(found)
+        slot, entry = ((kept[0], state.complete_kept(kept[0])), kept[1]) if kept is not None else (None, None)
     config = state.config_memo.last_resolved_config(*raw)  # before a helper's rules
-    if config is None:
+    if slot is None or found.fsdp or found.torch_ddp or source_kind(source) in MESH_KINDS or config is None:
         state.steady.pop(kind, None)
         return
-    slot = kept[0] if request.embedding is not None else (kept[0], state.complete_kept(kept[0]))
-    put(state.steady, kind, SteadyCall(raw, config, slot, kept[1], inputs, bound))
+    put(state.steady, kind, SteadyCall(raw, config, slot, entry, inputs, bound))
 
 
 __all__ = [

@@ -98,14 +98,16 @@ class GuardedCheck:
         self.usable = True
         self.rearms = 0
 
-    def same(self, tensors: Sequence[torch.Tensor], slow_same: Callable[[], bool]) -> bool:
+    def same(self, tensors: Sequence[torch.Tensor], slow_same: Callable[[], bool], asked: bool = False) -> bool:
         """Whether ``tensors`` keep what ``slow_same`` checks.
 
         Args:
           tensors: the tensors, always in the same order.
           slow_same: the attribute-by-attribute check (the answer where the guard fails).
+          asked: the caller already asked the armed guard (a steady step's fast path, one
+            call less) and it did not pass: not asked again.
         """
-        if self.guard is not None and self.guard.check(*tensors):
+        if not asked and self.guard is not None and self.guard.check(*tensors):
             return True
         same = slow_same()
         if same and self.usable:

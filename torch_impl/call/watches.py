@@ -211,13 +211,13 @@ class GradWatch:
         guard = self.param_check.guard
         return (guard is not None and guard.check(*self.params)) or self.param_check.same(self.params, lambda: (
             list(map(_REQUIRES_GRAD, self.params)) == self.requires and _sizes_same(self.params, self.param_sizes)
-        ))
+        ), asked=True)
 
     def _grad_sizes_same(self) -> bool:
         """The plain gradient tensors' shapes (one guard call once armed, asked here first)."""
         guard = self.grad_check.guard
         return (guard is not None and guard.check(*self.tensors)) or self.grad_check.same(
-            self.tensors, lambda: _sizes_same(self.tensors, self.sizes)
+            self.tensors, lambda: _sizes_same(self.tensors, self.sizes), asked=True
         )
 
     def has_dtensor(self) -> bool:

@@ -362,7 +362,7 @@ def _new_quiet_round(groups: TorchGroups, over: Sequence[Group], route: Sequence
     fresh tensor)."""
     if not route or route[0][2].type != "cpu":
         return None
-    quiet = groups.quiet_rounds[tuple(over)] = QuietRound(route)
+    groups.quiet_rounds[tuple(over)] = quiet = QuietRound(route)
     return quiet
 
 
