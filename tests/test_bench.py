@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -112,6 +113,34 @@ def test_never_more_collectives_than_megatron_core():
 _NUMBER = r"[0-9]+(?:\.[0-9]+)?"
 
 
+_DROPIN_PARTS = """
+import json, re
+from bench import dropin_parts
+result = dropin_parts.measure(2, rounds=2, batch=2)
+text = dropin_parts.report(result)
+print("RESULT" + json.dumps({"grads": result["non_tp_grads"], "watched": result["watched"],
+      "answers": result["answers"], "times": sorted(result["time"]), "text": text}))
+"""
+
+
+def test_dropin_parts_profile_times_the_steady_checks_parts():
+    """``python -m bench.dropin_parts``: the parts it times are the steady check's own (each
+    answers "unchanged" as the step's check does), over the layout's 96 non-TP gradients
+    and the 97 parameters the helper watches in full (the 96 and the tied embedding)."""
+    proc = subprocess.run([sys.executable, "-c", _DROPIN_PARTS], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT"):])
+    assert (got["grads"], got["watched"]) == (96, 97)
+    assert got["answers"] == dict.fromkeys(
+        ["probes", "params: requires_grad, shapes", "main_grads: shapes, dtypes", "attribute dicts",
+         "main_grad pointers", "module-tree edges"], True)
+    assert got["times"] == sorted(["step", "floor", "program", "probes", "params: requires_grad, shapes",
+                                   "main_grads: shapes, dtypes", "attribute dicts", "main_grad pointers",
+                                   "module-tree edges", "probes, then program", "step without probes and program"])
+    assert re.search(rf"step\s+{_NUMBER}\s+floor\s+{_NUMBER}\s+step / floor {_NUMBER}", got["text"]), got["text"]
+    assert len(re.findall(rf"^  \S.*\s-?{_NUMBER}\s", got["text"], flags=re.M)) == 11, got["text"]  # step, 9 parts, the rest
+
+
 def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
     """The MoE scale rows and the drop-in copy floor are printed with numbers and goals
     (no timing threshold is asserted)."""
@@ -130,7 +159,8 @@ def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
         for line in lines:
             assert len(re.findall(_NUMBER, line)) >= 7, line
     for goal in ("drop-in non_tp / copy floor (", "DDP chunks: step / megatron-core <= 0.1",
-                 "DDP chunks: step / step at 32x8 <= 1.5", "DDP chunks: first call / megatron-core's first call <= 2"):
+                 "DDP chunks: step / step at 32x8 <= 1.5", "DDP chunks: first call / megatron-core's first call <= 2",
+                 "DDP chunks: first call / megatron-core's step <= 2"):
         assert re.search(rf"\[\s*(met|MISSED|n/a|floor)\] .*{re.escape(goal)}", text), (goal, text)
     from bench.goals import split_goals
 

@@ -1,0 +1,204 @@
+"""``python -m bench.dropin_parts``: where the drop-in non-TP step's time goes, next to
+its copy floor, in one interleaved run (fake backend, one process as rank 0).
+
+The step is ``torch_impl._allreduce_non_tensor_model_parallel_grads`` on
+:class:`bench.ddp.MiniDDP` chunks (the DDP owns ``main_grad``; meshgrad stages the
+non-TP gradients). Each part is the same work the steady step does, timed alone:
+
+* ``probes``: the steady check's whole replay (the step's read stage, less its glue),
+  and of it the touched parameters' passes (``requires_grad`` and shapes of the
+  parameters, of their ``main_grad`` tensors -- one compiled guard call each --, their
+  attribute dicts, the ``main_grad`` data pointers) and the module-tree edges;
+* ``program``: the bound program alone (the staging copies and the collective);
+* ``probes, then program``: the two in a row, as the step runs them (against their sum
+  alone: what each costs the other in cache);
+* ``step without probes and program``: the step with those two stubbed (the pipeline's
+  own calls, the local checks, the status round);
+* ``floor``: :func:`bench.fake.copy_floor`, what any implementation must do.
+
+The rest of the step is the pipeline's own calls, the status round, the local checks,
+and what the parts cost more inside the step than alone: there each runs after the
+copies of the step before, with colder caches (see docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench import fake
+from bench.ddp import MiniDDP
+from bench.models import Layout, build_chunk, non_tp_params
+from bench.timing import interleaved
+
+
+def _helper_watch(model: list[Any]) -> tuple[Any, Any, Any]:
+    """(the steady guard's probes, the helper's GradWatch, the model watch) of ``model``
+    after its steady calls (torch_impl internals: this is a profile)."""
+    from torch_impl.call.model_state import ModelState
+
+    state = ModelState.of(model)
+    (guard,) = state.steady_guards.values()
+    ((_, _, watch, _),) = state.found.values()
+    touched, _ = watch._helper
+    return guard.probes, touched, watch
+
+
+def _without_watch_and_copies(step: Callable[[], object], probes: Any, program: Any) -> Callable[[], object]:
+    """``step`` with the steady check's replay answering True at once and the bound program
+    doing nothing, put back after each call: what is left is the pipeline's own calls, the
+    local checks and the status round."""
+    from torch_impl.call.probes import Probes
+
+    hold = Probes.hold
+
+    def call() -> None:
+        Probes.hold = lambda self: True  # the class's: Probes has slots
+        program.run = lambda on_step=None: None
+        try:
+            step()
+        finally:
+            Probes.hold = hold
+            del program.run
+
+    return call
+
+
+def _parts(model: list[Any], step: Callable[[], object]) -> dict[str, Callable[[], object]]:
+    """The step's parts as zero-argument calls (each answers what the step's check does)."""
+    from torch_impl.call.model_state import ModelState
+
+    probes, touched, watch = _helper_watch(model)
+    program = list(ModelState.of(model).programs.values())[-1][1]
+    params, grads = touched.params, touched.tensors
+    param_guard, grad_guard = touched.param_check.guard, touched.grad_check.guard
+    data_ptr = torch.Tensor.data_ptr
+    return {
+        "probes": probes.hold,
+        "params: requires_grad, shapes": lambda: param_guard.check(*params),
+        "main_grads: shapes, dtypes": lambda: grad_guard.check(*grads),
+        "attribute dicts": touched.attributes.same,
+        "main_grad pointers": lambda: list(map(data_ptr, grads)) == touched.ptrs,
+        "module-tree edges": watch.param_edges.same,
+        "program": program.run,
+        "probes, then program": lambda: (probes.hold(), program.run()),
+        "step without probes and program": _without_watch_and_copies(step, probes, program),
+    }
+
+
+def staging_variants(grads: list[torch.Tensor], base: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """Other ways to stage ``grads`` (views of the DDP's flat buffer ``base``) into one
+    flat buffer and back, each way timed apart: the floor's ``_foreach_copy_``,
+    ``torch.cat`` / ``split_with_sizes_copy`` through flat views, and ``index_select`` /
+    ``index_copy_`` with the gradients' element indices into ``base``. All keep the
+    gradients' order (megatron-core's flatten order: the sums must be bit-identical)."""
+    sizes = [g.numel() for g in grads]
+    staged = torch.empty(sum(sizes), dtype=grads[0].dtype)
+    views = [v.view(g.shape) for v, g in zip(staged.split(sizes), grads)]
+    flats = [g.view(-1) for g in grads]
+    index = torch.cat([torch.arange(g.storage_offset(), g.storage_offset() + g.numel()) for g in grads])
+    if not all(g.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() for g in grads):
+        raise ValueError("the gradients are not views of the DDP's buffer")
+    return {
+        "in: _foreach_copy_": lambda: torch._foreach_copy_(views, grads),
+        "out: _foreach_copy_": lambda: torch._foreach_copy_(grads, views),
+        "in: torch.cat": lambda: torch.cat(flats, out=staged),
+        "out: split_with_sizes_copy": lambda: torch.split_with_sizes_copy(staged, sizes, out=flats),
+        "in: index_select": lambda: torch.index_select(base, 0, index, out=staged),
+        "out: index_copy_": lambda: base.index_copy_(0, index, staged),
+    }
+
+
+def measure(pp: int, rounds: int, batch: int, copies: bool = False) -> dict[str, Any]:
+    """Median seconds per call of the step, the floor and each part (one interleaved run).
+
+    Args:
+      pp: the layout's pipeline size (2: 96 non-TP gradients on rank 0, 1: 193).
+      rounds: timed rounds.
+      batch: calls per round.
+      copies: also time :func:`staging_variants` (in the same run).
+
+    Returns:
+      {"layout", "non_tp_grads", "watched", "answers" (each check part's answer), "time":
+      name -> {"median", ...}}.
+    """
+    import torch_impl
+
+    lay = Layout(f"gpt-24L-h1024-pp{pp}", 24, 1024, tp=8, pp=pp, dp=2)
+    fake.init_fake(lay.world)
+    groups = fake.fake_groups(lay)
+    chunk = build_chunk(lay, 0)
+    fake.buffers_to(chunk, "cpu")
+    model = [MiniDDP(chunk, groups.dp_cp, device="cpu")]
+    grads = [p.main_grad for p in non_tp_params(model[0].module)]
+
+    def step() -> None:
+        torch_impl._allreduce_non_tensor_model_parallel_grads(model, chunk.config, groups.tp)
+
+    for _ in range(3):  # the first call plans; the next ones record and take the steady path
+        step()
+    parts = _parts(model, step)
+    answers = {name: fn() for name, fn in parts.items() if "program" not in name}
+    candidates = {"step": step, "floor": fake.copy_floor(grads, groups.tp), **parts}
+    variants = staging_variants(grads, model[0].grad_buffers[0][0]) if copies else {}
+    timed = interleaved({**candidates, **variants}, rounds=rounds, batch=batch)
+    _, touched, _ = _helper_watch(model)
+    return {"layout": lay.name, "non_tp_grads": len(grads), "watched": len(touched), "answers": answers,
+            "time": {name: timed[name] for name in candidates},
+            "copies": {name: timed[name] for name in variants}}
+
+
+def report(result: dict[str, Any]) -> str:
+    """The parts as a table: us per call, and as a share of the step's time beyond its floor."""
+    t = {name: v["median"] * 1e6 for name, v in result["time"].items()}
+    beyond = t["step"] - t["floor"]
+    lines = [
+        f"{result['layout']}: drop-in non-TP step, {result['non_tp_grads']} non-TP grads, "
+        f"{result['watched']} parameters watched in full (median us per call, parts timed alone)",
+        f"  step {t['step']:9.1f}   floor {t['floor']:9.1f}   step / floor {t['step'] / t['floor']:.3f}   "
+        f"beyond the floor {beyond:.1f}",
+    ]
+    for name, us in t.items():
+        if name in ("step", "floor"):
+            continue
+        if name == "program":
+            share = f"floor x {us / t['floor']:.3f}"
+        elif name == "probes, then program":
+            share = f"their sum alone x {us / (t['probes'] + t['program']):.3f}"
+        elif name == "step without probes and program":
+            share = f"{us / beyond:6.1%} of beyond"
+        else:
+            share = f"{us / beyond:6.1%} of beyond"
+        lines.append(f"  {name:32s} {us:9.1f}   {share}")
+    cold = t["step"] - t["probes, then program"] - t["step without probes and program"]
+    lines.append(f"  {'the step less those two':32s} {cold:9.1f}   {cold / beyond:6.1%} of beyond (colder caches)")
+    if result["copies"]:
+        lines.append("  staging one way, alone (the floor is one in + one out + the collective):")
+        lines += [f"    {name:30s} {v['median'] * 1e6:9.1f}" for name, v in result["copies"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.dropin_parts", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 1], choices=[1, 2])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=50)
+    parser.add_argument("--copies", action="store_true", help="also time other ways to stage the gradients")
+    args = parser.parse_args(argv)
+    for pp in args.pp:
+        result = measure(pp, args.rounds, args.batch, args.copies)
+        failed = [name for name, ok in result["answers"].items() if ok is not True]
+        if failed:
+            raise SystemExit(f"{result['layout']}: the steady check's parts did not hold: {failed}")
+        print(report(result))
+
+
+__all__ = ["measure", "report"]
+
+
+if __name__ == "__main__":
+    main()
+
