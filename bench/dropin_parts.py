@@ -16,9 +16,10 @@ non-TP gradients). Each part is the same work the steady step does, timed alone:
   own calls, the local checks, the status round);
 * ``floor``: :func:`bench.fake.copy_floor`, what any implementation must do.
 
-The rest of the step is the pipeline's own calls, the status round, the local checks,
-and what the parts cost more inside the step than alone: there each runs after the
-copies of the step before, with colder caches (see docs/performance.md).
+What the step costs beyond ``probes, then program`` and the stubbed step is what its parts
+cost more inside it than alone: there each runs after the other parts and the copies of
+the step before, with colder caches (see docs/performance.md). With ``--copies`` each
+other staging is checked by value before it is timed.
 """
 
 from __future__ import annotations
@@ -100,9 +101,9 @@ def staging_variants(grads: list[torch.Tensor], base: torch.Tensor) -> dict[str,
     views = [v.view(g.shape) for v, g in zip(staged.split(sizes), grads)]
     flats = [g.view(-1) for g in grads]
     index = torch.cat([torch.arange(g.storage_offset(), g.storage_offset() + g.numel()) for g in grads])
-    if not all(g.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() for g in grads):
+    if base.storage_offset() != 0 or any(g.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() for g in grads):
         raise ValueError("the gradients are not views of the DDP's buffer")
-    return {
+    variants = {
         "in: _foreach_copy_": lambda: torch._foreach_copy_(views, grads),
         "out: _foreach_copy_": lambda: torch._foreach_copy_(grads, views),
         "in: torch.cat": lambda: torch.cat(flats, out=staged),
@@ -110,6 +111,32 @@ def staging_variants(grads: list[torch.Tensor], base: torch.Tensor) -> dict[str,
         "in: index_select": lambda: torch.index_select(base, 0, index, out=staged),
         "out: index_copy_": lambda: base.index_copy_(0, index, staged),
     }
+    _check_variants(variants, grads, staged)
+    return variants
+
+
+def _check_variants(variants: dict[str, Callable[[], object]], grads: list[torch.Tensor], staged: torch.Tensor) -> None:
+    """Each way in stages the gradients' values in their order, each way out puts a staged
+    buffer back into them (integer values, so equality is exact); the gradients are left as
+    they were."""
+    saved = [g.clone() for g in grads]
+    expected = torch.cat([g.reshape(-1) for g in saved])
+    try:
+        for name, fn in variants.items():
+            if name.startswith("in: "):
+                staged.zero_()
+                fn()
+                ok = torch.equal(staged, expected)
+            else:
+                for g in grads:
+                    g.zero_()
+                staged.copy_(expected)
+                fn()
+                ok = all(torch.equal(g, s) for g, s in zip(grads, saved))
+            if not ok:
+                raise RuntimeError(f"staging {name!r} moved other values than the gradients'")
+    finally:
+        torch._foreach_copy_(grads, saved)
 
 
 def measure(pp: int, rounds: int, batch: int, copies: bool = False) -> dict[str, Any]:
@@ -143,6 +170,9 @@ def measure(pp: int, rounds: int, batch: int, copies: bool = False) -> dict[str,
     parts = _parts(model, step)
     answers = {name: fn() for name, fn in parts.items() if "program" not in name}
     candidates = {"step": step, "floor": fake.copy_floor(grads, groups.tp), **parts}
+    if copies:
+        for g in grads:  # integer values (bench.models leaves the buffers uninitialized)
+            g.copy_(torch.randint(-8, 8, g.shape, dtype=g.dtype))
     variants = staging_variants(grads, model[0].grad_buffers[0][0]) if copies else {}
     timed = interleaved({**candidates, **variants}, rounds=rounds, batch=batch)
     _, touched, _ = _helper_watch(model)

@@ -116,17 +116,20 @@ _NUMBER = r"[0-9]+(?:\.[0-9]+)?"
 _DROPIN_PARTS = """
 import json, re
 from bench import dropin_parts
-result = dropin_parts.measure(2, rounds=2, batch=2)
+result = dropin_parts.measure(2, rounds=2, batch=2, copies=True)
 text = dropin_parts.report(result)
 print("RESULT" + json.dumps({"grads": result["non_tp_grads"], "watched": result["watched"],
-      "answers": result["answers"], "times": sorted(result["time"]), "text": text}))
+      "answers": result["answers"], "times": sorted(result["time"]), "copies": sorted(result["copies"]),
+      "text": text}))
 """
 
 
 def test_dropin_parts_profile_times_the_steady_checks_parts():
     """``python -m bench.dropin_parts``: the parts it times are the steady check's own (each
     answers "unchanged" as the step's check does), over the layout's 96 non-TP gradients
-    and the 97 parameters the helper watches in full (the 96 and the tied embedding)."""
+    and the 97 parameters the helper watches in full (the 96 and the tied embedding); each
+    other staging it times (``--copies``) moved exactly the gradients' values (checked in
+    the run: it raises otherwise)."""
     proc = subprocess.run([sys.executable, "-c", _DROPIN_PARTS], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT"):])
@@ -137,8 +140,12 @@ def test_dropin_parts_profile_times_the_steady_checks_parts():
     assert got["times"] == sorted(["step", "floor", "program", "probes", "params: requires_grad, shapes",
                                    "main_grads: shapes, dtypes", "attribute dicts", "main_grad pointers",
                                    "module-tree edges", "probes, then program", "step without probes and program"])
+    assert got["copies"] == sorted(f"{way}: {op}" for way, op in [
+        ("in", "_foreach_copy_"), ("out", "_foreach_copy_"), ("in", "torch.cat"), ("out", "split_with_sizes_copy"),
+        ("in", "index_select"), ("out", "index_copy_")])
     assert re.search(rf"step\s+{_NUMBER}\s+floor\s+{_NUMBER}\s+step / floor {_NUMBER}", got["text"]), got["text"]
     assert len(re.findall(rf"^  \S.*\s-?{_NUMBER}\s", got["text"], flags=re.M)) == 11, got["text"]  # step, 9 parts, the rest
+    assert len(re.findall(rf"^    (?:in|out): .*\s{_NUMBER}$", got["text"], flags=re.M)) == 6, got["text"]
 
 
 def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
@@ -201,3 +208,23 @@ def test_a_goal_its_floor_misses_is_not_printed_as_a_goal():
     assert table.startswith("Measured by `.venv/bin/python -m bench --quick` on 2 CPU cores")
     assert "| moe-64x128: first call <= 100 ms | 120.0000 | - | **missed** |" in table
     assert "| moe-64x128: step / step at 32x8 <= 1.5 | 2.0900 | 2.2690 | no goal: its floor misses it |" in table
+
+
+def test_dropin_parts_staging_check_refuses_a_wrong_staging():
+    """Each staging ``bench.dropin_parts`` times is checked by value before it is timed: one
+    that moves the gradients in another order, or puts back other values, is refused, and
+    the gradients are left as they were."""
+    from bench.dropin_parts import _check_variants, staging_variants
+
+    base = torch.arange(12, dtype=torch.float32)
+    grads = [base[0:4].view(2, 2), base[6:9], base[9:12]]
+    variants = staging_variants(grads, base)  # the real ones pass
+    staged = torch.empty(10)
+    views = [staged[0:4].view(2, 2), staged[4:7], staged[7:10]]
+    with pytest.raises(RuntimeError, match="in: reversed"):
+        _check_variants({"in: reversed": lambda: staged.copy_(torch.cat([g.reshape(-1) for g in grads]).flip(0))}, grads, staged)
+    with pytest.raises(RuntimeError, match="out: doubled"):
+        _check_variants({"out: doubled": lambda: [g.copy_(2 * v) for g, v in zip(grads, views)]}, grads, staged)
+    assert torch.equal(base, torch.arange(12, dtype=torch.float32))  # put back after each check
+    assert sorted(variants) == sorted(["in: _foreach_copy_", "out: _foreach_copy_", "in: torch.cat",
+                                       "out: split_with_sizes_copy", "in: index_select", "out: index_copy_"])
