@@ -33,6 +33,7 @@ import torch
 from bench import fake
 from bench.ddp import MiniDDP
 from bench.models import Layout, build_chunk, non_tp_params
+from bench.run import FAKE_LAYOUTS
 from bench.timing import interleaved
 
 
@@ -68,12 +69,9 @@ def _without_watch_and_copies(step: Callable[[], object], probes: Any, program: 
     return call
 
 
-def _parts(model: list[Any], step: Callable[[], object]) -> dict[str, Callable[[], object]]:
-    """The step's parts as zero-argument calls (each answers what the step's check does)."""
-    from torch_impl.call.model_state import ModelState
-
-    probes, touched, watch = _helper_watch(model)
-    program = list(ModelState.of(model).programs.values())[-1][1]
+def _check_parts(probes: Any, touched: Any, watch: Any) -> dict[str, Callable[[], bool]]:
+    """The steady check's replay and its passes over the watched parameters, each a call
+    that answers True while nothing it checks changed (as the step's check answers)."""
     params, grads = touched.params, touched.tensors
     param_guard, grad_guard = touched.param_check.guard, touched.grad_check.guard
     data_ptr = torch.Tensor.data_ptr
@@ -84,9 +82,6 @@ def _parts(model: list[Any], step: Callable[[], object]) -> dict[str, Callable[[
         "attribute dicts": touched.attributes.same,
         "main_grad pointers": lambda: list(map(data_ptr, grads)) == touched.ptrs,
         "module-tree edges": watch.param_edges.same,
-        "program": program.run,
-        "probes, then program": lambda: (probes.hold(), program.run()),
-        "step without probes and program": _without_watch_and_copies(step, probes, program),
     }
 
 
@@ -139,11 +134,12 @@ def _check_variants(variants: dict[str, Callable[[], object]], grads: list[torch
         torch._foreach_copy_(grads, saved)
 
 
-def measure(pp: int, rounds: int, batch: int, copies: bool = False) -> dict[str, Any]:
+def measure(lay: Layout, rounds: int, batch: int, copies: bool = False) -> dict[str, Any]:
     """Median seconds per call of the step, the floor and each part (one interleaved run).
 
     Args:
-      pp: the layout's pipeline size (2: 96 non-TP gradients on rank 0, 1: 193).
+      lay: one of the bench's fake-backend layouts (:data:`bench.run.FAKE_LAYOUTS`;
+        gpt-24L-h1024: 96 non-TP gradients on rank 0, its pp1 twin: 193).
       rounds: timed rounds.
       batch: calls per round.
       copies: also time :func:`staging_variants` (in the same run).
@@ -157,8 +153,8 @@ def measure(pp: int, rounds: int, batch: int, copies: bool = False) -> dict[str,
         than the step's check), or a staging moved other values.
     """
     import torch_impl
+    from torch_impl.call.model_state import ModelState
 
-    lay = Layout(f"gpt-24L-h1024-pp{pp}", 24, 1024, tp=8, pp=pp, dp=2)
     fake.init_fake(lay.world)
     groups = fake.fake_groups(lay)
     chunk = build_chunk(lay, 0)
@@ -171,18 +167,26 @@ def measure(pp: int, rounds: int, batch: int, copies: bool = False) -> dict[str,
 
     for _ in range(3):  # the first call plans; the next ones record and take the steady path
         step()
-    parts = _parts(model, step)
-    answers = {name: fn() for name, fn in parts.items() if "program" not in name}
+    probes, touched, watch = _helper_watch(model)
+    program = list(ModelState.of(model).programs.values())[-1][1]
+    checks = _check_parts(probes, touched, watch)
+    answers = {name: check() for name, check in checks.items()}
     failed = [name for name, ok in answers.items() if ok is not True]
     if failed:
         raise RuntimeError(f"{lay.name}: the steady check's parts did not hold: {failed}")
-    candidates = {"step": step, "floor": fake.copy_floor(grads, groups.tp), **parts}
+    candidates = {
+        "step": step,
+        "floor": fake.copy_floor(grads, groups.tp),
+        **checks,
+        "program": program.run,
+        "probes, then program": lambda: (probes.hold(), program.run()),
+        "step without probes and program": _without_watch_and_copies(step, probes, program),
+    }
     if copies:
         for g in grads:  # integer values (bench.models leaves the buffers uninitialized)
             g.copy_(torch.randint(-8, 8, g.shape, dtype=g.dtype))
     variants = staging_variants(grads, model[0].grad_buffers[0][0]) if copies else {}
     timed = interleaved({**candidates, **variants}, rounds=rounds, batch=batch)
-    _, touched, _ = _helper_watch(model)
     return {"layout": lay.name, "non_tp_grads": len(grads), "watched": len(touched), "answers": answers,
             "time": {name: timed[name] for name in candidates},
             "copies": {name: timed[name] for name in variants}}
@@ -218,13 +222,14 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.dropin_parts", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pp", type=int, nargs="+", default=[2, 1], choices=[1, 2])
+    parser.add_argument("--layouts", nargs="+", default=["gpt-24L-h1024", "gpt-24L-h1024-pp1"],
+                        choices=list(FAKE_LAYOUTS), help="the bench's fake-backend layouts to run")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--batch", type=int, default=50)
     parser.add_argument("--copies", action="store_true", help="also time other ways to stage the gradients")
     args = parser.parse_args(argv)
-    for pp in args.pp:
-        print(report(measure(pp, args.rounds, args.batch, args.copies)))
+    for name in args.layouts:
+        print(report(measure(FAKE_LAYOUTS[name], args.rounds, args.batch, args.copies)))
 
 
 __all__ = ["measure", "report"]

@@ -116,7 +116,8 @@ _NUMBER = r"[0-9]+(?:\.[0-9]+)?"
 _DROPIN_PARTS = """
 import json, re
 from bench import dropin_parts
-result = dropin_parts.measure(2, rounds=2, batch=2, copies=True)
+from bench.run import FAKE_LAYOUTS
+result = dropin_parts.measure(FAKE_LAYOUTS["gpt-24L-h1024"], rounds=2, batch=2, copies=True)
 text = dropin_parts.report(result)
 print("RESULT" + json.dumps({"grads": result["non_tp_grads"], "watched": result["watched"],
       "answers": result["answers"], "times": sorted(result["time"]), "copies": sorted(result["copies"]),

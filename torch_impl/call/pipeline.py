@@ -19,7 +19,7 @@ from torch_impl.call.plan import build_plan, plan
 from torch_impl.call.plan_memo import BoundPlan
 from torch_impl.call.read import CallInputs, Request, read, read_layout
 from torch_impl.call.steady import keep_steady, steady_read
-from torch_impl.run.errors import raise_ranked, ranked
+from torch_impl.run.errors import ranked
 from torch_impl.run.execute import execute_local, finish_ddp_sync
 from torch_impl.run.grads import GradAccess
 from torch_impl.run.program import without_grad
@@ -28,9 +28,11 @@ from torch_impl.run.status import already_shared
 from torch_impl.sources.megatron import gtp_fence
 
 
+@ranked()
 def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallInputs, Any]:
     """The read, plan, check and agree stages; an error raised before the status round,
-    of any type, is shared with the other ranks through that round (then re-raised).
+    of any type, is shared with the other ranks through that round (then re-raised, a
+    ValueError / TypeError with this rank's prefix).
     Returns the plan, the inputs and the global token count when the round carried it."""
     known: dict[str, Any] = {}
     try:
@@ -77,11 +79,7 @@ def call(model: Any, source: Any, request: Request = Request(), fence: Callable[
       ConsistencyError / NonFiniteGradError / CollectiveError: from the cross-rank rounds
         or a failed collective.
     """
-    try:
-        bound, inputs, total = _agreed(model, source, request)
-    except (ValueError, TypeError) as err:
-        raise_ranked(err)
-        raise
+    bound, inputs, total = _agreed(model, source, request)
     if not request.finalize and not bound.plan.actions:
         return
     if request.finalize:
