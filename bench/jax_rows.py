@@ -9,8 +9,9 @@ step (quick mode: the first two rows), both candidates do the same reductions:
 * ``hand``: ``jax.tree.map(lambda g, axes: lax.psum(g * scale, axes), grads, axes)``
   (dp mean of every leaf, then a tp sum of the layernorms: what a researcher writes).
 
-Per row: the jit compile time (trace + lower + XLA compile; the faster of two, below
-4,000 leaves) and the steady step time (median of paired, alternating calls), the ratios
+Per row: the jit compile time (trace + lower + XLA compile, the heap collected first; the
+fastest of four below 1,000 leaves, of two below 4,000: a compile's first runs in a process
+can pay jax's own warm-up, which the smallest row would otherwise count) and the steady step time (median of paired, alternating calls), the ratios
 meshgrad / hand (step: the median of the pairs' ratios), the ratios'
 growth against the leaf-count growth, and the HLO's all-reduce count of each (XLA's
 combiner decides how many collectives run). The spread behind the medians is printed
@@ -32,6 +33,7 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
@@ -106,15 +108,21 @@ def _compile(fn: Any, grads: Any) -> tuple[Any, float, collections.Counter]:
     import jax
 
     jax.clear_caches()
+    gc.collect()  # no collection of the previous compile's garbage inside this one
     start = time.perf_counter()
     compiled = fn.lower(grads).compile()
     seconds = time.perf_counter() - start
     return compiled, seconds, collections.Counter(re.findall(r"= (?:\([^)]*\)|\S+) ([a-z][a-z\-]*)\(", compiled.as_text()))
 
 
+def compiles(n: int) -> int:
+    """How many times each candidate is compiled at ``n`` leaves (the fastest counts)."""
+    return 4 if n < 1_000 else 2 if n < 4_000 else 1
+
+
 def measure_row(n: int, rounds: int) -> dict[str, Any]:
-    """One row: compile each candidate (alternating, the faster of two compiles below
-    4,000 leaves), check equal outputs, time paired calls (alternating who goes first)."""
+    """One row: compile each candidate (alternating, the fastest of :func:`compiles` of
+    each), check equal outputs, time paired calls (alternating who goes first)."""
     import jax
     import numpy as np
 
@@ -122,7 +130,7 @@ def measure_row(n: int, rounds: int) -> dict[str, Any]:
     grads = steps["grads"]
     row: dict[str, Any] = {"leaves": n}
     compiled, ops, seconds = {}, {}, {"meshgrad": [], "hand": []}
-    for i in range(2 if n < 4_000 else 1):
+    for i in range(compiles(n)):
         for name in sorted(seconds, reverse=bool(i % 2)):
             compiled[name], took, ops[name] = _compile(steps[name], grads)
             seconds[name].append(took)

@@ -98,19 +98,23 @@ def apply_reduction(action: Reduction, grads: Grads, comm: Collectives) -> Grads
     # reduction over several dtypes runs in their promotion, as Megatron's flatten does).
     work = jnp.dtype(action.work_dtype)
     parts = [p if p.dtype == work else p.astype(work) for p in parts]
+    # Constants made once per reduction, not per leaf: every part is in ``work`` now.
     if action.pre_scale != 1.0:
-        parts = [p * jnp.asarray(action.pre_scale, p.dtype) for p in parts]
+        scale = jnp.asarray(action.pre_scale, work)
+        parts = [p * scale for p in parts]
     size = comm.size(action.group)
     if action.scatter and size > 1:
         parts = _reduce_scatter(parts, action, comm)
     else:
         parts = comm.sum(parts, action.group)
         if action.op is ReduceOp.AVG and size > 1:
-            parts = [p / jnp.asarray(size, p.dtype) for p in parts]
+            divisor = jnp.asarray(size, work)
+            parts = [p / divisor for p in parts]
     out = dict(grads)
     for key, extra, value, dtype in zip(action.keys, copies, parts, dtypes):
+        value = value if value.dtype == dtype else value.astype(dtype)
         for k in (key, *extra):
-            out[k] = value.astype(dtype)
+            out[k] = value
     return out
 
 
