@@ -136,6 +136,27 @@ def copy_floor(grads: list[torch.Tensor], group: Any) -> Callable[[], None]:
     return run
 
 
+def staging_floor(grads: list[torch.Tensor], group: Any) -> Callable[[], None]:
+    """:func:`copy_floor` with meshgrad's own staging (``torch_impl.run.staging``: on CPU,
+    strided runs for gradients laid out layer after layer in one storage) in place of
+    ``_foreach_copy_``: the same copies as meshgrad's drop-in step, without any check, so
+    that the step over it is what the checks and the pipeline cost."""
+    from torch_impl.run.staging import _Staging
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    stages = [_Staging(members, [g.numel() for g in members], dtype, keep=True) for dtype, members in by_dtype.items()]
+
+    def run() -> None:
+        for stage in stages:
+            staged = stage.copy_in()
+            dist.all_reduce(staged[0], group=group)
+            stage.copy_out(staged)
+
+    return run
+
+
 def inside_finalize(model: list[Any], *, rounds: int, batch: int, sync: Callable[[], object] | None) -> dict[str, float]:
     """Per step, the median seconds of meshgrad's bound actions inside finalize."""
     from torch_impl.finalize import ModelState
@@ -239,12 +260,13 @@ def measure_layout(
         "collectives": {},
         "bytes_copied": {},
     }
-    floor = copy_floor([p.main_grad for p in non_tp_params(dropin[0].module)], pgc.tp)
+    non_tp_grads = [p.main_grad for p in non_tp_params(dropin[0].module)]
+    floors = {"floor": copy_floor(non_tp_grads, pgc.tp), "staging floor": staging_floor(non_tp_grads, pgc.tp)}
     with megatron_tp_dp_cp(pgc.tp_dp_cp) if (fmg is not None and moe) else contextlib.nullcontext():
         for step in STEPS:
             cands = {f"{m}/{step}": fns[step] for m, fns in models.items() if step in fns}
             if step == "non_tp":
-                cands["floor/non_tp"] = floor
+                cands.update({f"{name}/non_tp": run for name, run in floors.items()})
             if cands:
                 timed = interleaved(cands, rounds=rounds, batch=batch, sync=sync)
                 for name, t in timed.items():
@@ -259,7 +281,9 @@ def measure_layout(
     }
     out["ratios"] = ratios(out)
     # Paired per round (same round, same machine phase), then the median.
-    out["ratios"]["non_tp drop-in / floor"] = paired_ratio(out["time"]["meshgrad drop-in"]["non_tp"], out["time"]["floor"]["non_tp"])
+    for name in floors:
+        out["ratios"][f"non_tp drop-in / {name}"] = paired_ratio(out["time"]["meshgrad drop-in"]["non_tp"],
+                                                                 out["time"][name]["non_tp"])
     del bufs, own, dropin, mc
     return out
 

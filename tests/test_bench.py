@@ -138,15 +138,17 @@ def test_dropin_parts_profile_times_the_steady_checks_parts():
     assert got["answers"] == dict.fromkeys(
         ["probes", "params: requires_grad, shapes", "main_grads: shapes, dtypes", "attribute dicts",
          "main_grad pointers", "module-tree edges"], True)
-    assert got["times"] == sorted(["step", "floor", "program", "probes", "params: requires_grad, shapes",
+    assert got["times"] == sorted(["step", "floor", "staging floor", "program", "probes", "params: requires_grad, shapes",
                                    "main_grads: shapes, dtypes", "attribute dicts", "main_grad pointers",
                                    "module-tree edges", "probes, then program", "step without probes and program"])
     assert got["copies"] == sorted(f"{way}: {op}" for way, op in [
         ("in", "_foreach_copy_"), ("out", "_foreach_copy_"), ("in", "torch.cat"), ("out", "split_with_sizes_copy"),
-        ("in", "index_select"), ("out", "index_copy_")])
+        ("in", "index_select"), ("out", "index_copy_"), ("in", "strided runs"), ("out", "strided runs")])
     assert re.search(rf"step\s+{_NUMBER}\s+floor\s+{_NUMBER}\s+step / floor {_NUMBER}", got["text"]), got["text"]
-    assert len(re.findall(rf"^  \S.*\s-?{_NUMBER}\s", got["text"], flags=re.M)) == 11, got["text"]  # step, 9 parts, the rest
-    assert len(re.findall(rf"^    (?:in|out): .*\s{_NUMBER}$", got["text"], flags=re.M)) == 6, got["text"]
+    assert re.search(rf"staging floor\s+{_NUMBER} .*step / it {_NUMBER}\s+beyond it {_NUMBER}", got["text"]), got["text"]
+    # step, staging floor, 9 parts, the rest
+    assert len(re.findall(rf"^  \S.*\s-?{_NUMBER}\s", got["text"], flags=re.M)) == 12, got["text"]
+    assert len(re.findall(rf"^    (?:in|out): .*\s{_NUMBER}$", got["text"], flags=re.M)) == 8, got["text"]
 
 
 def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
@@ -161,12 +163,13 @@ def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = proc.stdout
     assert re.search(rf"non_tp floor ms\s+{_NUMBER}\s.*drop-in / floor {_NUMBER}", text), text
+    assert re.search(rf"staging floor ms\s+{_NUMBER}\s.*drop-in / it {_NUMBER}", text), text
     for row, params in (("8x8", 169), ("32x8", 673), ("16x32", 16 * (5 + 2 * 32) + 1)):
         lines = [x for x in text.splitlines() if re.match(rf"\s+{row}\s+{params}\s", x)]
         assert len(lines) == 3, (row, text)  # DDP chunks, meshgrad buffers, user grads
         for line in lines:
             assert len(re.findall(_NUMBER, line)) >= 7, line
-    for goal in ("drop-in non_tp / copy floor (", "DDP chunks: step / megatron-core <= 0.1",
+    for goal in ("drop-in non_tp / copy floor (", "drop-in non_tp / meshgrad's staging floor (", "DDP chunks: step / megatron-core <= 0.1",
                  "DDP chunks: step / step at 32x8 <= 1.5", "DDP chunks: first call / megatron-core's first call <= 2",
                  "DDP chunks: first call / megatron-core's step <= 2"):
         assert re.search(rf"\[\s*(met|MISSED|n/a|floor)\] .*{re.escape(goal)}", text), (goal, text)
@@ -186,7 +189,7 @@ def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
         assert r["bytes_copied"]["buffers"] == 0
         assert r["first_call"]["DDP chunks"] > 0 and r["step"]["DDP chunks"]["median"] > 0
     (layout,) = report["fake"]
-    assert layout["time"]["floor"]["non_tp"]["median"] > 0
+    assert layout["time"]["floor"]["non_tp"]["median"] > 0 and layout["time"]["staging floor"]["non_tp"]["median"] > 0
 
 
 def test_a_goal_its_floor_misses_is_not_printed_as_a_goal():

@@ -324,6 +324,61 @@ def _same_grads(a: RankData, b: RankData) -> bool:
     )
 
 
+def _layers(count: int) -> tuple[ParamLayout, ...]:
+    """``count`` decoder layers (a sequence-parallel layernorm, q / k layernorms, a TP
+    weight, a TP-averaged weight each) and a final layernorm."""
+    params = []
+    for i in range(count):
+        layer = f"decoder.layers.{i}"
+        params += [
+            ParamLayout(f"{layer}.input_layernorm.weight", (H_LAYERS,), sequence_parallel=True),
+            ParamLayout(f"{layer}.self_attention.q_layernorm.weight", (2,)),
+            ParamLayout(f"{layer}.self_attention.k_layernorm.weight", (2,)),
+            ParamLayout(f"{layer}.self_attention.linear_qkv.weight", (3, H_LAYERS)),
+            ParamLayout(f"{layer}.mlp.tp_avg.weight", (3,), average_gradients_across_tp_domain=True),
+        ]
+    return tuple(params) + (ParamLayout("decoder.final_layernorm.weight", (H_LAYERS,), sequence_parallel=True),)
+
+
+H_LAYERS = 5
+DDP_LAYERS = Scenario("ddp-layers", tp=4, params=_layers(6), config=dict(sequence_parallel=True, qk_layernorm=True))
+
+
+def case_ddp_buffer_layers(rank: int, world: int) -> tuple[RankData, list[bool], bool]:
+    """A Megatron DDP's layout: every ``main_grad`` a view of one buffer, parameters in
+    reverse order. The non-TP gradients are staged by strided runs (one per position in
+    the layer); called twice (the second call takes the kept staging)."""
+    from torch_impl import _allreduce_non_tensor_model_parallel_grads
+    from torch_impl.run import strided_runs
+
+    model, pgc, data = _prepare(DDP_LAYERS, rank)
+    params = [p for p in model[0].parameters() if p.requires_grad][::-1]
+    buffer = torch.cat([p.main_grad.reshape(-1) for p in params])
+    offset = 0
+    for p in params:
+        p.main_grad = buffer[offset : offset + p.numel()].view(p.shape)
+        offset += p.numel()
+    staged = [not (getattr(p, "sequence_parallel", False) or "layernorm" in n or "tp_avg" in n)
+              for n, p in model[0].named_parameters() if p.requires_grad][::-1]
+    others = torch.cat([p.main_grad.reshape(-1) for p, keep in zip(params, staged) if keep]).clone()
+    built: list[bool] = []
+    build = strided_runs.RunCopies.build
+
+    def spy(*args: Any) -> Any:
+        runs = build(*args)
+        built.append(runs is not None)
+        return runs
+
+    strided_runs.RunCopies.build = spy
+    try:
+        for _ in range(2):
+            _allreduce_non_tensor_model_parallel_grads(model, model[0].config, pgc.tp)
+    finally:
+        strided_runs.RunCopies.build = build
+    untouched = torch.equal(torch.cat([p.main_grad.reshape(-1) for p, keep in zip(params, staged) if keep]), others)
+    return read_outputs(model, DDP_LAYERS, data), built, untouched
+
+
 CASES = local_cases(globals())
 
 
@@ -365,6 +420,27 @@ def test_non_tensor_parallel_grads(world):
             elif "layernorm" in name:  # sequence_parallel (input/final) and q/k layernorms
                 expected[(rank, key)] = total
     _check(PP_TP, _ok(world, "case_non_tp"), expected)
+
+
+def test_ddp_buffer_layers_staged_by_strided_runs(world):
+    """Gradients of a Megatron DDP's buffer, six layers: the layernorms are summed and the
+    TP-averaged weights averaged over TP, twice (the second call on the first's result),
+    by the strided runs (both reductions use them), and the TP weights between them in the
+    buffer keep their values."""
+    inputs = _inputs(DDP_LAYERS)
+    expected = {}
+    for rank in range(WORLD):
+        peers = _peers(DDP_LAYERS, rank, ("tp",))
+        for key, value in inputs[rank].grads.items():
+            total = sum(inputs[p].grads[key] for p in peers)
+            if "tp_avg" in key[1]:
+                expected[(rank, key)] = total / len(peers)  # the mean of equal means
+            elif "layernorm" in key[1]:
+                expected[(rank, key)] = total * len(peers)
+    got = _ok(world, "case_ddp_buffer_layers")
+    _check(DDP_LAYERS, [out for out, _, _ in got], expected)
+    for rank, (_, built, untouched) in enumerate(got):
+        assert built == [True, True] and untouched, (rank, built, untouched)
 
 
 @pytest.mark.parametrize("case,param", [("case_cond_embedder", "cond_embedder.timestep.weight"), ("case_router", "flextron_router.weight")])

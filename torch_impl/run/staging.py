@@ -7,6 +7,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from torch_impl.run.strided_runs import RunCopies
+
 
 def flat_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """A 1-D view covering ``tensors`` when they lie back to back in one storage."""
@@ -37,8 +39,11 @@ class _Staging:
     out in their order, one op each way.
 
     A buffer kept between calls: ``_foreach_copy_`` over views of it made once (the
-    fastest for many small tensors). A buffer made per call (a large one): when every
-    tensor is contiguous and of the buffer's dtype, ``torch.cat`` in and
+    fastest for many small tensors), or, from the second call on, on CPU for tensors of
+    one storage laid out layer after layer (a Megatron DDP's buffer), a few strided copies
+    (:class:`RunCopies`: looked for after the first call, which then pays neither the
+    search nor a first parallel copy's start). A buffer made per call (a large one): when
+    every tensor is contiguous and of the buffer's dtype, ``torch.cat`` in and
     ``split_with_sizes_copy`` out over flat views of the tensors made once, so that no
     Python view is made per tensor per call; else ``_foreach_copy_`` over views of the
     buffer made per call (cast and strided as needed).
@@ -56,6 +61,9 @@ class _Staging:
         plain = not keep and all(t.dtype == dtype and t.is_contiguous() for t in tensors)
         self.flats = [t.view(-1) for t in tensors] if plain else None
         self.kept = self._new() if keep else None
+        self.runs: RunCopies | None = None
+        self.calls_before_runs = 2 if keep else 0  # the runs are looked for at the second call
+
 
     def _new(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A new (uninitialized) buffer and the views the copies use."""
@@ -68,7 +76,13 @@ class _Staging:
         """The buffer (the kept one or a new one) filled with the tensors, with the views
         :meth:`copy_out` takes."""
         buffer, views = staged = self.kept or self._new()
-        if self.flats is not None:
+        if self.calls_before_runs:
+            self.calls_before_runs -= 1
+            if not self.calls_before_runs:
+                self.runs = RunCopies.build(self.tensors, buffer, views)
+        if self.runs is not None:
+            self.runs.copy_in()
+        elif self.flats is not None:
             torch.cat(self.flats, out=buffer)
         else:
             torch._foreach_copy_(views, self.tensors)
@@ -77,7 +91,9 @@ class _Staging:
     def copy_out(self, staged: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
         """Copy the buffer of :meth:`copy_in` back into the tensors."""
         buffer, views = staged
-        if self.flats is not None:
+        if self.runs is not None:
+            self.runs.copy_out()
+        elif self.flats is not None:
             torch.split_with_sizes_copy(buffer, self.sizes, out=self.flats)
         else:
             torch._foreach_copy_(self.tensors, views)
