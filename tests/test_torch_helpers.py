@@ -344,10 +344,16 @@ H_LAYERS = 5
 DDP_LAYERS = Scenario("ddp-layers", tp=4, params=_layers(6), config=dict(sequence_parallel=True, qk_layernorm=True))
 
 
-def case_ddp_buffer_layers(rank: int, world: int) -> tuple[RankData, list[bool], bool]:
+#: The layernorm whose ``main_grad`` is given another storage after the second call.
+SWAPPED = "decoder.layers.2.input_layernorm.weight"
+
+
+def case_ddp_buffer_layers(rank: int, world: int) -> tuple[RankData, list[bool], bool, RankData, list[float]]:
     """A Megatron DDP's layout: every ``main_grad`` a view of one buffer, parameters in
     reverse order. The non-TP gradients are staged by strided runs (one per position in
-    the layer); called twice (the second call takes the kept staging)."""
+    the layer); called twice (the second call takes the kept staging), then once more
+    after one layernorm's ``main_grad.data`` moved to a new storage (the runs are views of
+    the old one: the step must rebind, reduce the new storage and leave the old alone)."""
     from torch_impl import _allreduce_non_tensor_model_parallel_grads
     from torch_impl.run import strided_runs
 
@@ -376,7 +382,12 @@ def case_ddp_buffer_layers(rank: int, world: int) -> tuple[RankData, list[bool],
     finally:
         strided_runs.RunCopies.build = build
     untouched = torch.equal(torch.cat([p.main_grad.reshape(-1) for p, keep in zip(params, staged) if keep]), others)
-    return read_outputs(model, DDP_LAYERS, data), built, untouched
+    after_two = read_outputs(model, DDP_LAYERS, data)
+    swapped = model[0].get_parameter(SWAPPED)
+    old = swapped.main_grad.view(-1)[:]  # the old storage, still the DDP buffer's
+    swapped.main_grad.data = swapped.main_grad.detach().clone()
+    _allreduce_non_tensor_model_parallel_grads(model, model[0].config, pgc.tp)
+    return after_two, built, untouched, read_outputs(model, DDP_LAYERS, data), old.tolist()
 
 
 CASES = local_cases(globals())
@@ -438,9 +449,16 @@ def test_ddp_buffer_layers_staged_by_strided_runs(world):
             elif "layernorm" in key[1]:
                 expected[(rank, key)] = total * len(peers)
     got = _ok(world, "case_ddp_buffer_layers")
-    _check(DDP_LAYERS, [out for out, _, _ in got], expected)
-    for rank, (_, built, untouched) in enumerate(got):
+    _check(DDP_LAYERS, [out for out, *_ in got], expected)
+    for rank, (_, built, untouched, _, _) in enumerate(got):
         assert built == [True, True] and untouched, (rank, built, untouched)
+    # A third call after one main_grad's storage moved: every layernorm summed once more,
+    # the moved one in its new storage, its old place in the buffer as the second call left it.
+    third = {k: v * len(_peers(DDP_LAYERS, k[0], ("tp",))) if "layernorm" in k[1][1] else v
+             for k, v in expected.items()}
+    _check(DDP_LAYERS, [out for *_, out, _ in got], third)
+    for rank, (*_, old) in enumerate(got):
+        np.testing.assert_array_equal(old, expected[(rank, (0, SWAPPED))], err_msg=f"rank {rank}")
 
 
 @pytest.mark.parametrize("case,param", [("case_cond_embedder", "cond_embedder.timestep.weight"), ("case_router", "flextron_router.weight")])
