@@ -103,3 +103,10 @@ def test_runs_not_used_where_foreach_is_as_good():
     assert after_two_calls(views, keep=False).runs is None
     assert after_two_calls(_ddp_layout(1, [3, 5, 7, 9, 11, 13], gap=1)[1]).runs is None  # no numel repeats
     assert RunCopies.build(views[:3], *_Staging(views[:3], [8] * 3, torch.float32, keep=True).kept) is None
+    # Not on another device (on CUDA ``_foreach_copy_`` is a few fused kernels already):
+    # the same layout on the meta device finds its runs but builds none.
+    meta = torch.empty(int(views[0]._base.numel()), device="meta")
+    meta_views = [meta[v.storage_offset():v.storage_offset() + v.numel()] for v in views]
+    meta_stage = _Staging(meta_views, [8] * 12, torch.float32, keep=True)
+    assert find_runs([8] * 12, [v.storage_offset() for v in meta_views], list(range(0, 96, 8)))[0]
+    assert RunCopies.build(meta_views, *meta_stage.kept) is None
