@@ -36,7 +36,7 @@ def nbytes(tensors: Iterable[torch.Tensor]) -> int:
 
 class _Staging:
     """The copies between a reduction's gradient tensors and a flat staging buffer laid
-    out in their order, one op each way.
+    out in their order, one op each way (a few with strided runs).
 
     A buffer kept between calls: ``_foreach_copy_`` over views of it made once (the
     fastest for many small tensors), or, from the second call on, on CPU for tensors of
