@@ -115,14 +115,19 @@ def _per_call(
     return counter.total / calls, moved / calls
 
 
+def _by_dtype(grads: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    """The gradients grouped by dtype (one flat buffer each), in order within a group."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.dtype, []).append(g)
+    return groups
+
+
 def copy_floor(grads: list[torch.Tensor], group: Any) -> Callable[[], None]:
     """The drop-in non-TP step's floor: the gradients staged into one flat buffer per dtype
     (``torch._foreach_copy_``), one collective on it, copied back (buffers made here, once)."""
     staged: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for dtype, members in by_dtype.items():
+    for dtype, members in _by_dtype(grads).items():
         flat = torch.empty(sum(g.numel() for g in members), dtype=dtype, device=members[0].device)
         views = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in members]), members)]
         staged.append((flat, views, members))
@@ -143,10 +148,8 @@ def staging_floor(grads: list[torch.Tensor], group: Any) -> Callable[[], None]:
     that the step over it is what the checks and the pipeline cost."""
     from torch_impl.run.staging import _Staging
 
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    stages = [_Staging(members, [g.numel() for g in members], dtype, keep=True) for dtype, members in by_dtype.items()]
+    stages = [_Staging(members, [g.numel() for g in members], dtype, keep=True)
+              for dtype, members in _by_dtype(grads).items()]
 
     def run() -> None:
         for stage in stages:

@@ -8,6 +8,8 @@ copies must not touch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -16,7 +18,7 @@ from torch_impl.run.staging import _Staging  # noqa: E402
 from torch_impl.run.strided_runs import RunCopies, find_runs  # noqa: E402
 
 
-def _ddp_layout(layers: int, per_layer: list[int], gap: int, reverse: bool = True, tail: list[int] = ()):
+def _ddp_layout(layers: int, per_layer: Sequence[int], gap: int, reverse: bool = True, tail: Sequence[int] = ()):
     """(the buffer, the staged views in model order): each layer's staged gradients of
     ``per_layer`` numels with ``gap`` elements of other gradients after each, the layers
     laid out in reverse (a Megatron DDP) or in order; ``tail``: gradients after the last
@@ -37,7 +39,7 @@ def test_find_runs_groups_each_layer_position():
     """24 layers of 4 staged gradients laid out in reverse: 4 runs of 24 (one per
     position in the layer); a final gradient of another size stays single."""
     numels = [16, 16, 8, 16] * 24 + [12]
-    buffer, views = _ddp_layout(24, [16, 16, 8, 16], gap=5, tail=[12])
+    _, views = _ddp_layout(24, [16, 16, 8, 16], gap=5, tail=[12])
     targets, t = [], 0
     for n in numels:
         targets.append(t)

@@ -364,9 +364,10 @@ def case_ddp_buffer_layers(rank: int, world: int) -> tuple[RankData, list[bool],
     for p in params:
         p.main_grad = buffer[offset : offset + p.numel()].view(p.shape)
         offset += p.numel()
-    staged = [not (getattr(p, "sequence_parallel", False) or "layernorm" in n or "tp_avg" in n)
-              for n, p in model[0].named_parameters() if p.requires_grad][::-1]
-    others = torch.cat([p.main_grad.reshape(-1) for p, keep in zip(params, staged) if keep]).clone()
+    # The TP weights between the staged gradients in the buffer (``params`` order).
+    between = [not (getattr(p, "sequence_parallel", False) or "layernorm" in n or "tp_avg" in n)
+               for n, p in model[0].named_parameters() if p.requires_grad][::-1]
+    others = torch.cat([p.main_grad.reshape(-1) for p, tp in zip(params, between) if tp]).clone()
     built: list[bool] = []
     build = strided_runs.RunCopies.build
 
@@ -381,10 +382,10 @@ def case_ddp_buffer_layers(rank: int, world: int) -> tuple[RankData, list[bool],
             _allreduce_non_tensor_model_parallel_grads(model, model[0].config, pgc.tp)
     finally:
         strided_runs.RunCopies.build = build
-    untouched = torch.equal(torch.cat([p.main_grad.reshape(-1) for p, keep in zip(params, staged) if keep]), others)
+    untouched = torch.equal(torch.cat([p.main_grad.reshape(-1) for p, tp in zip(params, between) if tp]), others)
     after_two = read_outputs(model, DDP_LAYERS, data)
     swapped = model[0].get_parameter(SWAPPED)
-    old = swapped.main_grad.view(-1)[:]  # the old storage, still the DDP buffer's
+    old = swapped.main_grad.view(-1)  # the old storage, still the DDP buffer's
     swapped.main_grad.data = swapped.main_grad.detach().clone()
     _allreduce_non_tensor_model_parallel_grads(model, model[0].config, pgc.tp)
     return after_two, built, untouched, read_outputs(model, DDP_LAYERS, data), old.tolist()

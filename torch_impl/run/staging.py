@@ -64,7 +64,6 @@ class _Staging:
         self.runs: RunCopies | None = None
         self.calls_before_runs = 2 if keep else 0  # the runs are looked for at the second call
 
-
     def _new(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A new (uninitialized) buffer and the views the copies use."""
         buffer = torch.empty(sum(self.sizes), dtype=self.dtype, device=self.tensors[0].device)
