@@ -43,6 +43,10 @@ GLOO_LAYOUTS = {
     "gloo-24L-h256-tp2pp2": Layout("gloo-24L-h256-tp2pp2", 24, 256, tp=2, pp=2, dp=1, vocab=8192),
 }
 GOALS = {"non_tp": 0.1, "finalize": 0.15, "gloo": 1.2, "drop_in_floor": 1.5}
+#: Stretch goals: the own-buffer non-TP step where it was before the per-step checks (a
+#: moonshot), and the drop-in non-TP step against meshgrad's own staging (a stricter floor
+#: than the copy floor: the checks' cost alone).
+STRETCH = {"non_tp": 0.05, "drop_in_staging": 1.5}
 
 
 def environment() -> dict[str, Any]:
@@ -131,6 +135,8 @@ def goals(fake: list[dict[str, Any]], gloo: list[dict[str, Any]], scale: dict[st
         for step in ("non_tp", "finalize"):
             out.append(goal(f"{name}: {step} meshgrad/megatron <= {GOALS[step]:g}", ratios.get(f"{step} (buffers)"),
                             GOALS[step]))
+        out.append(goal(f"{name}: non_tp meshgrad/megatron <= {STRETCH['non_tp']:g}", ratios.get("non_tp (buffers)"),
+                        STRETCH["non_tp"], stretch=True))
         out.append(goal(f"{name}: bytes copied with meshgrad buffers == 0", r["bytes_copied"].get("meshgrad buffers"), 0))
         floor_ms = _ms(r["time"].get("floor", {}).get("non_tp"))
         out.append(goal(f"{name}: drop-in non_tp / copy floor ({floor_ms} ms) <= {GOALS['drop_in_floor']:g}",
@@ -138,8 +144,8 @@ def goals(fake: list[dict[str, Any]], gloo: list[dict[str, Any]], scale: dict[st
         if "non_tp drop-in / staging floor" in ratios:  # the checks' own cost: the same copies in both
             staging_ms = _ms(r["time"]["staging floor"]["non_tp"])
             out.append(goal(f"{name}: drop-in non_tp / meshgrad's staging floor ({staging_ms} ms) <= "
-                            f"{GOALS['drop_in_floor']:g}", ratios["non_tp drop-in / staging floor"],
-                            GOALS["drop_in_floor"], floor=1.0))
+                            f"{STRETCH['drop_in_staging']:g}", ratios["non_tp drop-in / staging floor"],
+                            STRETCH["drop_in_staging"], floor=1.0, stretch=True))
     for r in gloo:
         name = r["layout"]["name"]
         out.append(goal(f"{name}: finalize / floor <= {GOALS['gloo']:g}", r["vs_floor"].get("meshgrad buffers"),
