@@ -35,12 +35,9 @@ from bench.ddp import MiniDDP
 from bench.models import Layout, build_chunk, non_tp_params
 from bench.run import FAKE_LAYOUTS
 
-#: The candidates, megatron-core first (the ratios' denominator).
-NAMES = ("megatron-core", "meshgrad buffers", "meshgrad drop-in")
-
-
 def _models(lay: Layout) -> tuple[dict[str, Callable[[], object]], dict[str, list[torch.Tensor]]]:
-    """(name -> one non-TP step, name -> its non-TP gradients) of each candidate."""
+    """(name -> one non-TP step, name -> its non-TP gradients) of each candidate,
+    megatron-core's first (the ratios' denominator)."""
     import torch_impl
     from torch_impl.buffers import attach_grad_buffers
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+#: A list of :func:`goal` dicts.
+Goals = list[dict[str, Any]]
+
 
 def goal(text: str, value: Any, limit: float, floor: float | None = None, stretch: bool = False) -> dict[str, Any]:
     """One goal: ``value <= limit``; ``floor`` is what the same measure gives for the floor
@@ -17,9 +20,6 @@ def goal(text: str, value: Any, limit: float, floor: float | None = None, stretc
     ``stretch``: a goal beyond the benchmark's own (judged, printed apart)."""
     return dict(goal=text, value=value, limit=limit, floor=floor, ok=None if value is None else value <= limit,
                 stretch=stretch)
-
-
-Goals = list[dict[str, Any]]
 
 
 def split_goals(all_goals: Goals) -> tuple[Goals, Goals, Goals]:
@@ -32,6 +32,7 @@ def split_goals(all_goals: Goals) -> tuple[Goals, Goals, Goals]:
 
 
 def _verdict(g: dict[str, Any]) -> str:
+    """``met``, ``MISSED``, or ``n/a`` where nothing was measured."""
     return "n/a" if g["ok"] is None else ("met" if g["ok"] else "MISSED")
 
 
@@ -40,6 +41,7 @@ def _value(x: Any) -> str:
 
 
 def _judged(g: dict[str, Any]) -> str:
+    """One goal's line: its verdict, text, measured value and floor."""
     floor = "" if g.get("floor") is None else f"; floor {_value(g['floor'])}"
     return f"  [{_verdict(g):>6}] {g['goal']}  (measured {_value(g['value'])}{floor})"
 
