@@ -32,8 +32,10 @@ import torch
 from bench import fake
 from bench.counting import megatron_finalize_module
 from bench.ddp import MiniDDP
-from bench.models import Layout, build_chunk, non_tp_params
+from bench.models import Layout, non_tp_params
 from bench.run import FAKE_LAYOUTS
+from bench.timing import paired_ratio
+
 
 def _models(lay: Layout) -> tuple[dict[str, Callable[[], object]], dict[str, list[torch.Tensor]]]:
     """(name -> one non-TP step, name -> its non-TP gradients) of each candidate,
@@ -44,14 +46,9 @@ def _models(lay: Layout) -> tuple[dict[str, Callable[[], object]], dict[str, lis
     fake.init_fake(lay.world)
     groups = fake.fake_groups(lay)
 
-    def chunk() -> torch.nn.Module:
-        c = build_chunk(lay, 0)
-        fake.buffers_to(c, "cpu")
-        return c
-
     fmg = megatron_finalize_module()
-    mcore, dropin = ([MiniDDP(chunk(), groups.dp_cp, device="cpu")] for _ in range(2))
-    own = [chunk()]
+    mcore, dropin = ([MiniDDP(fake.first_stage_chunk(lay, "cpu"), groups.dp_cp, device="cpu")] for _ in range(2))
+    own = [fake.first_stage_chunk(lay, "cpu")]
     attach_grad_buffers(own, groups, lazy=True, device="cpu")
     config = own[0].config
     steps: dict[str, Callable[[], object]] = {
@@ -102,8 +99,8 @@ def measure(lay: Layout, *, rounds: int, flush_mb: int) -> dict[str, Any]:
     if lost:
         raise RuntimeError(f"{lay.name}: non-TP gradients changed in {lost}")
     ratios = {
-        f"{name} / megatron-core, {kind}": statistics.median(
-            a / b for a, b in zip(samples[kind][name], samples[kind]["megatron-core"]))
+        f"{name} / megatron-core, {kind}": paired_ratio({"samples": samples[kind][name]},
+                                                        {"samples": samples[kind]["megatron-core"]})
         for kind in ("cold", "warm") for name in names[1:]
     }
     return {"layout": lay.name, "non_tp_grads": len(values), "cold": samples["cold"], "warm": samples["warm"],

@@ -35,7 +35,7 @@ import torch
 
 from bench import fake
 from bench.ddp import MiniDDP
-from bench.models import Layout, build_chunk, non_tp_params
+from bench.models import Layout, non_tp_params
 from bench.run import FAKE_LAYOUTS
 from bench.timing import interleaved
 from torch_impl.run.strided_runs import RunCopies
@@ -92,10 +92,11 @@ def _check_parts(probes: Any, touched: Any, watch: Any) -> dict[str, Callable[[]
 def staging_variants(grads: list[torch.Tensor], base: torch.Tensor) -> dict[str, Callable[[], object]]:
     """Other ways to stage ``grads`` (views of the DDP's flat buffer ``base``) into one
     flat buffer and back, each way timed apart: the floor's ``_foreach_copy_``,
-    ``torch.cat`` / ``split_with_sizes_copy`` through flat views, and ``index_select`` /
+    ``torch.cat`` / ``split_with_sizes_copy`` through flat views, ``index_select`` /
     ``index_copy_`` with the gradients' element indices into ``base``, and meshgrad's own
-    strided runs (:class:`torch_impl.run.strided_runs.RunCopies`, where they apply). All keep the
-    gradients' order (megatron-core's flatten order: the sums must be bit-identical)."""
+    strided runs (:class:`torch_impl.run.strided_runs.RunCopies`, where they apply). All
+    keep the gradients' order (megatron-core's flatten order: the sums must be
+    bit-identical)."""
     sizes = [g.numel() for g in grads]
     staged = torch.empty(sum(sizes), dtype=grads[0].dtype)
     views = [v.view(g.shape) for v, g in zip(staged.split(sizes), grads)]
@@ -165,8 +166,7 @@ def measure(lay: Layout, rounds: int, batch: int, copies: bool = False) -> dict[
 
     fake.init_fake(lay.world)
     groups = fake.fake_groups(lay)
-    chunk = build_chunk(lay, 0)
-    fake.buffers_to(chunk, "cpu")
+    chunk = fake.first_stage_chunk(lay, "cpu")
     model = [MiniDDP(chunk, groups.dp_cp, device="cpu")]
     grads = [p.main_grad for p in non_tp_params(model[0].module)]
 

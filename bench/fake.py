@@ -85,6 +85,13 @@ def buffers_to(module: nn.Module, device: Any) -> None:
                 sub._buffers[name] = buf.to(device)
 
 
+def first_stage_chunk(lay: Layout, device: Any) -> nn.Module:
+    """The layout's pp stage 0 chunk: parameters on meta, registered buffers on ``device``."""
+    chunk = build_chunk(lay, 0)
+    buffers_to(chunk, device)
+    return chunk
+
+
 @contextlib.contextmanager
 def megatron_tp_dp_cp(group: Any) -> Iterator[None]:
     """megatron-core 0.16 looks the expert-bias group up in parallel_state: set it there
@@ -202,14 +209,9 @@ def measure_layout(
     pgc = fake_groups(lay)
     sync = torch.cuda.synchronize if device.startswith("cuda") else None
 
-    def chunk() -> nn.Module:
-        c = build_chunk(lay, 0)
-        buffers_to(c, device)
-        return c
-
-    own = [chunk()]
+    own = [first_stage_chunk(lay, device)]
     bufs = attach_grad_buffers(own, pgc, lazy=True, device=device)
-    dropin = [MiniDDP(chunk(), pgc.dp_cp, device=device)]
+    dropin = [MiniDDP(first_stage_chunk(lay, device), pgc.dp_cp, device=device)]
     cfg = own[0].config
     moe = bool(lay.moe_experts)
 
@@ -235,7 +237,7 @@ def measure_layout(
     fmg = megatron_finalize_module() if with_megatron else None
     mc: list[Any] = []
     if fmg is not None:
-        mc = [MiniDDP(chunk(), pgc.dp_cp, device=device)]
+        mc = [MiniDDP(first_stage_chunk(lay, device), pgc.dp_cp, device=device)]
         # megatron-core needs a pipeline group object even for PP = 1 (it calls .size()).
         if pgc.pp is None and (0,) not in _GROUPS:
             _GROUPS[(0,)] = dist.new_group([0])
