@@ -30,12 +30,12 @@ from torch_impl.call.read import Request, as_chunks
 from torch_impl.helpers import embedding_grad, run_helper
 from torch_impl.call.model_state import ModelState
 from torch_impl.sources.discover import position_embedding, shared_word_embedding
-from torch_impl.run.errors import MegatronAssertionError, ranked
+from torch_impl.run.errors import MegatronAssertionError
 from torch_impl.run.stats import ExecStats
 from torch_impl.run.grads import grad_attr, is_dtensor, reshard, unshard
 from torch_impl.run.groups import group_ranks, world_rank
 from torch_impl.sources.helper_groups import helper_group
-from torch_impl.sources.wrappers import eager_under_compile
+from torch_impl.sources.wrappers import eager_under_compile, ranked_entry
 from torch_impl.sources.config import resolve_config
 
 ProcessGroup = Any
@@ -60,7 +60,7 @@ def execution_stats(model: Any) -> ExecStats:
 # =========================================================================== entry point
 
 
-@eager_under_compile
+@ranked_entry
 def finalize_model_grads(
     model: list[nn.Module],
     num_tokens: torch.Tensor | None = None,
@@ -141,8 +141,7 @@ def _reshard_if_dtensor(tensor_to_shard: torch.Tensor, reference_tensor: torch.T
     return reshard(tensor_to_shard, reference_tensor)
 
 
-@eager_under_compile
-@ranked()
+@ranked_entry
 def _allreduce_conditional_embedding_grads(
     model: list[nn.Module], config: Any, pp_group: ProcessGroup | None = None
 ) -> None:
@@ -153,8 +152,7 @@ def _allreduce_conditional_embedding_grads(
     run_helper(model, {Group.PP: pp}, Request(steps=(Step.COND_EMBEDDER,), config=config, over=(Group.PP,)))
 
 
-@eager_under_compile
-@ranked()
+@ranked_entry
 def _allreduce_router_grads(
     model: list[nn.Module], config: Any, *, pp_group: ProcessGroup | None = None
 ) -> None:
@@ -173,8 +171,7 @@ def _allreduce_router_grads(
     run_helper(model, {Group.PP: pp}, request)
 
 
-@eager_under_compile
-@ranked()
+@ranked_entry
 def _allreduce_non_tensor_model_parallel_grads(
     model: list[nn.Module], config: Any, tp_group: ProcessGroup | None = None
 ) -> None:
@@ -188,8 +185,7 @@ def _allreduce_non_tensor_model_parallel_grads(
 _allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
 
 
-@eager_under_compile
-@ranked()
+@ranked_entry
 def _allreduce_replicated_grads_over_gtp_remat_group(
     model: list[nn.Module],
     gtp_remat_group: ProcessGroup | None,
@@ -229,8 +225,7 @@ def _get_position_embedding_weight(model_module: nn.Module) -> nn.Parameter:
     return weight
 
 
-@eager_under_compile
-@ranked()
+@ranked_entry
 def _allreduce_embedding_grad(
     model: list[nn.Module],
     embd_group: ProcessGroup,
@@ -261,7 +256,7 @@ def _allreduce_embedding_grad(
     embedding_grad(model, embd_group, pp_group, weight_getter, skip_if_none, config, has_mtp)
 
 
-@eager_under_compile
+@ranked_entry
 def _allreduce_word_embedding_grads(
     model: list[nn.Module],
     config: Any,
@@ -278,37 +273,34 @@ def _allreduce_word_embedding_grads(
       MegatronAssertionError: ``embd_group`` is None, parallel_state's embedding group has
         several ranks, and ``pp_group`` was given (Megatron asserts).
     """
-    with ranked():
-        if embd_group is None:
-            embd_group = helper_group(Group.EMBD, None, "lookup_optional", "embd_group")
-            if embd_group is not None and len(group_ranks(embd_group)) > 1:
-                if pp_group is not None:
-                    raise MegatronAssertionError(
-                        f"rank {world_rank()}: _allreduce_word_embedding_grads: embd_group is None, so "
-                        "parallel_state's embedding group is used, and then pp_group must be None too "
-                        "(Megatron-Core asserts); pass both groups or neither"
-                    )
-                pp_group = helper_group(Group.PP, None, "lookup", "_allreduce_word_embedding_grads(pp_group)")
-        has_mtp = bool(getattr(config, "mtp_num_layers", None) or 0)
+    if embd_group is None:
+        embd_group = helper_group(Group.EMBD, None, "lookup_optional", "embd_group")
+        if embd_group is not None and len(group_ranks(embd_group)) > 1:
+            if pp_group is not None:
+                raise MegatronAssertionError(
+                    f"rank {world_rank()}: _allreduce_word_embedding_grads: embd_group is None, so "
+                    "parallel_state's embedding group is used, and then pp_group must be None too "
+                    "(Megatron-Core asserts); pass both groups or neither"
+                )
+            pp_group = helper_group(Group.PP, None, "lookup", "_allreduce_word_embedding_grads(pp_group)")
+    has_mtp = bool(getattr(config, "mtp_num_layers", None) or 0)
 
-        def getter(module: nn.Module) -> nn.Parameter | None:
-            return _get_shared_word_embedding_weight(module, config)
+    def getter(module: nn.Module) -> nn.Parameter | None:
+        return _get_shared_word_embedding_weight(module, config)
 
-        embedding_grad(model, embd_group, pp_group, getter, True, config, has_mtp)
+    embedding_grad(model, embd_group, pp_group, getter, True, config, has_mtp)
 
 
-@eager_under_compile
+@ranked_entry
 def _allreduce_position_embedding_grads(
     model: list[nn.Module], config: Any, pos_emb_group: ProcessGroup, pp_group: ProcessGroup
 ) -> None:
     """All-reduce the position-embedding gradient over ``pos_emb_group`` (None: nothing to
     do); a missing gradient on a member stage is an error. Middle stages use ``model[0]``."""
-    with ranked():
-        embedding_grad(model, pos_emb_group, pp_group, _get_position_embedding_weight, False, config, False)
+    embedding_grad(model, pos_emb_group, pp_group, _get_position_embedding_weight, False, config, False)
 
 
-@eager_under_compile
-@ranked()
+@ranked_entry
 def _update_router_expert_bias(
     model: list[nn.Module], config: Any, tp_dp_cp_group: ProcessGroup | None = None
 ) -> None:
@@ -329,8 +321,7 @@ def _update_router_expert_bias(
     run_helper(model, {Group.TP_DP_CP: group}, request)
 
 
-@eager_under_compile
-@ranked()
+@ranked_entry
 def _update_router_qb_beta(model: list[nn.Module], config: Any, dp_cp_group: ProcessGroup | None = None) -> None:
     """Update the quantile-balancing bias once per global batch: AVG of
     ``qb_beta_accum / max(qb_beta_count, 1)`` over ``dp_cp_group``, EMA blend, re-centre.
@@ -344,8 +335,7 @@ def _update_router_qb_beta(model: list[nn.Module], config: Any, dp_cp_group: Pro
     run_helper(model, {Group.DP_CP: group, Group.DP_CP_GTP: group}, request)
 
 
-@eager_under_compile
-@ranked()
+@ranked_entry
 def reset_model_temporary_tensors(config: Any, model: list[nn.Module]) -> None:
     """Reset the temporary tensors of the model: token counts, qb accumulators, the global
     aux-loss tracker (semantics `reset`)."""

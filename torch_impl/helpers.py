@@ -5,7 +5,6 @@ its weight, :func:`torch_impl.sources.embedding_read.embedding_weight`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,7 +26,7 @@ def run_helper(model: Any, groups: Mapping[Group, Any] | TorchGroups, request: R
     """Run a seed helper's steps over its own groups (its status round and comparison
     over them too) through the call pipeline."""
     if not request.over and not isinstance(groups, TorchGroups):
-        request = dataclasses.replace(request, over=tuple(groups))
+        request = request._replace(over=tuple(groups))
     call(model, groups, request)
 
 

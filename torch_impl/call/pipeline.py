@@ -28,11 +28,11 @@ from torch_impl.run.status import already_shared
 from torch_impl.sources.megatron import gtp_fence
 
 
-@ranked()
 def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallInputs, Any]:
     """The read, plan, check and agree stages; an error raised before the status round,
-    of any type, is shared with the other ranks through that round (then re-raised, a
-    ValueError / TypeError with this rank's prefix).
+    of any type, is shared with the other ranks through that round, then re-raised (the
+    entry point, :func:`~torch_impl.sources.wrappers.ranked_entry`, prefixes a ValueError /
+    TypeError with this rank).
     Returns the plan, the inputs and the global token count when the round carried it."""
     known: dict[str, Any] = {}
     try:

@@ -28,9 +28,10 @@ from torch_impl.sources.discover import Discovered, discover, dtype_name
 from torch_impl.sources.embedding_read import EmbeddingRead
 
 
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """What one call asks of the pipeline (:func:`torch_impl.call.pipeline.call`).
+class Request(NamedTuple):
+    """What one call asks of the pipeline (:func:`torch_impl.call.pipeline.call`):
+    immutable, and built on every call of an entry point (a named tuple: a third of a
+    frozen dataclass's construction cost).
 
     Args:
       steps: the steps a seed helper runs; empty: every step (``finalize_model_grads``).

@@ -16,9 +16,7 @@ cross-rank rounds (:mod:`torch_impl.call.agree`) before any gradient moves;
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from meshgrad.axes import Group
 # The cross-rank and NaN error types are meshgrad's, shared with jax_impl (same class for
@@ -34,8 +32,6 @@ from meshgrad.errors import (
 from meshgrad.actions import Action
 from torch_impl.run.groups import TorchGroups, group_ranks, world_rank
 from torch_impl.run.status import first_line
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class MegatronAssertionError(FinalizeInputError, AssertionError):
@@ -64,9 +60,9 @@ def raise_ranked(err: BaseException) -> None:
 
 
 class ranked:  # noqa: N801 -- used like a function
-    """Prefix the message of a ValueError / TypeError with this rank when it lacks one
-    (:func:`raise_ranked`): a context manager, and a decorator whose wrapper catches
-    itself (no context manager entered per call: entry points run it on every step)."""
+    """Prefix the message of a ValueError / TypeError raised inside with this rank when it
+    lacks one (:func:`raise_ranked`), as a context manager (the entry points' decorator,
+    :func:`~torch_impl.sources.wrappers.ranked_entry`, does the same in its wrapper)."""
 
     def __enter__(self) -> "ranked":
         return self
@@ -75,17 +71,6 @@ class ranked:  # noqa: N801 -- used like a function
         if err is not None:
             raise_ranked(err)
         return False
-
-    def __call__(self, fn: F) -> F:
-        @functools.wraps(fn)
-        def entry(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except (ValueError, TypeError) as err:
-                raise_ranked(err)
-                raise
-
-        return entry  # type: ignore[return-value]
 
 
 def _ranks_text(groups: TorchGroups, group: Group | None) -> str:

@@ -12,7 +12,8 @@
   (:class:`~torch_impl.call.probes.Probes`), for the walks that take a ``read``.
 * :func:`param_name`: a parameter's name as ``named_parameters()`` gives it, from its
   module's prefix and its key (discovery makes one only for the parameters it keeps).
-* :func:`eager_under_compile`: a decorator for the public entry points. Called while
+* :func:`eager_under_compile` / :func:`ranked_entry`: decorators for the public entry
+  points (the second also prefixes a ValueError / TypeError with this rank). Called while
   dynamo traces (``torch.compile`` of a training step), the call is a graph break and runs
   eagerly, untraced (``torch.compiler.disable``); called eagerly, it is a plain call. It
   never imports ``torch._dynamo`` itself (about a second and a half): tracing has
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from torch_impl.call.probes import Probes
+from torch_impl.run.errors import raise_ranked
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -110,6 +112,24 @@ def eager_under_compile(fn: F) -> F:
         if torch.compiler.is_compiling():
             return torch.compiler.disable(fn)(*args, **kwargs)
         return fn(*args, **kwargs)
+
+    return entry  # type: ignore[return-value]
+
+
+def ranked_entry(fn: F) -> F:
+    """:func:`eager_under_compile` with this rank's prefix on a ValueError / TypeError
+    (:func:`~torch_impl.run.errors.raise_ranked`), in one wrapper: the public entry points
+    run it on every step. Under dynamo the wrapper itself runs eagerly (a graph break)."""
+
+    @functools.wraps(fn)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(entry)(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError) as err:
+            raise_ranked(err)
+            raise
 
     return entry  # type: ignore[return-value]
 
