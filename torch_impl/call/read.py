@@ -30,8 +30,8 @@ from torch_impl.sources.embedding_read import EmbeddingRead
 
 class Request(NamedTuple):
     """What one call asks of the pipeline (:func:`torch_impl.call.pipeline.call`):
-    immutable, and built on every call of an entry point (a named tuple: a third of a
-    frozen dataclass's construction cost).
+    immutable, and built on every call of an entry point (a named tuple: half a frozen
+    dataclass's construction cost).
 
     Args:
       steps: the steps a seed helper runs; empty: every step (``finalize_model_grads``).
