@@ -75,7 +75,7 @@ def markdown_goals(all_goals: Goals, env: dict[str, Any]) -> str:
     ]
     for g in kept + stretch:
         verdict = "**missed**" if _verdict(g) == "MISSED" else _verdict(g)
-        verdict = f"stretch: {verdict}" if g in stretch else verdict
+        verdict = f"stretch: {verdict}" if g.get("stretch") else verdict
         lines.append(f"| {g['goal']} | {_value(g['value'])} | {_value(g.get('floor'))} | {verdict} |")
     for g in bound:
         lines.append(f"| {g['goal']} | {_value(g['value'])} | {_value(g['floor'])} | no goal: its floor misses it |")

@@ -1,4 +1,4 @@
-"""The public entry points' one wrapper (``torch_impl.sources.wrappers.ranked_entry``): a
+"""The public entry points' one wrapper (``torch_impl.sources.wrappers.eager_under_compile``): a
 ValueError / TypeError raised anywhere below an entry point, by meshgrad or by the user's
 objects it reads, reaches the caller as the same type with this rank's prefix (once), eager
 and inside a ``torch.compile``d step, and nothing changes (a world of one rank, no

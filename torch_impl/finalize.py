@@ -35,7 +35,7 @@ from torch_impl.run.stats import ExecStats
 from torch_impl.run.grads import grad_attr, is_dtensor, reshard, unshard
 from torch_impl.run.groups import group_ranks, world_rank
 from torch_impl.sources.helper_groups import helper_group
-from torch_impl.sources.wrappers import eager_under_compile, ranked_entry
+from torch_impl.sources.wrappers import eager_under_compile
 from torch_impl.sources.config import resolve_config
 
 ProcessGroup = Any
@@ -60,7 +60,7 @@ def execution_stats(model: Any) -> ExecStats:
 # =========================================================================== entry point
 
 
-@ranked_entry
+@eager_under_compile
 def finalize_model_grads(
     model: list[nn.Module],
     num_tokens: torch.Tensor | None = None,
@@ -141,7 +141,7 @@ def _reshard_if_dtensor(tensor_to_shard: torch.Tensor, reference_tensor: torch.T
     return reshard(tensor_to_shard, reference_tensor)
 
 
-@ranked_entry
+@eager_under_compile
 def _allreduce_conditional_embedding_grads(
     model: list[nn.Module], config: Any, pp_group: ProcessGroup | None = None
 ) -> None:
@@ -152,7 +152,7 @@ def _allreduce_conditional_embedding_grads(
     run_helper(model, {Group.PP: pp}, Request(steps=(Step.COND_EMBEDDER,), config=config, over=(Group.PP,)))
 
 
-@ranked_entry
+@eager_under_compile
 def _allreduce_router_grads(
     model: list[nn.Module], config: Any, *, pp_group: ProcessGroup | None = None
 ) -> None:
@@ -171,7 +171,7 @@ def _allreduce_router_grads(
     run_helper(model, {Group.PP: pp}, request)
 
 
-@ranked_entry
+@eager_under_compile
 def _allreduce_non_tensor_model_parallel_grads(
     model: list[nn.Module], config: Any, tp_group: ProcessGroup | None = None
 ) -> None:
@@ -185,7 +185,7 @@ def _allreduce_non_tensor_model_parallel_grads(
 _allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
 
 
-@ranked_entry
+@eager_under_compile
 def _allreduce_replicated_grads_over_gtp_remat_group(
     model: list[nn.Module],
     gtp_remat_group: ProcessGroup | None,
@@ -225,7 +225,7 @@ def _get_position_embedding_weight(model_module: nn.Module) -> nn.Parameter:
     return weight
 
 
-@ranked_entry
+@eager_under_compile
 def _allreduce_embedding_grad(
     model: list[nn.Module],
     embd_group: ProcessGroup,
@@ -256,7 +256,7 @@ def _allreduce_embedding_grad(
     embedding_grad(model, embd_group, pp_group, weight_getter, skip_if_none, config, has_mtp)
 
 
-@ranked_entry
+@eager_under_compile
 def _allreduce_word_embedding_grads(
     model: list[nn.Module],
     config: Any,
@@ -291,7 +291,7 @@ def _allreduce_word_embedding_grads(
     embedding_grad(model, embd_group, pp_group, getter, True, config, has_mtp)
 
 
-@ranked_entry
+@eager_under_compile
 def _allreduce_position_embedding_grads(
     model: list[nn.Module], config: Any, pos_emb_group: ProcessGroup, pp_group: ProcessGroup
 ) -> None:
@@ -300,7 +300,7 @@ def _allreduce_position_embedding_grads(
     embedding_grad(model, pos_emb_group, pp_group, _get_position_embedding_weight, False, config, False)
 
 
-@ranked_entry
+@eager_under_compile
 def _update_router_expert_bias(
     model: list[nn.Module], config: Any, tp_dp_cp_group: ProcessGroup | None = None
 ) -> None:
@@ -321,7 +321,7 @@ def _update_router_expert_bias(
     run_helper(model, {Group.TP_DP_CP: group}, request)
 
 
-@ranked_entry
+@eager_under_compile
 def _update_router_qb_beta(model: list[nn.Module], config: Any, dp_cp_group: ProcessGroup | None = None) -> None:
     """Update the quantile-balancing bias once per global batch: AVG of
     ``qb_beta_accum / max(qb_beta_count, 1)`` over ``dp_cp_group``, EMA blend, re-centre.
@@ -335,7 +335,7 @@ def _update_router_qb_beta(model: list[nn.Module], config: Any, dp_cp_group: Pro
     run_helper(model, {Group.DP_CP: group, Group.DP_CP_GTP: group}, request)
 
 
-@ranked_entry
+@eager_under_compile
 def reset_model_temporary_tensors(config: Any, model: list[nn.Module]) -> None:
     """Reset the temporary tensors of the model: token counts, qb accumulators, the global
     aux-loss tracker (semantics `reset`)."""

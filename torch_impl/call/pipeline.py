@@ -31,8 +31,8 @@ from torch_impl.sources.megatron import gtp_fence
 def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallInputs, Any]:
     """The read, plan, check and agree stages; an error raised before the status round,
     of any type, is shared with the other ranks through that round, then re-raised (the
-    entry point, :func:`~torch_impl.sources.wrappers.ranked_entry`, prefixes a ValueError /
-    TypeError with this rank).
+    entry point's wrapper, :func:`~torch_impl.sources.wrappers.eager_under_compile`,
+    prefixes a ValueError / TypeError with this rank).
     Returns the plan, the inputs and the global token count when the round carried it."""
     known: dict[str, Any] = {}
     try:

@@ -62,7 +62,7 @@ def raise_ranked(err: BaseException) -> None:
 class ranked:  # noqa: N801 -- used like a function
     """Prefix the message of a ValueError / TypeError raised inside with this rank when it
     lacks one (:func:`raise_ranked`), as a context manager (the entry points' decorator,
-    :func:`~torch_impl.sources.wrappers.ranked_entry`, does the same in its wrapper)."""
+    :func:`~torch_impl.sources.wrappers.eager_under_compile`, does the same in its wrapper)."""
 
     def __enter__(self) -> "ranked":
         return self

@@ -12,8 +12,8 @@
   (:class:`~torch_impl.call.probes.Probes`), for the walks that take a ``read``.
 * :func:`param_name`: a parameter's name as ``named_parameters()`` gives it, from its
   module's prefix and its key (discovery makes one only for the parameters it keeps).
-* :func:`eager_under_compile` / :func:`ranked_entry`: decorators for the public entry
-  points (the second also prefixes a ValueError / TypeError with this rank). Called while
+* :func:`eager_under_compile`: the public entry points' decorator (it also prefixes a
+  ValueError / TypeError with this rank). Called while
   dynamo traces (``torch.compile`` of a training step), the call is a graph break and runs
   eagerly, untraced (``torch.compiler.disable``); called eagerly, it is a plain call. It
   never imports ``torch._dynamo`` itself (about a second and a half): tracing has
@@ -100,26 +100,15 @@ def uncompiled_name(name: str) -> str:
 
 
 def eager_under_compile(fn: F) -> F:
-    """``fn`` run eagerly when called from code that dynamo traces (a graph break around
-    the call, nothing of ``fn`` traced), a plain call otherwise.
+    """The public entry points' one wrapper: ``fn`` run eagerly when called from code that
+    dynamo traces (a graph break around the call, nothing of ``fn`` traced), a plain call
+    otherwise; a ValueError / TypeError raised below it gets this rank's prefix when it
+    lacks one (:func:`~torch_impl.run.errors.raise_ranked`).
 
     Finalize reads Python objects (parameter ``__dict__``s, process groups, a DeviceMesh),
-    keeps state on the model and launches collectives: none of it belongs in a graph.
+    keeps state on the model and launches collectives: none of it belongs in a graph. One
+    wrapper, not two stacked: the entry points run it on every step.
     """
-
-    @functools.wraps(fn)
-    def entry(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return torch.compiler.disable(fn)(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return entry  # type: ignore[return-value]
-
-
-def ranked_entry(fn: F) -> F:
-    """:func:`eager_under_compile` with this rank's prefix on a ValueError / TypeError
-    (:func:`~torch_impl.run.errors.raise_ranked`), in one wrapper: the public entry points
-    run it on every step. Under dynamo the wrapper itself runs eagerly (a graph break)."""
 
     @functools.wraps(fn)
     def entry(*args: Any, **kwargs: Any) -> Any:
