@@ -337,6 +337,16 @@ def _expanded(model: list[Any], rank: int) -> None:
     p.main_grad = p.main_grad[:1].expand_as(p.main_grad)
 
 
+def _restrided_in_place(model: list[Any], rank: int) -> None:
+    grad = param(model, LINEAR).main_grad  # the same object and data pointer, its rows aliased
+    grad.set_(grad.untyped_storage(), grad.storage_offset(), grad.shape, (0,) + grad.stride()[1:])
+
+
+def _viewed_as_int32(model: list[Any], rank: int) -> None:
+    grad = param(model, LINEAR).main_grad  # the same object, storage and shape, another dtype
+    grad.data = grad.data.view(torch.int32)
+
+
 def _grad_not_tensor(model: list[Any], rank: int) -> None:
     param(model, SP_NORM).main_grad = [1.0, 2.0]
 
@@ -370,6 +380,9 @@ ONE_RANK = {
     "case_one_rank_grad_of_another_dtype": (3, _other_dtype, "ConsistencyError", "group 'dp_cp'"),
     "case_one_rank_param_added": (0, add_param, "ConsistencyError", "extra[3]"),
     "case_one_rank_expanded_grad": (1, _expanded, "ValueError", "share memory (strides"),
+    "case_one_rank_grad_restrided_in_place": (3, _restrided_in_place, "ValueError", "share memory (strides (0, 1)"),
+    "case_one_rank_grad_viewed_as_int32_in_place": (0, _viewed_as_int32, "TypeError",
+                                                   "gradient dtype 'int32' is not a floating"),
     "case_one_rank_grad_not_a_tensor": (2, _grad_not_tensor, "TypeError", "is a list, not a tensor"),
     "case_one_rank_bad_router_buffers": (3, _bad_router, "ValueError", "per-expert buffers differ in length"),
     "case_one_rank_bad_config_value": (1, _bad_config, "ValueError", "mtp_num_layers"),

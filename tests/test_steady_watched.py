@@ -22,7 +22,7 @@ from torch import nn  # noqa: E402
 
 from meshgrad.axes import Group  # noqa: E402
 from meshgrad.plan import Step  # noqa: E402
-from torch_impl import _allreduce_non_tensor_model_parallel_grads  # noqa: E402
+from torch_impl import _allreduce_non_tensor_model_parallel_grads, finalize_model_grads  # noqa: E402
 from torch_impl.call.model_state import ModelState  # noqa: E402
 from torch_impl.call.read import Request  # noqa: E402
 from test_steady_guard import DDP, Config, FILLER, Inner, full_checks, step  # noqa: E402, F401 -- full_checks: a fixture
@@ -157,3 +157,58 @@ def test_every_change_of_a_watched_parameter_makes_the_probes_miss(change, seen_
     for call in calls[:2]:  # the stages read the change; the numbers stay right
         call()
     assert probes_hold(chunks, call_args) and full_check_passes(chunks, call_args)
+
+
+def _restride_grad_in_place(chunks: list[DDP]) -> None:
+    grad = chunks[0].module.a.main_grad  # the same object and data pointer, every element aliased
+    grad.set_(grad.untyped_storage(), grad.storage_offset(), grad.shape, (0,))
+
+
+def _view_grad_as_int(chunks: list[DDP]) -> None:
+    grad = chunks[0].module.a.main_grad  # the same object, storage and shape, another dtype
+    grad.data = grad.data.view(torch.int32)
+
+
+def _outcome(chunks: list[DDP], kind: str) -> tuple[str, list[Any], int]:
+    """(the error type or "ok", every gradient after the call, DP syncs) of one call."""
+    try:
+        if kind == "finalize":
+            finalize_model_grads(chunks, num_tokens=torch.tensor(2))
+        else:
+            _allreduce_non_tensor_model_parallel_grads(chunks, chunks[0].config, None)
+        got = "ok"
+    except Exception as err:  # compared with a fresh call's
+        got = type(err).__name__
+    return got, [p.main_grad.clone() for c in chunks for p in c.module.parameters()], chunks[0].syncs
+
+
+@pytest.mark.parametrize("kind", ["finalize", "helper"])
+@pytest.mark.parametrize("change,errors", [
+    # the aliased gradient is not one meshgrad reduces in a world of one: finalize hands it
+    # to the DDP chunk's own scale, which refuses it (a fresh call alike)
+    (_restride_grad_in_place, {"finalize": "RuntimeError", "helper": "ok"}),
+    (_view_grad_as_int, {"finalize": "FinalizeTypeError", "helper": "FinalizeTypeError"}),
+], ids=["restrided", "viewed_as_int32"])
+def test_an_in_place_change_that_keeps_the_data_pointer_makes_the_probes_miss(change, errors, kind: str) -> None:
+    """A gradient changed in place with its data pointer and shape kept (other strides over
+    the same storage, a view as another dtype): the probes and the full check miss, and
+    the next call gives what a fresh model's first call gives (the same error, or the same
+    gradients); meshgrad's own error before anything changes."""
+    live = model()
+    for n in (2, 4, 8):
+        step(live, n) if kind == "finalize" else helper_step(live)
+    call_args = _finalize_call() if kind == "finalize" else _helper_call(live)
+    assert probes_hold(live, call_args) and full_check_passes(live, call_args)
+    live[0].fill()
+    change(live)
+    assert not probes_hold(live, call_args) and not full_check_passes(live, call_args)
+    before = [p.main_grad.clone() for c in live for p in c.module.parameters()]
+    syncs = live[0].syncs
+    fresh = model()
+    change(fresh)
+    got, grads, synced = _outcome(live, kind)
+    want, fresh_grads, _ = _outcome(fresh, kind)
+    assert got == want == errors[kind]
+    assert all(torch.equal(g, w) for g, w in zip(grads, fresh_grads))
+    if got.startswith("Finalize"):
+        assert all(torch.equal(g, b) for g, b in zip(grads, before)) and synced == syncs

@@ -4,8 +4,8 @@ torch.compile checks its inputs' metadata between calls with a compiled guard
 (``torch._C._dynamo.guards.TensorGuards``): per tensor its Python type, dispatch keys,
 dtype, device, ``requires_grad``, sizes and strides, in one C++ loop. The watches use it
 as a fast path for the same questions they otherwise ask one attribute at a time: where
-the guard passes, nothing it checks changed; where it fails (a stricter fact changed, such
-as strides or the thread's dispatch state), or where torch has no such guard, the caller
+the guard passes, nothing it checks changed; where it fails (a fact the caller does not ask
+about changed, such as a parameter's strides or the thread's dispatch state), or where torch has no such guard, the caller
 asks the attribute-by-attribute questions. The guard is private to torch, so it is used
 only after a probe shows that it sees what the watches need it to see.
 """

@@ -20,6 +20,7 @@ from torch_impl.run.grads import get_grad, is_dtensor
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
 _SHAPE = operator.attrgetter("shape")  # a little cheaper than Tensor.size()
+_DTYPE = operator.attrgetter("dtype")
 MODULES = operator.itemgetter("_modules")
 PARAMETERS = operator.itemgetter("_parameters")
 BUFFERS = operator.itemgetter("_buffers")
@@ -79,6 +80,18 @@ def _sizes_same(tensors: Sequence[torch.Tensor], sizes: Sequence[torch.Size]) ->
     let go of (a list of thousands of new tuples would set the cyclic garbage collector
     off: 10x the check itself)."""
     return all(map(operator.eq, map(_SHAPE, tensors), sizes))
+
+
+def _layouts_same(tensors: Sequence[torch.Tensor], sizes: Sequence[torch.Size], strides: Sequence[tuple[int, ...]],
+                  dtypes: Sequence[torch.dtype]) -> bool:
+    """Each tensor's shape, strides and dtype equal its recorded ones: what the full check
+    judged that an in-place change keeps the data pointer through (``set_`` with other
+    strides over the same storage, ``.data = t.view(other dtype)``)."""
+    return (
+        _sizes_same(tensors, sizes)
+        and all(map(operator.eq, map(torch.Tensor.stride, tensors), strides))
+        and all(map(operator.is_, map(_DTYPE, tensors), dtypes))
+    )
 
 
 def split(items: Iterable[Any], flags: Iterable[bool]) -> tuple[list[Any], list[Any]]:
@@ -144,16 +157,17 @@ class GradWatch:
     Per parameter: ``requires_grad``, the ``.grad`` tensor object (where there is no
     ``main_grad``), every attribute set on the parameter (its ``__dict__``: ``main_grad``,
     ``allreduce``, ``sequence_parallel`` and the other flags), and, for each plain
-    gradient tensor, its data pointer and size (so ``grad.data = ...`` or ``resize_`` is
-    seen too), and the parameter's shape and own data pointer (``param.data = ...``: another
+    gradient tensor, its data pointer, size, strides and dtype (so ``grad.data = ...``,
+    ``resize_``, ``set_`` or a view as another dtype is seen too), and the parameter's shape and own data pointer (``param.data = ...``: another
     tensor; a DTensor, meta or empty parameter has no pointer to compare). The attribute
     dicts are compared with copies in one list comparison: a value compares by identity
     first, a plain flag by value (an equal replacement means the same), a gradient tensor
     raises against any other tensor (a change); a dict holding another kind of value (a
     one-element tensor, a subclass) is compared key by key and value by identity.
     Everything runs as C-level loops over fixed lists: a few tens of nanoseconds per
-    parameter and check; ``requires_grad`` and the shapes of parameters and gradient
-    tensors in one C++ call each where torch has its compiled tensor guard
+    parameter and check; the parameters' ``requires_grad`` and shapes, and the gradient
+    tensors' shapes, strides and dtypes, in one C++ call each where torch has its compiled
+    tensor guard
     (:func:`~torch_impl.call.tensor_guard.metadata_guard`).
 
     A gradient that is one of meshgrad's own buffer views (``own_views``, made by
@@ -181,6 +195,8 @@ class GradWatch:
         ]
         self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
         self.sizes = list(map(_SHAPE, self.tensors))
+        self.strides = list(map(torch.Tensor.stride, self.tensors))
+        self.dtypes = list(map(_DTYPE, self.tensors))
         # ``param.data = ...``: every parameter by its shape, a plain one also by its data
         # pointer (another tensor of any dtype or device; the shape as well, because a
         # storage freed by an earlier replacement can come back at the same address).
@@ -201,7 +217,7 @@ class GradWatch:
             and self.attributes.same()
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
             and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
-            and (not self.tensors or self._grad_sizes_same())
+            and (not self.tensors or self._grad_layouts_same())
             and list(map(torch.Tensor.data_ptr, self.plain_params)) == self.param_ptrs
         )
 
@@ -213,11 +229,12 @@ class GradWatch:
             list(map(_REQUIRES_GRAD, self.params)) == self.requires and _sizes_same(self.params, self.param_sizes)
         ), asked=True)
 
-    def _grad_sizes_same(self) -> bool:
-        """The plain gradient tensors' shapes (one guard call once armed, asked here first)."""
+    def _grad_layouts_same(self) -> bool:
+        """The plain gradient tensors' shapes, strides and dtypes (one guard call once
+        armed, asked here first)."""
         guard = self.grad_check.guard
         return (guard is not None and guard.check(*self.tensors)) or self.grad_check.same(
-            self.tensors, lambda: _sizes_same(self.tensors, self.sizes), asked=True
+            self.tensors, lambda: _layouts_same(self.tensors, self.sizes, self.strides, self.dtypes), asked=True
         )
 
     def has_dtensor(self) -> bool:
