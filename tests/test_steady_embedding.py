@@ -69,6 +69,27 @@ def _replace_grad_on_rank_0(model: list[Any], name: str) -> None:
         _replace_grad(model, name)
 
 
+def _on_rank_0(change: Callable[[Any], None]) -> Callable[[list[Any], str], None]:
+    """``change`` of ``name``'s gradient tensor in place (the same object), on rank 0 only."""
+    def apply(model: list[Any], name: str) -> None:
+        if torch.distributed.get_rank() == 0:
+            for chunk in (getattr(c, "module", c) for c in model):
+                change(chunk.get_parameter(name).main_grad)
+    return apply
+
+
+def _resize(grad: Any) -> None:
+    grad.data = torch.zeros(grad.shape[0] + 1, *grad.shape[1:])  # another storage and shape
+
+
+def _restride(grad: Any) -> None:
+    grad.set_(grad.untyped_storage(), grad.storage_offset(), grad.shape, (0,) + grad.stride()[1:])  # rows aliased
+
+
+def _view_as_int32(grad: Any) -> None:
+    grad.data = grad.data.view(torch.int32)  # the same storage and shape
+
+
 def _freeze(model: list[Any], name: str) -> None:
     for chunk in (getattr(c, "module", c) for c in model):
         chunk.get_parameter(name).requires_grad_(False)
@@ -86,7 +107,13 @@ def _no_change(model: list[Any], name: str) -> None:
 CHANGES: dict[str, Callable[[list[Any], str], None]] = {
     "none": _no_change, "weight replaced": _replace_weight, "gradient replaced": _replace_grad,
     "gradient replaced on rank 0": _replace_grad_on_rank_0, "frozen": _freeze, "untied": _untie,
+    # the same gradient object changed in place: the kept discovery must not hold over it
+    "gradient resized in place on rank 0": _on_rank_0(_resize),
+    "gradient restrided in place on rank 0": _on_rank_0(_restride),
+    "gradient viewed as int32 in place on rank 0": _on_rank_0(_view_as_int32),
 }
+IN_PLACE = ("gradient resized in place on rank 0", "gradient restrided in place on rank 0",
+            "gradient viewed as int32 in place on rank 0")
 
 
 def _outcome(call: Callable[[], None], model: list[Any], scenario: Any, data: RankData) -> tuple[str, Any]:
@@ -173,7 +200,7 @@ def case_word(rank: int, world: int) -> dict[str, Any]:
 
 def case_position(rank: int, world: int) -> dict[str, Any]:
     return {change: _steps(rank, POS_ALL, _position, POSITION, change)
-            for change in ("none", "gradient replaced", "gradient replaced on rank 0", "frozen")}
+            for change in ("none", "gradient replaced", "gradient replaced on rank 0", "frozen", *IN_PLACE)}
 
 
 def case_moving_getter(rank: int, world: int) -> dict[str, Any]:

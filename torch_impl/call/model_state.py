@@ -36,6 +36,7 @@ from torch_impl.call.memo import MAX_PLANS, put
 from torch_impl.call.model_watch import ModelWatch
 from torch_impl.call.plan_memo import BoundPlan, PlanMemo
 from torch_impl.call.probes import Probes
+from torch_impl.call.watches import tensor_layout
 from torch_impl.run.program import Program
 from torch_impl.run.scaling import HostFactor
 
@@ -89,7 +90,7 @@ class ModelState:
         self.found: dict[tuple[bool, bool], tuple[int, Discovered, ModelWatch, tuple[Any, ...]]] = {}
         self.tokens: dict[_Fingerprint, int] = {}  # specs -> token
         self.next_token = 0
-        self.embeddings: dict[tuple[Any, ...], tuple[Any, Any, bool, Discovered]] = {}
+        self.embeddings: dict[tuple[Any, ...], tuple[Any, Any, bool, tuple[Any, ...], Discovered]] = {}
         self.stats = ExecStats()
         self.config_memo = ConfigMemo()  # resolved configs
         self.group_memo = GroupMemo()  # resolved groups per source, meshes, parallel_state
@@ -229,8 +230,9 @@ class ModelState:
 
     def embedding(self, chunks: Sequence[Any], groups: TorchGroups, read: EmbeddingRead) -> Discovered:
         """An embedding helper's own discovery of its one weight, from the chunk Megatron's
-        rule picks at this rank's pp stage; kept while the weight, its gradient tensor and
-        ``requires_grad`` stay the same.
+        rule picks at this rank's pp stage; kept while the weight, its gradient tensor,
+        ``requires_grad`` and the two tensors' layouts (:func:`tensor_layout`: an in-place
+        ``.data = ...``, ``set_`` or dtype view of the gradient) stay the same.
 
         Raises:
           ValueError: the weight is required and the chunk has none.
@@ -239,12 +241,13 @@ class ModelState:
         index, weight = embedding_weight(chunks, stage, pp, read, groups.rank)
         grad = get_grad(weight) if weight is not None else None
         trained = bool(getattr(weight, "requires_grad", False))
+        layouts = (tensor_layout(weight), tensor_layout(grad))
         key = (read.role, id(weight), index)
         hit = self.embeddings.get(key)
-        if hit is not None and hit[0] is weight and hit[1] is grad and hit[2] == trained:
-            return hit[3]
+        if hit is not None and hit[0] is weight and hit[1] is grad and hit[2] == trained and hit[3] == layouts:
+            return hit[4]
         found = one_weight(chunks, index, weight, read.role)
-        return put(self.embeddings, key, (weight, grad, trained, found))[3]
+        return put(self.embeddings, key, (weight, grad, trained, layouts, found))[4]
 
 
 __all__ = ["ModelState", "Reads"]

@@ -69,6 +69,18 @@ def _has_storage(tensor: torch.Tensor) -> bool:
     return tensor.layout is torch.strided and not is_dtensor(tensor) and tensor.device.type != "meta"
 
 
+def tensor_layout(value: Any) -> tuple[Any, ...]:
+    """What an in-place change can alter under the same tensor object and a plan depends
+    on: shape, dtype, strides and data pointer (``.data = ...``, ``set_``, ``resize_``, a
+    view as another dtype); shape and dtype alone for a tensor without a plain data
+    pointer (a DTensor, meta, sparse); () for anything else."""
+    if not isinstance(value, torch.Tensor):
+        return ()
+    if not _has_storage(value):
+        return (value.shape, value.dtype)
+    return (value.shape, value.dtype, value.stride(), value.data_ptr())
+
+
 def _by_pointer(param: torch.Tensor) -> bool:
     """Whether a replacement of ``param.data`` shows in its data pointer: it has storage
     and elements (every empty tensor's pointer is 0)."""
