@@ -212,3 +212,28 @@ def test_an_in_place_change_that_keeps_the_data_pointer_makes_the_probes_miss(ch
     assert all(torch.equal(g, w) for g, w in zip(grads, fresh_grads))
     if got.startswith("Finalize"):
         assert all(torch.equal(g, b) for g, b in zip(grads, before)) and synced == syncs
+
+
+def test_a_tensors_layout_changes_with_each_in_place_change_the_plans_depend_on() -> None:
+    """``tensor_layout`` (what an embedding helper's kept discovery compares): equal for the
+    same tensor read again and after a write of its values, different after each in-place
+    change that keeps the object; a tensor without a data pointer by shape and dtype."""
+    from torch_impl.call.watches import tensor_layout
+
+    grad = torch.zeros(4, 3)
+    kept = tensor_layout(grad)
+    grad.add_(1.0)
+    assert tensor_layout(grad) == kept == ((4, 3), torch.float32, (3, 1), grad.data_ptr())
+    changes = [
+        lambda g: g.set_(g.untyped_storage(), 0, (4, 3), (0, 1)),  # aliased rows
+        lambda g: setattr(g, "data", g.data.view(torch.int32)),  # another dtype, the same storage
+        lambda g: setattr(g, "data", torch.zeros(4, 3)),  # another storage
+        lambda g: setattr(g, "data", torch.zeros(5, 3)),  # another shape
+    ]
+    for change in changes:
+        grad = torch.zeros(4, 3)
+        kept = tensor_layout(grad)
+        change(grad)
+        assert tensor_layout(grad) != kept
+    assert tensor_layout(torch.zeros(2, device="meta")) == ((2,), torch.float32)
+    assert tensor_layout(None) == () and tensor_layout([1.0]) == ()
