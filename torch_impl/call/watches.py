@@ -170,8 +170,9 @@ class GradWatch:
     ``main_grad``), every attribute set on the parameter (its ``__dict__``: ``main_grad``,
     ``allreduce``, ``sequence_parallel`` and the other flags), and, for each plain
     gradient tensor, its data pointer, size, strides and dtype (so ``grad.data = ...``,
-    ``resize_``, ``set_`` or a view as another dtype is seen too), and the parameter's shape and own data pointer (``param.data = ...``: another
-    tensor; a DTensor, meta or empty parameter has no pointer to compare). The attribute
+    ``resize_``, ``set_`` or a view as another dtype is seen too), and the parameter's
+    shape and own data pointer (``param.data = ...``: another tensor; a DTensor, meta or
+    empty parameter has no pointer to compare). The attribute
     dicts are compared with copies in one list comparison: a value compares by identity
     first, a plain flag by value (an equal replacement means the same), a gradient tensor
     raises against any other tensor (a change); a dict holding another kind of value (a
