@@ -128,3 +128,33 @@ def test_a_megatron_transformer_config_mutated_between_steps() -> None:
     config.consistency_check = "every_step"  # meshgrad's own field, absent from TransformerConfig
     resolved = memo.config(config, None)
     assert resolved.consistency_check == "every_step" and resolved.calculate_per_token_loss
+
+
+@pytest.mark.parametrize("filler", [{}, FILLER], ids=["compared_whole", "by_names"])
+def test_a_list_value_changed_in_place_is_seen(filler: dict) -> None:
+    """A config's list (``moe_router_load_balancing_type`` may be one) appended to in place
+    is the same object holding another value: the memo resolves again."""
+    source = types.SimpleNamespace(calculate_per_token_loss=True, moe_router_load_balancing_type=["aux_loss"],
+                                   **filler)
+    memo = ConfigMemo()
+    first = memo.config(source, None)
+    assert memo.config(source, None) is first and first.moe_router_load_balancing_type == ("aux_loss",)
+    assert not first.global_aux_loss
+    source.moe_router_load_balancing_type.append("global_aux_loss")
+    second = memo.config(source, None)
+    assert second is not first and second.moe_router_load_balancing_type == ("aux_loss", "global_aux_loss")
+    assert second.global_aux_loss
+    assert memo.config(source, None) is second  # steady again
+
+
+def test_a_mapping_and_a_single_name_keep_copies_of_their_containers() -> None:
+    mapping = {"sequence_parallel": True, "stages": [0, 1]}
+    snap = Snapshot(mapping, ("sequence_parallel", "stages"))
+    assert snap.same()
+    mapping["stages"].append(2)
+    assert not snap.same()
+    one = config_like(consistency_check=["once"])
+    snap = Snapshot(one, ("consistency_check",), by_names=True)
+    assert snap.getter is not None and snap.values == ["once"] and snap.same()
+    one.consistency_check[0] = "off"
+    assert not snap.same()

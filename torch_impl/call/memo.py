@@ -16,15 +16,27 @@ from torch_impl.call.watches import differs
 #: Most plans (and helper group sets, embedding discoveries) one model state keeps.
 MAX_PLANS = 16
 _ABSENT = object()
+#: Values a snapshot keeps a copy of: the same object changed in place (a config's
+#: ``moe_router_load_balancing_type`` list appended to) must read as a change.
+_MUTABLE = (list, dict, set, bytearray)
+
+
+def _frozen(value: Any) -> Any:
+    """A copy of a mutable container (one level deep), else the value itself."""
+    return value.copy() if type(value) in _MUTABLE else value
+
+
+def _frozen_dict(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: _frozen(value) for key, value in state.items()}
 
 
 def _read(source: Any, names: tuple[str, ...]) -> tuple[Any, ...]:
-    """The values of ``names`` in ``source`` (absent ones marked)."""
+    """The values of ``names`` in ``source`` (absent ones marked; containers copied)."""
     if source is None:
         return ()
     if isinstance(source, Mapping):
-        return tuple([source.get(name, _ABSENT) for name in names])
-    return tuple([getattr(source, name, _ABSENT) for name in names])
+        return tuple([_frozen(source.get(name, _ABSENT)) for name in names])
+    return tuple([_frozen(getattr(source, name, _ABSENT)) for name in names])
 
 
 class Snapshot:
@@ -32,11 +44,13 @@ class Snapshot:
     result was derived from it: its attribute dict against a copy -- one C-level
     comparison -- when reading its attributes is plain (an instance dict, no
     ``__getattr__``); a mapping's items against a copy; else the values of ``names`` read
-    again. With ``by_names``, an object that holds more than twice as many attributes as
-    ``names`` has its ``names`` read again in one C-level call (``operator.attrgetter``),
-    and the absent ones checked still absent: what the result was derived from, and no
-    more (a Megatron TransformerConfig holds hundreds of attributes, FinalizeConfig reads
-    twenty); a smaller one is compared whole, as without ``by_names``.
+    again. A value that is a list, dict, set or bytearray is kept as a copy (one level
+    deep), so the same container changed in place reads as a change. With ``by_names``,
+    an object that holds more than twice as many attributes as ``names`` has its ``names``
+    read again in one C-level call (``operator.attrgetter``), and the absent ones checked
+    still absent: what the result was derived from, and no more (a Megatron
+    TransformerConfig holds hundreds of attributes, FinalizeConfig reads twenty); a
+    smaller one is compared whole, as without ``by_names``.
 
     Args:
       source: the object (a mapping, any object, or None).
@@ -54,14 +68,14 @@ class Snapshot:
         self.live = self.copy = self.getter = None
         self.absent: tuple[str, ...] = ()
         if isinstance(source, Mapping):
-            self.values: Any = dict(source)
+            self.values: Any = _frozen_dict(source)
             return
         state = getattr(source, "__dict__", None)
         many = not isinstance(state, dict) or len(state) > 2 * len(names)
         if by_names and source is not None and many and self._read_by_names(source, names):
             return
         if isinstance(state, dict) and (by_vars or not hasattr(type(source), "__getattr__")):
-            self.live, self.copy = state, dict(state)
+            self.live, self.copy = state, _frozen_dict(state)
         else:
             self.values = _read(source, names)
 
@@ -72,7 +86,8 @@ class Snapshot:
         try:
             present = tuple(name for name in names if hasattr(source, name))
             getter = operator.attrgetter(*present) if present else _no_names
-            self.values = getter(source)
+            values = getter(source)
+            self.values = _frozen(values) if len(present) == 1 else tuple(map(_frozen, values))
         except Exception:  # noqa: BLE001 -- see above
             return False
         self.getter, self.absent = getter, tuple(name for name in names if name not in present)
