@@ -217,7 +217,7 @@ def test_an_in_place_change_that_keeps_the_data_pointer_makes_the_probes_miss(ch
 def test_a_tensors_layout_changes_with_each_in_place_change_the_plans_depend_on() -> None:
     """``tensor_layout`` (what an embedding helper's kept discovery compares): equal for the
     same tensor read again and after a write of its values, different after each in-place
-    change that keeps the object; a tensor without a data pointer by shape and dtype."""
+    change that keeps the object; a sparse one by shape and dtype, one on meta with pointer 0."""
     from torch_impl.call.watches import tensor_layout
 
     grad = torch.zeros(4, 3)
@@ -235,5 +235,6 @@ def test_a_tensors_layout_changes_with_each_in_place_change_the_plans_depend_on(
         kept = tensor_layout(grad)
         change(grad)
         assert tensor_layout(grad) != kept
-    assert tensor_layout(torch.zeros(2, device="meta")) == ((2,), torch.float32)
+    assert tensor_layout(torch.zeros(2, device="meta")) == ((2,), torch.float32, (1,), 0)
+    assert tensor_layout(torch.zeros(3).to_sparse()) == ((3,), torch.float32)
     assert tensor_layout(None) == () and tensor_layout([1.0]) == ()

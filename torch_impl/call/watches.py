@@ -72,13 +72,14 @@ def _has_storage(tensor: torch.Tensor) -> bool:
 def tensor_layout(value: Any) -> tuple[Any, ...]:
     """What an in-place change can alter under the same tensor object and a plan depends
     on: shape, dtype, strides and data pointer (``.data = ...``, ``set_``, ``resize_``, a
-    view as another dtype); shape and dtype alone for a tensor without a plain data
-    pointer (a DTensor, meta, sparse); () for anything else."""
+    view as another dtype; 0 for a tensor without storage: a DTensor, meta); shape and
+    dtype alone where torch has no strides (sparse); () for anything else."""
     if not isinstance(value, torch.Tensor):
         return ()
-    if not _has_storage(value):
+    try:
+        return (value.shape, value.dtype, value.stride(), value.data_ptr())
+    except (RuntimeError, NotImplementedError):  # a layout without strides
         return (value.shape, value.dtype)
-    return (value.shape, value.dtype, value.stride(), value.data_ptr())
 
 
 def _by_pointer(param: torch.Tensor) -> bool:
