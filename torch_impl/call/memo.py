@@ -27,6 +27,7 @@ def _frozen(value: Any) -> Any:
 
 
 def _frozen_dict(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``state`` whose container values are copies too (:func:`_frozen`)."""
     return {key: _frozen(value) for key, value in state.items()}
 
 

@@ -5,9 +5,10 @@ torch.compile checks its inputs' metadata between calls with a compiled guard
 dtype, device, ``requires_grad``, sizes and strides, in one C++ loop. The watches use it
 as a fast path for the same questions they otherwise ask one attribute at a time: where
 the guard passes, nothing it checks changed; where it fails (a fact the caller does not ask
-about changed, such as a parameter's strides or the thread's dispatch state), or where torch has no such guard, the caller
-asks the attribute-by-attribute questions. The guard is private to torch, so it is used
-only after a probe shows that it sees what the watches need it to see.
+about changed, such as a parameter's strides or the thread's dispatch state), or where
+torch has no such guard, the caller asks the attribute-by-attribute questions. The guard
+is private to torch, so it is used only after a probe shows that it sees what the
+watches need it to see.
 """
 
 from __future__ import annotations
