@@ -238,3 +238,35 @@ def test_a_tensors_layout_changes_with_each_in_place_change_the_plans_depend_on(
     assert tensor_layout(torch.zeros(2, device="meta")) == ((2,), torch.float32, (1,), 0)
     assert tensor_layout(torch.zeros(3).to_sparse()) == ((3,), torch.float32)
     assert tensor_layout(None) == () and tensor_layout([1.0]) == ()
+
+
+def test_a_gradient_less_parameter_viewed_as_another_dtype_makes_the_probes_miss() -> None:
+    """A parameter without a gradient is described by its own dtype: its data viewed as
+    another dtype of the same size (the same storage and shape) makes the probes and the
+    full check miss, and the next call reads it (a fresh call would), with the numbers of
+    the others right."""
+    from test_steady_path import Chunk, megatron_like_config
+
+    chunk = Chunk(megatron_like_config())
+    chunk.c = nn.Parameter(torch.zeros(4, dtype=torch.float16))  # trained, no gradient this step
+    chunks = [chunk]
+
+    def refill() -> None:  # a and b only (Chunk.fill would give c a gradient too)
+        chunk.a.main_grad.fill_(4.0)
+        chunk.b.main_grad.fill_(8.0)
+
+    for _ in range(3):
+        refill()
+        finalize_model_grads(chunks, num_tokens=torch.tensor(2))
+    assert probes_hold(chunks, _finalize_call()) and full_check_passes(chunks, _finalize_call())
+    chunk.c.data = chunk.c.data.view(torch.bfloat16)
+    assert not probes_hold(chunks, _finalize_call()) and not full_check_passes(chunks, _finalize_call())
+    refill()
+    finalize_model_grads(chunks, num_tokens=torch.tensor(2))
+    assert torch.equal(chunk.a.main_grad, torch.full((3,), 2.0))
+    assert torch.equal(chunk.b.main_grad, torch.full((2, 2), 4.0))
+    (_, found, _, _), = ModelState.of(chunks).found.values()
+    assert [spec.dtype for spec in found.params if spec.name == "c"] == ["bfloat16"]
+    refill()
+    finalize_model_grads(chunks, num_tokens=torch.tensor(2))  # the full check, which writes the probes again
+    assert probes_hold(chunks, _finalize_call())

@@ -179,8 +179,8 @@ class GradWatch:
     raises against any other tensor (a change); a dict holding another kind of value (a
     one-element tensor, a subclass) is compared key by key and value by identity.
     Everything runs as C-level loops over fixed lists: a few tens of nanoseconds per
-    parameter and check; the parameters' ``requires_grad`` and shapes, and the gradient
-    tensors' shapes, strides and dtypes, in one C++ call each where torch has its compiled
+    parameter and check; the parameters' ``requires_grad``, shapes and dtypes, and the
+    gradient tensors' shapes, strides and dtypes, in one C++ call each where torch has its compiled
     tensor guard
     (:func:`~torch_impl.call.tensor_guard.metadata_guard`).
 
@@ -217,7 +217,9 @@ class GradWatch:
         self.plain_params = [p for p in self.params if _by_pointer(p)]
         self.param_ptrs = list(map(torch.Tensor.data_ptr, self.plain_params))
         self.param_sizes = list(map(_SHAPE, self.params))
-        # requires_grad and shapes in one C++ call where torch has the guard.
+        # a parameter without a gradient is described by its own dtype (``param_spec``)
+        self.param_dtypes = list(map(_DTYPE, self.params))
+        # requires_grad, shapes and dtypes in one C++ call where torch has the guard.
         self.param_check, self.grad_check = GuardedCheck(), GuardedCheck()
 
     def __len__(self) -> int:
@@ -236,11 +238,12 @@ class GradWatch:
         )
 
     def _params_same(self) -> bool:
-        """The parameters' requires_grad and shapes (one guard call once armed, asked here
-        first: the steady step's answer without a call more)."""
+        """The parameters' requires_grad, shapes and dtypes (one guard call once armed,
+        asked here first: the steady step's answer without a call more)."""
         guard = self.param_check.guard
         return (guard is not None and guard.check(*self.params)) or self.param_check.same(self.params, lambda: (
             list(map(_REQUIRES_GRAD, self.params)) == self.requires and _sizes_same(self.params, self.param_sizes)
+            and all(map(operator.is_, map(_DTYPE, self.params), self.param_dtypes))
         ), asked=True)
 
     def _grad_layouts_same(self) -> bool:
