@@ -14,6 +14,10 @@ one rank only. Invariants checked on every cell:
   (the same error type, or bit-identical gradients and router state);
 * one rank: every rank succeeds, or every rank raises -- the rank at fault its own error,
   the others a ConsistencyError -- with every gradient and router buffer unchanged.
+
+And a view of meshgrad's own buffers (``attach_grad_buffers``) changed in place after
+steady steps (unsupported), on every rank or one: every rank succeeds and its buffers
+equal a twin model's (the program reads them through private aliases).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
-from test_reliability_inputs import LINEAR, param  # noqa: E402
+from test_reliability_inputs import DP_TP, LINEAR, attempt, param, setup_model, timed_collection  # noqa: E402
+from torch_impl import attach_grad_buffers, finalize_model_grads  # noqa: E402
 from test_reliability_steps import (  # noqa: E402
     SP_NORM, STEADY, HelperThenFinalize, _call, _inner, live_vs_fresh, one_rank,
 )
@@ -115,6 +120,33 @@ def case_one_rank(rank: int, world: int) -> list[tuple]:
     ]
 
 
+#: In-place changes of a view of meshgrad's own buffers (unsupported: the buffers' API
+#: changes them), each on every rank or on one.
+OWN_VIEW_CHANGES = {"rows aliased in place": _alias_rows, "storage swapped": _swap_storage,
+                    "viewed as int32 in place": _view_as_int32, "resized in place": _resize}
+OWN_CELLS = [(change, target, one) for change in OWN_VIEW_CHANGES for target in (LINEAR, SP_NORM) for one in (None, 2)]
+
+
+def case_own_buffer_views(rank: int, world: int) -> list[tuple]:
+    """Own buffers (``attach_grad_buffers``), steady steps, then a view changed in place:
+    (outcome, the buffers bit-identical to a twin model's whose views were left alone)."""
+    out = []
+    groups = timed_collection(DP_TP)
+    call = lambda m: finalize_model_grads(m, num_tokens=torch.tensor(7), pg_collection=groups)  # noqa: E731
+    for change, target, one in OWN_CELLS:
+        live, twin = setup_model(DP_TP, rank), setup_model(DP_TP, rank)
+        buffers = [attach_grad_buffers(model, groups) for model in (live, twin)]
+        for _ in range(STEADY):
+            call(live)
+            call(twin)
+        if one is None or rank == one:
+            OWN_VIEW_CHANGES[change](param(live, target).main_grad)
+        kind, message, _, _ = attempt(live, call)
+        call(twin)
+        out.append((kind, message, all(map(torch.equal, buffers[0].buffers, buffers[1].buffers))))
+    return out
+
+
 CASES = local_cases(globals())
 
 
@@ -162,3 +194,17 @@ def test_a_gradient_changed_on_one_rank_moves_every_rank_or_none(world, reliabil
     reliability("property", f"{len(cells)} gradient changes in place or by replacement, on one rank only [4 ranks]",
                 f"every rank succeeds, or every rank raises ({raised} cells: the rank at fault its own error, "
                 "ConsistencyError elsewhere) with nothing changed")
+
+
+def test_a_view_of_meshgrads_own_buffers_changed_in_place_does_not_reach_the_program(world, reliability) -> None:
+    """Unsupported, and still safe: the bound program reads meshgrad's buffers through
+    private aliases of its views, so a view changed in place (on every rank or one) changes
+    no copy or collective: every rank succeeds and its buffers equal a twin model's."""
+    ranks = case_values(world, "case_own_buffer_views")
+    for index, (change, target, one) in enumerate(OWN_CELLS):
+        for rank, results in enumerate(ranks):
+            kind, message, same = results[index]
+            assert kind == "ok" and same, (change, target, one, rank, kind, message)
+    reliability("property", f"{len(OWN_CELLS)} in-place changes of a view of meshgrad's own buffers (unsupported), "
+                "every rank or one [4 ranks]", "every rank succeeds, buffers bit-identical to an unchanged twin's: "
+                "the program reads the buffers through private aliases (numbers, no CollectiveError)")

@@ -226,7 +226,7 @@ class ModelState:
                 return None
         elif any(is_dtensor(get_grad(t)) for t in found.tensors.values()):  # a helper's own discovery
             return None
-        return self.plan_memo.bind(bound, found, groups, config)
+        return self.plan_memo.bind(bound, found, groups, config, self.own_views)
 
     def embedding(self, chunks: Sequence[Any], groups: TorchGroups, read: EmbeddingRead) -> Discovered:
         """An embedding helper's own discovery of its one weight, from the chunk Megatron's

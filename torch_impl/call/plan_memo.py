@@ -4,7 +4,7 @@ bound to and what its once-per-plan checks found, evicted together, oldest first
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from meshgrad.config import FinalizeConfig
@@ -55,9 +55,11 @@ class PlanMemo:
         self.programs: dict[int, tuple[BoundPlan, Program, Discovered]] = {}
         self.records: dict[int, tuple[BoundPlan, PlanRecord]] = {}
 
-    def bind(self, bound: BoundPlan, found: Discovered, groups: TorchGroups, config: FinalizeConfig) -> Program:
-        """Bind ``bound`` to the gradient tensors of ``found`` and keep the program."""
-        grads = GradAccess(found.tensors, config.use_megatron_fsdp)
+    def bind(self, bound: BoundPlan, found: Discovered, groups: TorchGroups, config: FinalizeConfig,
+             own_views: Mapping[int, Any] | None = None) -> Program:
+        """Bind ``bound`` to the gradient tensors of ``found`` (meshgrad's own buffer views,
+        ``own_views``, through private aliases: :class:`GradAccess`) and keep the program."""
+        grads = GradAccess(found.tensors, config.use_megatron_fsdp, own_views)
         program = Program(bound.plan.actions, grads, found.router_modules, groups, self.stats, bound.plain_scale_keys)
         put(self.programs, id(bound), (bound, program, found))
         return program

@@ -187,7 +187,9 @@ class GradWatch:
     A gradient that is one of meshgrad's own buffer views (``own_views``, made by
     :func:`torch_impl.buffers.attach_grad_buffers`) is watched by identity only: the
     parameter still holding that view is what the bound program depends on; the view's
-    own storage and shape are meshgrad's, changed by nothing but meshgrad.
+    own storage and shape are meshgrad's, and the program reads them through a private
+    alias (:class:`~torch_impl.run.grads.GradAccess`), which no in-place change of the
+    view reaches.
 
     Args:
       params: the parameters (any order, fixed for this watch).

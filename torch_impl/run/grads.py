@@ -113,14 +113,23 @@ class GradAccess:
     written back into its local shard by :meth:`flush`; with ``local_shards`` (Megatron
     FSDP) its local shard is used directly.
 
+    A gradient that is one of meshgrad's own buffer views (``own_views``) is used through
+    a private alias of the same memory: a program bound to it depends on the buffer alone,
+    not on the view object a user could change in place (``view.set_(...)``,
+    ``view.data = ...``: unsupported, and then that parameter's gradient is not what is
+    reduced, but no copy or collective changes under the program).
+
     Args:
       params: parameter objects by key.
       local_shards: reduce DTensor local shards instead of whole tensors.
+      own_views: meshgrad's own buffer views by id (None: none).
     """
 
-    def __init__(self, params: Mapping[ParamKey, torch.Tensor], local_shards: bool = False) -> None:
+    def __init__(self, params: Mapping[ParamKey, torch.Tensor], local_shards: bool = False,
+                 own_views: Mapping[int, torch.Tensor] | None = None) -> None:
         self.params = params
         self.local_shards = local_shards
+        self.own_views = own_views or {}
         self._work: dict[ParamKey, torch.Tensor] = {}
         self._dtensors: dict[ParamKey, torch.Tensor] = {}
 
@@ -136,6 +145,8 @@ class GradAccess:
                 else:
                     work = grad.full_tensor()
                     self._dtensors[key] = grad
+            elif self.own_views.get(id(grad)) is grad:
+                work = grad.as_strided(grad.shape, grad.stride(), grad.storage_offset())
             else:
                 work = grad
             self._work[key] = work
