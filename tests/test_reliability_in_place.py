@@ -30,6 +30,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from in_place import alias_rows, pad_strides, resize, swap_storage, view_as_int32  # noqa: E402
 from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
 from test_reliability_inputs import DP_TP, LINEAR, attempt, param, setup_model, timed_collection  # noqa: E402
 from torch_impl import attach_grad_buffers, finalize_model_grads  # noqa: E402
@@ -38,29 +39,6 @@ from test_reliability_steps import (  # noqa: E402
 )
 
 WORLD = 4
-
-
-def _swap_storage(grad: Any) -> None:
-    grad.data = grad.data.clone() * 3 + 1  # the same object, another storage, the same layout
-
-
-def _alias_rows(grad: Any) -> None:
-    grad.set_(grad.untyped_storage(), grad.storage_offset(), grad.shape, (0,) + grad.stride()[1:])
-
-
-def _view_as_int32(grad: Any) -> None:
-    grad.data = grad.data.view(torch.int32)
-
-
-def _resize(grad: Any) -> None:
-    grad.data = torch.zeros(grad.shape[0] + 1, *grad.shape[1:])
-
-
-def _pad_strides(grad: Any) -> None:
-    """The same values in every other element of a new storage (strides doubled)."""
-    padded = torch.zeros(2 * grad.numel(), dtype=grad.dtype)
-    padded[::2] = grad.reshape(-1)
-    grad.set_(padded.untyped_storage(), 0, grad.shape, tuple(2 * s for s in grad.contiguous().stride()))
 
 
 def _gradient_change(change: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -80,11 +58,11 @@ def _clear_flag(p: Any) -> None:
 
 
 CHANGES: dict[str, Callable[[Any], None]] = {
-    "storage swapped": _gradient_change(_swap_storage),
-    "rows aliased in place": _gradient_change(_alias_rows),
-    "viewed as int32 in place": _gradient_change(_view_as_int32),
-    "resized in place": _gradient_change(_resize),
-    "strides padded in place": _gradient_change(_pad_strides),
+    "storage swapped": _gradient_change(swap_storage),
+    "rows aliased in place": _gradient_change(alias_rows),
+    "viewed as int32 in place": _gradient_change(view_as_int32),
+    "resized in place": _gradient_change(resize),
+    "strides padded in place": _gradient_change(pad_strides),
     "a new tensor": _new_tensor,
     "parameter frozen": _freeze,
     "sequence_parallel cleared": _clear_flag,
@@ -122,8 +100,8 @@ def case_one_rank(rank: int, world: int) -> list[tuple]:
 
 #: In-place changes of a view of meshgrad's own buffers (unsupported: the buffers' API
 #: changes them), each on every rank or on one.
-OWN_VIEW_CHANGES = {"rows aliased in place": _alias_rows, "storage swapped": _swap_storage,
-                    "viewed as int32 in place": _view_as_int32, "resized in place": _resize}
+OWN_VIEW_CHANGES = {"rows aliased in place": alias_rows, "storage swapped": swap_storage,
+                    "viewed as int32 in place": view_as_int32, "resized in place": resize}
 OWN_CELLS = [(change, target, one) for change in OWN_VIEW_CHANGES for target in (LINEAR, SP_NORM) for one in (None, 2)]
 
 

@@ -40,6 +40,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
+from in_place import alias_rows, view_as_int32  # noqa: E402
 from meshgrad import FinalizeConfig  # noqa: E402
 from parity_tests.scenarios import make_rank_inputs  # noqa: E402
 from parity_tests.torch_world import load_inputs  # noqa: E402
@@ -338,13 +339,11 @@ def _expanded(model: list[Any], rank: int) -> None:
 
 
 def _restrided_in_place(model: list[Any], rank: int) -> None:
-    grad = param(model, LINEAR).main_grad  # the same object and data pointer, its rows aliased
-    grad.set_(grad.untyped_storage(), grad.storage_offset(), grad.shape, (0,) + grad.stride()[1:])
+    alias_rows(param(model, LINEAR).main_grad)
 
 
 def _viewed_as_int32(model: list[Any], rank: int) -> None:
-    grad = param(model, LINEAR).main_grad  # the same object, storage and shape, another dtype
-    grad.data = grad.data.view(torch.int32)
+    view_as_int32(param(model, LINEAR).main_grad)
 
 
 def _grad_not_tensor(model: list[Any], rank: int) -> None:

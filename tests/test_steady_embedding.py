@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
+from in_place import alias_rows, resize, view_as_int32  # noqa: E402
 from parity_tests.scenarios import WORD_EMB, RankData  # noqa: E402
 from parity_tests.torch_world import read_outputs  # noqa: E402
 from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
@@ -78,18 +79,6 @@ def _on_rank_0(change: Callable[[Any], None]) -> Callable[[list[Any], str], None
     return apply
 
 
-def _resize(grad: Any) -> None:
-    grad.data = torch.zeros(grad.shape[0] + 1, *grad.shape[1:])  # another storage and shape
-
-
-def _restride(grad: Any) -> None:
-    grad.set_(grad.untyped_storage(), grad.storage_offset(), grad.shape, (0,) + grad.stride()[1:])  # rows aliased
-
-
-def _view_as_int32(grad: Any) -> None:
-    grad.data = grad.data.view(torch.int32)  # the same storage and shape
-
-
 def _freeze(model: list[Any], name: str) -> None:
     for chunk in (getattr(c, "module", c) for c in model):
         chunk.get_parameter(name).requires_grad_(False)
@@ -108,9 +97,9 @@ CHANGES: dict[str, Callable[[list[Any], str], None]] = {
     "none": _no_change, "weight replaced": _replace_weight, "gradient replaced": _replace_grad,
     "gradient replaced on rank 0": _replace_grad_on_rank_0, "frozen": _freeze, "untied": _untie,
     # the same gradient object changed in place: the kept discovery must not hold over it
-    "gradient resized in place on rank 0": _on_rank_0(_resize),
-    "gradient restrided in place on rank 0": _on_rank_0(_restride),
-    "gradient viewed as int32 in place on rank 0": _on_rank_0(_view_as_int32),
+    "gradient resized in place on rank 0": _on_rank_0(resize),
+    "gradient restrided in place on rank 0": _on_rank_0(alias_rows),
+    "gradient viewed as int32 in place on rank 0": _on_rank_0(view_as_int32),
 }
 IN_PLACE = ("gradient resized in place on rank 0", "gradient restrided in place on rank 0",
             "gradient viewed as int32 in place on rank 0")

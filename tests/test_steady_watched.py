@@ -20,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
+from in_place import alias_rows, resize, swap_storage, view_as_int32  # noqa: E402
 from meshgrad.axes import Group  # noqa: E402
 from meshgrad.plan import Step  # noqa: E402
 from torch_impl import _allreduce_non_tensor_model_parallel_grads, finalize_model_grads  # noqa: E402
@@ -160,13 +161,11 @@ def test_every_change_of_a_watched_parameter_makes_the_probes_miss(change, seen_
 
 
 def _restride_grad_in_place(chunks: list[DDP]) -> None:
-    grad = chunks[0].module.a.main_grad  # the same object and data pointer, every element aliased
-    grad.set_(grad.untyped_storage(), grad.storage_offset(), grad.shape, (0,))
+    alias_rows(chunks[0].module.a.main_grad)  # a's gradient is 1-D: every element aliased
 
 
 def _view_grad_as_int(chunks: list[DDP]) -> None:
-    grad = chunks[0].module.a.main_grad  # the same object, storage and shape, another dtype
-    grad.data = grad.data.view(torch.int32)
+    view_as_int32(chunks[0].module.a.main_grad)
 
 
 def _outcome(chunks: list[DDP], kind: str) -> tuple[str, list[Any], int]:
@@ -224,13 +223,7 @@ def test_a_tensors_layout_changes_with_each_in_place_change_the_plans_depend_on(
     kept = tensor_layout(grad)
     grad.add_(1.0)
     assert tensor_layout(grad) == kept == ((4, 3), torch.float32, (3, 1), grad.data_ptr())
-    changes = [
-        lambda g: g.set_(g.untyped_storage(), 0, (4, 3), (0, 1)),  # aliased rows
-        lambda g: setattr(g, "data", g.data.view(torch.int32)),  # another dtype, the same storage
-        lambda g: setattr(g, "data", torch.zeros(4, 3)),  # another storage
-        lambda g: setattr(g, "data", torch.zeros(5, 3)),  # another shape
-    ]
-    for change in changes:
+    for change in (alias_rows, view_as_int32, swap_storage, resize):
         grad = torch.zeros(4, 3)
         kept = tensor_layout(grad)
         change(grad)

@@ -90,7 +90,7 @@ class ModelState:
         self.found: dict[tuple[bool, bool], tuple[int, Discovered, ModelWatch, tuple[Any, ...]]] = {}
         self.tokens: dict[_Fingerprint, int] = {}  # specs -> token
         self.next_token = 0
-        self.embeddings: dict[tuple[Any, ...], tuple[Any, Any, bool, tuple[Any, ...], Discovered]] = {}
+        self.embeddings: dict[tuple[Any, ...], tuple[Any, Any, tuple[Any, ...], Discovered]] = {}
         self.stats = ExecStats()
         self.config_memo = ConfigMemo()  # resolved configs
         self.group_memo = GroupMemo()  # resolved groups per source, meshes, parallel_state
@@ -240,14 +240,13 @@ class ModelState:
         stage, pp = (groups.pp_stage, groups.pp_size) if read.pp_given else (0, 1)
         index, weight = embedding_weight(chunks, stage, pp, read, groups.rank)
         grad = get_grad(weight) if weight is not None else None
-        trained = bool(getattr(weight, "requires_grad", False))
-        layouts = (tensor_layout(weight), tensor_layout(grad))
+        facts = (bool(getattr(weight, "requires_grad", False)), tensor_layout(weight), tensor_layout(grad))
         key = (read.role, id(weight), index)
         hit = self.embeddings.get(key)
-        if hit is not None and hit[0] is weight and hit[1] is grad and hit[2] == trained and hit[3] == layouts:
-            return hit[4]
+        if hit is not None and hit[0] is weight and hit[1] is grad and hit[2] == facts:
+            return hit[3]
         found = one_weight(chunks, index, weight, read.role)
-        return put(self.embeddings, key, (weight, grad, trained, layouts, found))[4]
+        return put(self.embeddings, key, (weight, grad, facts, found))[3]
 
 
 __all__ = ["ModelState", "Reads"]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from torch_impl.call.tensor_guard import GuardedCheck
-from torch_impl.run.grads import get_grad, is_dtensor
+from torch_impl.run.grads import get_grad, is_dtensor, is_own_view
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -207,7 +207,7 @@ class GradWatch:
         own = own_views if own_views is not None else {}
         self.tensors = [
             g for g in map(get_grad, self.params)
-            if isinstance(g, torch.Tensor) and _has_storage(g) and own.get(id(g)) is not g
+            if isinstance(g, torch.Tensor) and _has_storage(g) and not is_own_view(g, own)
         ]
         self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
         self.sizes = list(map(_SHAPE, self.tensors))

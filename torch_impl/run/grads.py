@@ -106,6 +106,12 @@ def read_grads(params: Mapping[ParamKey, torch.Tensor], keys: Iterable[ParamKey]
     return out
 
 
+def is_own_view(tensor: Any, own_views: Mapping[int, torch.Tensor]) -> bool:
+    """Whether ``tensor`` is one of meshgrad's own buffer views (``own_views``: by id, the
+    views themselves held so that an id is not reused while it is there)."""
+    return own_views.get(id(tensor)) is tensor
+
+
 class GradAccess:
     """Per-step access to gradients by key.
 
@@ -145,7 +151,7 @@ class GradAccess:
                 else:
                     work = grad.full_tensor()
                     self._dtensors[key] = grad
-            elif self.own_views.get(id(grad)) is grad:
+            elif is_own_view(grad, self.own_views):
                 work = grad.as_strided(grad.shape, grad.stride(), grad.storage_offset())
             else:
                 work = grad
@@ -160,4 +166,7 @@ class GradAccess:
         self._work.clear()
 
 
-__all__ = ["GradAccess", "GradRead", "all_finite", "read_grads", "get_grad", "grad_attr", "is_dtensor", "reshard", "unshard"]
+__all__ = [
+    "GradAccess", "GradRead", "all_finite", "get_grad", "grad_attr", "is_dtensor", "is_own_view", "read_grads", "reshard",
+    "unshard",
+]
