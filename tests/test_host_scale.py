@@ -101,3 +101,19 @@ def test_a_kept_factor_is_reused_only_while_it_is_the_same() -> None:
     shaped.mul_(2)  # someone wrote into it: not reused
     again = host_scale(torch.zeros((1,), dtype=torch.int32), 13, kept)
     assert again is not shaped and bits(again) == bits(host_scale(torch.zeros((1,), dtype=torch.int32), 13))
+
+
+def test_a_factor_made_under_inference_mode_is_kept_and_reused_in_either_mode() -> None:
+    """A factor made during a call under ``torch.inference_mode()`` is a normal tensor (an
+    inference tensor has no version counter to keep it by): bit for bit the one made
+    outside, and reused by the next calls in and out of inference mode."""
+    kept = HostFactor()
+    with torch.inference_mode():
+        mine = torch.zeros((), dtype=torch.int64)
+        made = host_scale(mine, 12, kept)
+        assert int(mine) == 12
+    assert made is not None and not made.is_inference()
+    assert bits(made) == bits(host_scale(torch.zeros((), dtype=torch.int64), 12))
+    assert host_scale(torch.zeros((), dtype=torch.int64), 12, kept) is made
+    with torch.inference_mode():
+        assert host_scale(torch.zeros((), dtype=torch.int64), 12, kept) is made

@@ -93,6 +93,19 @@ def test_a_host_token_count_encodes_as_the_device_placement_does(reached: int):
     assert status.decode(big.tolist(), 4) == [4, 0, 0, 0, 0, 1]
 
 
+def test_a_host_wire_made_under_inference_mode_is_a_normal_tensor_sharing_its_array():
+    """A route's wire is kept between calls: made during a call under
+    ``torch.inference_mode()`` it is still a normal tensor (the round's collective writes
+    into it in place, in either mode), and the tensor and the array share their memory."""
+    with torch.inference_mode():
+        wire = status.HostWire(3)
+    assert not wire.tensor.is_inference()
+    tensor, host = wire.load([5, -1, 1 << 40])
+    assert tensor.tolist() == [5, -1, 1 << 40]
+    tensor.add_(1)  # in place outside inference mode, as the round's all-reduce writes
+    assert host.tolist() == [6, 0, (1 << 40) + 1]
+
+
 @pytest.mark.parametrize("reached", [1, 4, 63, 64, 2**15])
 def test_a_quiet_round_sends_and_reads_what_the_full_round_does(monkeypatch: pytest.MonkeyPatch, reached: int):
     """A healthy rank's round through :class:`QuietRound` (its route's shape worked out once)

@@ -35,6 +35,7 @@ from torch_impl.call.read import as_chunks
 from torch_impl.sources.discover import dtype_name
 from torch_impl.run.collectives import TORCH_DTYPES
 from torch_impl.run.groups import world_rank
+from torch_impl.run.modes import outside_inference_mode
 from torch_impl.sources.config import ddp_object
 
 
@@ -155,28 +156,30 @@ def allocate(
     views: dict[ParamKey, torch.Tensor] = {}
     attached: dict[ParamKey, nn.Parameter] = {}
     out = GradBuffers((), views, attr, attached)
-    for (dtype, where), keys in groups.items():
-        total = sum(params[k].numel() for k in keys)
-        make = torch.empty if lazy else torch.zeros
-        flat = make(total, dtype=TORCH_DTYPES[dtype], device=where)
-        buffers.append(flat)
-        offset = 0
-        for key in keys:
-            param = params[key]
-            view = flat[offset : offset + param.numel()].view(param.shape)
-            offset += param.numel()
-            old = getattr(param, attr, None)
-            if not lazy and isinstance(old, torch.Tensor) and old.shape == view.shape:
-                with torch.no_grad():
-                    view.copy_(old)
-            if attr == "main_grad":
-                param.main_grad = view
-                param.grad = None
-                out.hooks.append(param.register_post_accumulate_grad_hook(_accumulate))
-            else:
-                param.grad = view
-            views[key] = view
-            attached[key] = param
+    # Made outside inference mode: the buffers serve backward and every later call.
+    with outside_inference_mode():
+        for (dtype, where), keys in groups.items():
+            total = sum(params[k].numel() for k in keys)
+            make = torch.empty if lazy else torch.zeros
+            flat = make(total, dtype=TORCH_DTYPES[dtype], device=where)
+            buffers.append(flat)
+            offset = 0
+            for key in keys:
+                param = params[key]
+                view = flat[offset : offset + param.numel()].view(param.shape)
+                offset += param.numel()
+                old = getattr(param, attr, None)
+                if not lazy and isinstance(old, torch.Tensor) and old.shape == view.shape:
+                    with torch.no_grad():
+                        view.copy_(old)
+                if attr == "main_grad":
+                    param.main_grad = view
+                    param.grad = None
+                    out.hooks.append(param.register_post_accumulate_grad_hook(_accumulate))
+                else:
+                    param.grad = view
+                views[key] = view
+                attached[key] = param
     out.buffers = tuple(buffers)
     return out
 

@@ -15,6 +15,7 @@ from torch_impl.sources.discover import Discovered
 from torch_impl.run.stats import ExecStats
 from torch_impl.run.grads import GradAccess
 from torch_impl.run.groups import TorchGroups
+from torch_impl.run.modes import outside_inference_mode
 from torch_impl.call.memo import MAX_PLANS, put
 from torch_impl.run.program import Program
 
@@ -59,8 +60,10 @@ class PlanMemo:
              own_views: Mapping[int, Any] | None = None) -> Program:
         """Bind ``bound`` to the gradient tensors of ``found`` (meshgrad's own buffer views,
         ``own_views``, through private aliases: :class:`GradAccess`) and keep the program."""
-        grads = GradAccess(found.tensors, config.use_megatron_fsdp, own_views)
-        program = Program(bound.plan.actions, grads, found.router_modules, groups, self.stats, bound.plain_scale_keys)
+        with outside_inference_mode():  # what it binds is kept between calls
+            grads = GradAccess(found.tensors, config.use_megatron_fsdp, own_views)
+            program = Program(bound.plan.actions, grads, found.router_modules, groups, self.stats,
+                              bound.plain_scale_keys)
         put(self.programs, id(bound), (bound, program, found))
         return program
 

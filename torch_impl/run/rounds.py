@@ -26,6 +26,7 @@ from meshgrad.status_wire import (
     ELEMENTS, FIELD_BITS, SHORT_BITS, SHORT_MAX, TOKEN_SHIFT, TOO_LARGE, carried_count, nothing_flagged,
     token_bits, token_limit, wire_format,
 )
+from torch_impl.run.modes import outside_inference_mode
 
 #: Positions in a reduced status vector (:func:`decode`): the ranks the round reached, and
 #: how many of them failed, ask for a comparison, found NaN / Inf or are in a layout round.
@@ -103,7 +104,8 @@ class HostWire:
 
     def __init__(self, size: int) -> None:
         self.host = np.zeros(size, dtype=np.int64)
-        self.tensor = torch.from_numpy(self.host)
+        with outside_inference_mode():  # a route's wire is kept between calls
+            self.tensor = torch.from_numpy(self.host)
 
     def load(self, words: list[int]) -> tuple[torch.Tensor, np.ndarray]:
         """The tensor holding ``words`` (as many as the wire's elements) and its array."""

@@ -14,6 +14,7 @@ from meshgrad.plan import ReduceOp, TokenScale
 from torch_impl.run.collectives import all_reduce
 from torch_impl.run.errors import collective_guard
 from torch_impl.run.groups import TorchGroups
+from torch_impl.run.modes import outside_inference_mode
 
 
 def global_token_scale(
@@ -79,7 +80,8 @@ class HostFactor:
         factor, key = self.factor, (total, shape, dtype)
         if factor is not None and self.key == key and factor._version == self.version:
             return factor
-        factor = torch.full(shape, 1.0 / max(total, 1), dtype=dtype)
+        with outside_inference_mode():  # kept by its version counter, which an inference tensor lacks
+            factor = torch.full(shape, 1.0 / max(total, 1), dtype=dtype)
         self.key, self.factor, self.version = key, factor, factor._version
         return factor
 

@@ -1,0 +1,177 @@
+"""Calls under ``torch.inference_mode()`` and normal calls on one long-lived model give the
+numbers of a model called in normal mode only, and the reference.
+
+A tensor made in inference mode (or a view made there) cannot be updated in place outside
+it and has no version counter, so whatever meshgrad keeps between calls -- a bound
+program's views and aliases, staging buffers and their strided runs, a status round's wire,
+the host token factor, ``attach_grad_buffers``' buffers -- is made outside inference mode
+(``torch_impl.run.modes``). Before, a plan first bound under ``torch.inference_mode()``
+failed every later call made outside it (CollectiveError, on every rank), and a per-token
+finalize whose count the status round carries raised a bare RuntimeError under it after
+the gradients were reduced but before they were scaled. Megatron-core's own finalize works
+in both modes.
+
+One gloo world of 4 ranks runs the grid: three layouts (dp 2 x tp 2 with experts, routers and
+sequence parallelism, a per-token count reduced by collectives; dp 2 x tp 2 of four layers;
+pure dp 4, whose count the status round carries and the host scales), gradients held in one storage layer after layer
+(as a Megatron DDP's buffer: staged through a kept buffer, by strided runs from the second
+call) or in meshgrad's own buffers (attached in either mode), finalize or the non-TP helper then finalize, and three
+sequences of modes over five steps (inference mode first, last, or every other call).
+Every step: bit-identical to a twin called in normal mode only; finalize also equal to the
+numpy reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from parity_tests.compare import compare_ranks  # noqa: E402
+from parity_tests.reference import reference_finalize  # noqa: E402
+from parity_tests.scenarios import ParamLayout, Scenario, gpt_params, make_rank_inputs  # noqa: E402
+from parity_tests.torch_world import build_model, load_inputs, read_outputs, scenario_config  # noqa: E402
+from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
+from test_reliability_inputs import DP_TP, attempt, snapshot, timed_collection  # noqa: E402
+from torch_impl import _allreduce_non_tensor_model_parallel_grads, attach_grad_buffers, finalize_model_grads  # noqa: E402
+
+WORLD = 4
+STEPS = 5
+#: Four layers of two sequence-parallel norms and two linear weights: in one storage, the
+#: norms' staging runs as strided copies from the second call.
+LAYERS = tuple(
+    ParamLayout(f"decoder.layers.{i}.{name}", shape, sequence_parallel=shape == (4,))
+    for i in range(4)
+    for name, shape in (("input_layernorm.weight", (4,)), ("self_attention.linear_qkv.weight", (6, 4)),
+                        ("pre_mlp_layernorm.weight", (4,)), ("mlp.linear_fc1.weight", (3, 4)))
+) + (ParamLayout("decoder.final_layernorm.weight", (4,), sequence_parallel=True),)
+LAYOUTS = {
+    "dp2 tp2, experts": dataclasses.replace(
+        DP_TP, name="inference-dp2tp2", num_tokens="random", config={**DP_TP.config, "calculate_per_token_loss": True}
+    ),
+    "dp2 tp2, 4 layers": Scenario(
+        "inference-layers", dp=2, tp=2, params=LAYERS, num_tokens="random",
+        config=dict(sequence_parallel=True, calculate_per_token_loss=True),
+    ),
+    "dp4, count on the host": Scenario(
+        "inference-dp4", dp=4, params=gpt_params(), num_tokens="random", config=dict(calculate_per_token_loss=True)
+    ),
+}
+#: Per step, whether the call runs under ``torch.inference_mode()``.
+SEQUENCES = {
+    "inference first": (True, True, False, False, False),
+    "inference last": (False, False, False, True, True),
+    "every other call": (True, False, True, False, True),
+}
+STORAGES = ("one storage", "own buffers", "own buffers attached in inference mode")
+CELLS = [
+    (layout, storage, helper, sequence)
+    for layout, storage, helper, sequence in itertools.product(LAYOUTS, STORAGES, (False, True), SEQUENCES)
+    if not helper or (storage == "one storage" and layout.startswith("dp2 tp2"))
+]
+
+
+def _at(layout: str, step: int) -> Scenario:
+    return dataclasses.replace(LAYOUTS[layout], seed=step)
+
+
+def _one_storage(model: list[Any]) -> None:
+    """Each chunk's gradients as views of one buffer, parameters in reverse order (as a
+    Megatron DDP keeps them)."""
+    for chunk in model:
+        params = [p for p in chunk.parameters() if p.requires_grad][::-1]
+        flat = torch.zeros(sum(p.numel() for p in params))
+        offset = 0
+        for p in params:
+            p.main_grad = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+
+
+def _load_in_place(model: list[Any], scenario: Scenario, data: Any) -> None:
+    """``data``'s gradients copied into the tensors the model holds (as backward accumulates
+    into the same buffers), its router state loaded."""
+    held = {(i, n): p.main_grad for i, c in enumerate(model) for n, p in c.named_parameters()
+            if getattr(p, "main_grad", None) is not None}
+    load_inputs(model, scenario, data)
+    for (i, name), old in held.items():
+        p = model[i].get_parameter(name)
+        old.copy_(p.main_grad)
+        p.main_grad = old
+
+
+def _model(layout: str, storage: str, rank: int, groups: Any) -> list[Any]:
+    scenario = _at(layout, 0)
+    model = build_model(scenario, rank, scenario_config(scenario, False))
+    load_inputs(model, scenario, make_rank_inputs(scenario, rank))
+    if storage.startswith("own buffers"):
+        with torch.inference_mode(storage.endswith("inference mode")):
+            attach_grad_buffers(model, groups)
+    else:
+        _one_storage(model)
+    return model
+
+
+def _step(model: list[Any], groups: Any, data: Any, helper: bool, inference: bool) -> tuple[str, str]:
+    """One call (the non-TP helper first with ``helper``) in the given mode: (outcome, message)."""
+    def call(m: list[Any]) -> None:
+        with torch.inference_mode() if inference else torch.no_grad():
+            if helper:
+                _allreduce_non_tensor_model_parallel_grads(m, m[0].config, groups.tp)
+            finalize_model_grads(m, num_tokens=torch.tensor(data.num_tokens), pg_collection=groups)
+
+    kind, message, _, _ = attempt(model, call)
+    return kind, message
+
+
+def case_modes(rank: int, world: int) -> list[list[tuple]]:
+    """Per cell, per step: (outcome, message, bit-identical to the normal-mode twin, the
+    outputs for the reference)."""
+    out = []
+    for layout, storage, helper, sequence in CELLS:
+        groups = timed_collection(LAYOUTS[layout])
+        live, twin = (_model(layout, storage, rank, groups) for _ in range(2))
+        steps = []
+        for step, inference in enumerate(SEQUENCES[sequence]):
+            scenario = _at(layout, step)
+            data = make_rank_inputs(scenario, rank)
+            for model in (live, twin):
+                _load_in_place(model, scenario, data)
+            kind, message = _step(live, groups, data, helper, inference)
+            _step(twin, groups, data, helper, False)
+            steps.append((kind, message, snapshot(live) == snapshot(twin), read_outputs(live, scenario, data)))
+        out.append(steps)
+    return out
+
+
+CASES = local_cases(globals())
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[str, list[tuple[str, Any]]]:
+    return run_cases(__name__, CASES, WORLD, timeout=300)
+
+
+def test_inference_mode_calls_give_normal_mode_numbers_and_the_reference(world, reliability) -> None:
+    ranks = case_values(world, "case_modes")
+    reference = {
+        (layout, step): reference_finalize(
+            _at(layout, step), [make_rank_inputs(_at(layout, step), r) for r in range(WORLD)]
+        ).outputs
+        for layout in LAYOUTS for step in range(STEPS)
+    }
+    for index, (layout, storage, helper, sequence) in enumerate(CELLS):
+        cell = (layout, storage, "helper, then finalize" if helper else "finalize", sequence)
+        for rank, cells in enumerate(ranks):
+            for step, (kind, message, same, outputs) in enumerate(cells[index]):
+                assert kind == "ok", (cell, rank, step, message)
+                assert same, (cell, rank, step, "differs from the twin called in normal mode only")
+                if not helper:  # the helper then finalize reduces the non-TP gradients twice
+                    result = compare_ranks(_at(layout, step), [outputs], [reference[layout, step][rank]])
+                    assert result.ok, (cell, rank, step, result.failures[:5])
+    reliability("property", f"{len(CELLS)} models called under torch.inference_mode() first, last or every other "
+                f"call, over {STEPS} steps (kept buffers, strided runs, own buffers, host token factor) [4 ranks]",
+                "numbers bit-identical to normal-mode calls and the reference (no CollectiveError, no RuntimeError)")
