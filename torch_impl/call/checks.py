@@ -40,9 +40,9 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _element_offsets(t: torch.Tensor) -> torch.Tensor:
-    offsets = torch.full((), t.storage_offset(), dtype=torch.int64)
+    offsets = torch.full((), t.storage_offset(), dtype=torch.int64, device="cpu")
     for n, st in zip(t.shape, t.stride()):
-        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64, device="cpu") * st
     return offsets.reshape(-1) * t.element_size()
 
 

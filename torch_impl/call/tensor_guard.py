@@ -33,7 +33,7 @@ def _sees_changes(guard_type: Any) -> bool:
     """Whether a guard built by :func:`_build` fails on each change the watches rely on it
     for (``requires_grad`` flipped, under no_grad as well; another shape; another dtype),
     and passes on the unchanged tensor."""
-    param = torch.nn.Parameter(torch.zeros(2, 3))
+    param = torch.nn.Parameter(torch.zeros(2, 3, device="cpu"))
     with torch.no_grad():
         guard = _build(guard_type, [param])
         if not guard.check(param):
@@ -41,8 +41,8 @@ def _sees_changes(guard_type: Any) -> bool:
         param.requires_grad_(False)
         flipped = guard.check(param)
         param.requires_grad_(True)
-    resized = torch.nn.Parameter(torch.zeros(5, 3))  # the same strides
-    retyped = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))
+    resized = torch.nn.Parameter(torch.zeros(5, 3, device="cpu"))  # the same strides
+    retyped = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float64, device="cpu"))
     return not (flipped or guard.check(resized) or guard.check(retyped))
 
 

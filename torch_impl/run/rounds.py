@@ -85,7 +85,7 @@ def encode(status: Sequence[int], reached: int, tokens: int | None = None) -> to
     """The int64 elements one rank contributes, on the host: a healthy status (no flag) is
     all zeros. ``tokens``: this rank's token count (an int64 value) known on the host
     (:func:`token_bits`); None: none, or one added on its device by :func:`place_tokens`."""
-    return torch.tensor(wire_words(status, reached, tokens), dtype=torch.int64)
+    return torch.tensor(wire_words(status, reached, tokens), dtype=torch.int64, device="cpu")
 
 
 class HostWire:

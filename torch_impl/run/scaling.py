@@ -37,7 +37,7 @@ def global_token_scale(
         factor = host_scale(num_tokens, reduced, kept)
         if factor is not None:
             return factor
-        reduced = torch.tensor(reduced, dtype=torch.int64)
+        reduced = torch.tensor(reduced, dtype=torch.int64, device=num_tokens.device)
     wide = torch.float64 if num_tokens.is_floating_point() else torch.int64
     if reduced is not None:
         total = reduced.to(device=num_tokens.device, dtype=wide).reshape(num_tokens.shape)
@@ -81,7 +81,7 @@ class HostFactor:
         if factor is not None and self.key == key and factor._version == self.version:
             return factor
         with outside_inference_mode():  # kept by its version counter, which an inference tensor lacks
-            factor = torch.full(shape, 1.0 / max(total, 1), dtype=dtype)
+            factor = torch.full(shape, 1.0 / max(total, 1), dtype=dtype, device="cpu")  # num_tokens' device
         self.key, self.factor, self.version = key, factor, factor._version
         return factor
 

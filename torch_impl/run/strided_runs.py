@@ -95,11 +95,11 @@ def _index_select_fills_strided_out() -> bool:
     """Whether ``torch.index_select(..., out=view)`` writes a strided view row by row (a
     probe on tiny tensors: a torch that made the copy another way would otherwise move
     gradients to the wrong rows)."""
-    source = torch.arange(6.0).view(3, 2)
-    target = torch.zeros(9)
+    source = torch.arange(6.0, device="cpu").view(3, 2)
+    target = torch.zeros(9, device="cpu")
     rows = target.as_strided((3, 2), (3, 1), 1)
-    torch.index_select(source, 0, torch.tensor([2, 1, 0]), out=rows)
-    return torch.equal(target, torch.tensor([0.0, 4, 5, 0, 2, 3, 0, 0, 1]))
+    torch.index_select(source, 0, torch.tensor([2, 1, 0], device="cpu"), out=rows)
+    return torch.equal(target, torch.tensor([0.0, 4, 5, 0, 2, 3, 0, 0, 1], device="cpu"))
 
 
 class RunCopies:

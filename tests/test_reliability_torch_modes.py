@@ -1,22 +1,26 @@
-"""Calls under ``torch.inference_mode()`` and normal calls on one long-lived model give the
-numbers of a model called in normal mode only, and the reference.
+"""Calls under ``torch.inference_mode()`` or a default-device context
+(``with torch.device("meta")``, as ``torch.set_default_device`` sets one) mixed with normal
+calls on one long-lived model give the numbers of a model called in normal mode only, and
+the reference.
 
-A tensor made in inference mode (or a view made there) cannot be updated in place outside
-it and has no version counter, so whatever meshgrad keeps between calls -- a bound
-program's views and aliases, staging buffers and their strided runs, a status round's wire,
-the host token factor, ``attach_grad_buffers``' buffers -- is made outside inference mode
-(``torch_impl.run.modes``). Before, a plan first bound under ``torch.inference_mode()``
-failed every later call made outside it (CollectiveError, on every rank), and a per-token
-finalize whose count the status round carries raised a bare RuntimeError under it after
-the gradients were reduced but before they were scaled. Megatron-core's own finalize works
-in both modes.
+A tensor allocated in inference mode cannot be updated in place outside it and has no
+version counter, so whatever meshgrad keeps between calls -- a bound program's staging
+buffers, a status round's wire, the host token factor, ``attach_grad_buffers``' buffers --
+is allocated outside inference mode (``torch_impl.run.modes``); and every tensor meshgrad
+makes names its device (the gradients', or the host's for the status words, the host
+token factor and its own probes), so an ambient default device changes nothing. Before, a
+plan first bound under ``torch.inference_mode()`` failed every later call made outside it
+(CollectiveError, on every rank); a per-token finalize whose count the status round carries
+raised a bare RuntimeError under inference mode, and NotImplementedError under a meta
+default device, after the gradients were reduced but before they were scaled; the strided
+runs' probe failed under a meta default device. Megatron-core's finalize works in each.
 
 One gloo world of 4 ranks runs the grid: three layouts (dp 2 x tp 2 with experts, routers and
 sequence parallelism, a per-token count reduced by collectives; dp 2 x tp 2 of four layers;
-pure dp 4, whose count the status round carries and the host scales), gradients held in one storage layer after layer
-(as a Megatron DDP's buffer: staged through a kept buffer, by strided runs from the second
-call) or in meshgrad's own buffers (attached in either mode), finalize or the non-TP helper then finalize, and three
-sequences of modes over five steps (inference mode first, last, or every other call).
+pure dp 4, whose count the status round carries and the host scales), gradients held in one
+storage layer after layer (as a Megatron DDP's buffer: staged through a kept buffer, by
+strided runs from the second call) or in meshgrad's own buffers (attached in either mode),
+finalize or the non-TP helper then finalize, and five sequences of modes over five steps.
 Every step: bit-identical to a twin called in normal mode only; finalize also equal to the
 numpy reference.
 """
@@ -51,21 +55,27 @@ LAYERS = tuple(
 ) + (ParamLayout("decoder.final_layernorm.weight", (4,), sequence_parallel=True),)
 LAYOUTS = {
     "dp2 tp2, experts": dataclasses.replace(
-        DP_TP, name="inference-dp2tp2", num_tokens="random", config={**DP_TP.config, "calculate_per_token_loss": True}
+        DP_TP, name="modes-dp2tp2", num_tokens="random", config={**DP_TP.config, "calculate_per_token_loss": True}
     ),
     "dp2 tp2, 4 layers": Scenario(
-        "inference-layers", dp=2, tp=2, params=LAYERS, num_tokens="random",
+        "modes-layers", dp=2, tp=2, params=LAYERS, num_tokens="random",
         config=dict(sequence_parallel=True, calculate_per_token_loss=True),
     ),
     "dp4, count on the host": Scenario(
-        "inference-dp4", dp=4, params=gpt_params(), num_tokens="random", config=dict(calculate_per_token_loss=True)
+        "modes-dp4", dp=4, params=gpt_params(), num_tokens="random", config=dict(calculate_per_token_loss=True)
     ),
 }
-#: Per step, whether the call runs under ``torch.inference_mode()``.
+#: The modes a call runs in ("normal": ``torch.no_grad()``, as a training loop's step).
+MODES = {"normal": torch.no_grad, "inference": torch.inference_mode, "meta default device": lambda: torch.device("meta")}
+#: Per step, the mode of the call.
 SEQUENCES = {
-    "inference first": (True, True, False, False, False),
-    "inference last": (False, False, False, True, True),
-    "every other call": (True, False, True, False, True),
+    "inference first": ("inference", "inference", "normal", "normal", "normal"),
+    "inference last": ("normal", "normal", "normal", "inference", "inference"),
+    "inference every other call": ("inference", "normal", "inference", "normal", "inference"),
+    "meta default device every other call": ("meta default device", "normal", "meta default device", "normal",
+                                             "meta default device"),
+    "meta default device, inference, normal": ("meta default device", "inference", "meta default device", "normal",
+                                               "inference"),
 }
 STORAGES = ("one storage", "own buffers", "own buffers attached in inference mode")
 CELLS = [
@@ -115,13 +125,15 @@ def _model(layout: str, storage: str, rank: int, groups: Any) -> list[Any]:
     return model
 
 
-def _step(model: list[Any], groups: Any, data: Any, helper: bool, inference: bool) -> tuple[str, str]:
-    """One call (the non-TP helper first with ``helper``) in the given mode: (outcome, message)."""
+def _step(model: list[Any], groups: Any, data: Any, helper: bool, mode: str) -> tuple[str, str]:
+    """One call (the non-TP helper first with ``helper``) in ``mode``: (outcome, message)."""
+    tokens = torch.tensor(data.num_tokens, device="cpu")
+
     def call(m: list[Any]) -> None:
-        with torch.inference_mode() if inference else torch.no_grad():
+        with MODES[mode]():
             if helper:
                 _allreduce_non_tensor_model_parallel_grads(m, m[0].config, groups.tp)
-            finalize_model_grads(m, num_tokens=torch.tensor(data.num_tokens), pg_collection=groups)
+            finalize_model_grads(m, num_tokens=tokens, pg_collection=groups)
 
     kind, message, _, _ = attempt(model, call)
     return kind, message
@@ -135,13 +147,13 @@ def case_modes(rank: int, world: int) -> list[list[tuple]]:
         groups = timed_collection(LAYOUTS[layout])
         live, twin = (_model(layout, storage, rank, groups) for _ in range(2))
         steps = []
-        for step, inference in enumerate(SEQUENCES[sequence]):
+        for step, mode in enumerate(SEQUENCES[sequence]):
             scenario = _at(layout, step)
             data = make_rank_inputs(scenario, rank)
             for model in (live, twin):
                 _load_in_place(model, scenario, data)
-            kind, message = _step(live, groups, data, helper, inference)
-            _step(twin, groups, data, helper, False)
+            kind, message = _step(live, groups, data, helper, mode)
+            _step(twin, groups, data, helper, "normal")
             steps.append((kind, message, snapshot(live) == snapshot(twin), read_outputs(live, scenario, data)))
         out.append(steps)
     return out
@@ -155,7 +167,7 @@ def world() -> dict[str, list[tuple[str, Any]]]:
     return run_cases(__name__, CASES, WORLD, timeout=300)
 
 
-def test_inference_mode_calls_give_normal_mode_numbers_and_the_reference(world, reliability) -> None:
+def test_calls_in_other_torch_modes_give_normal_mode_numbers_and_the_reference(world, reliability) -> None:
     ranks = case_values(world, "case_modes")
     reference = {
         (layout, step): reference_finalize(
@@ -172,6 +184,7 @@ def test_inference_mode_calls_give_normal_mode_numbers_and_the_reference(world, 
                 if not helper:  # the helper then finalize reduces the non-TP gradients twice
                     result = compare_ranks(_at(layout, step), [outputs], [reference[layout, step][rank]])
                     assert result.ok, (cell, rank, step, result.failures[:5])
-    reliability("property", f"{len(CELLS)} models called under torch.inference_mode() first, last or every other "
-                f"call, over {STEPS} steps (kept buffers, strided runs, own buffers, host token factor) [4 ranks]",
+    reliability("property", f"{len(CELLS)} models called under torch.inference_mode() or a meta default device "
+                f"(first, last or every other call), over {STEPS} steps (kept buffers, strided runs, own buffers, "
+                "host token factor) [4 ranks]",
                 "numbers bit-identical to normal-mode calls and the reference (no CollectiveError, no RuntimeError)")
