@@ -1,7 +1,7 @@
-"""Calls under ``torch.inference_mode()`` or a default-device context
-(``with torch.device("meta")``, as ``torch.set_default_device`` sets one) mixed with normal
-calls on one long-lived model give the numbers of a model called in normal mode only, and
-the reference.
+"""Calls under ``torch.inference_mode()``, a default-device context (``with
+torch.device("meta")``, as ``torch.set_default_device`` sets one), a float64 default dtype,
+``torch.autocast`` or grad mode, mixed with normal calls on one long-lived model, give the
+numbers of a model called in normal mode only, and the reference.
 
 A tensor allocated in inference mode cannot be updated in place outside it and has no
 version counter, so whatever meshgrad keeps between calls -- a bound program's staging
@@ -20,15 +20,17 @@ sequence parallelism, a per-token count reduced by collectives; dp 2 x tp 2 of f
 pure dp 4, whose count the status round carries and the host scales), gradients held in one
 storage layer after layer (as a Megatron DDP's buffer: staged through a kept buffer, by
 strided runs from the second call) or in meshgrad's own buffers (attached in either mode),
-finalize or the non-TP helper then finalize, and five sequences of modes over five steps.
+finalize or the non-TP helper then finalize, and six sequences of modes over five steps.
 Every step: bit-identical to a twin called in normal mode only; finalize also equal to the
 numpy reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -66,7 +68,14 @@ LAYOUTS = {
     ),
 }
 #: The modes a call runs in ("normal": ``torch.no_grad()``, as a training loop's step).
-MODES = {"normal": torch.no_grad, "inference": torch.inference_mode, "meta default device": lambda: torch.device("meta")}
+MODES: dict[str, Callable[[], Any]] = {
+    "normal": torch.no_grad,
+    "inference": torch.inference_mode,
+    "meta default device": lambda: torch.device("meta"),
+    "float64 default dtype": lambda: _default_dtype(torch.float64),
+    "autocast bfloat16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    "grad enabled": torch.enable_grad,
+}
 #: Per step, the mode of the call.
 SEQUENCES = {
     "inference first": ("inference", "inference", "normal", "normal", "normal"),
@@ -76,6 +85,8 @@ SEQUENCES = {
                                              "meta default device"),
     "meta default device, inference, normal": ("meta default device", "inference", "meta default device", "normal",
                                                "inference"),
+    "float64 default dtype, autocast, grad enabled": ("float64 default dtype", "autocast bfloat16", "grad enabled",
+                                                      "float64 default dtype", "normal"),
 }
 STORAGES = ("one storage", "own buffers", "own buffers attached in inference mode")
 CELLS = [
@@ -83,6 +94,16 @@ CELLS = [
     for layout, storage, helper, sequence in itertools.product(LAYOUTS, STORAGES, (False, True), SEQUENCES)
     if not helper or (storage == "one storage" and layout.startswith("dp2 tp2"))
 ]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: Any) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _at(layout: str, step: int) -> Scenario:
@@ -184,7 +205,7 @@ def test_calls_in_other_torch_modes_give_normal_mode_numbers_and_the_reference(w
                 if not helper:  # the helper then finalize reduces the non-TP gradients twice
                     result = compare_ranks(_at(layout, step), [outputs], [reference[layout, step][rank]])
                     assert result.ok, (cell, rank, step, result.failures[:5])
-    reliability("property", f"{len(CELLS)} models called under torch.inference_mode() or a meta default device "
-                f"(first, last or every other call), over {STEPS} steps (kept buffers, strided runs, own buffers, "
-                "host token factor) [4 ranks]",
+    reliability("property", f"{len(CELLS)} models called under torch.inference_mode(), a meta default device, a "
+                f"float64 default dtype, autocast or grad enabled, mixed with normal calls, over {STEPS} steps (kept "
+                "buffers, strided runs, own buffers, host token factor) [4 ranks]",
                 "numbers bit-identical to normal-mode calls and the reference (no CollectiveError, no RuntimeError)")
