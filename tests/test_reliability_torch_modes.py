@@ -1,7 +1,8 @@
 """Calls under ``torch.inference_mode()``, a default-device context (``with
 torch.device("meta")``, as ``torch.set_default_device`` sets one), a float64 default dtype,
-``torch.autocast`` or grad mode, mixed with normal calls on one long-lived model, give the
-numbers of a model called in normal mode only, and the reference.
+``torch.autocast``, grad mode or a ``TorchDispatchMode`` (``FlopCounterMode``), mixed with
+normal calls on one long-lived model, give the numbers of a model called in normal mode
+only, and the reference.
 
 A tensor allocated in inference mode cannot be updated in place outside it and has no
 version counter, so whatever meshgrad keeps between calls -- a bound program's staging
@@ -20,7 +21,7 @@ sequence parallelism, a per-token count reduced by collectives; dp 2 x tp 2 of f
 pure dp 4, whose count the status round carries and the host scales), gradients held in one
 storage layer after layer (as a Megatron DDP's buffer: staged through a kept buffer, by
 strided runs from the second call) or in meshgrad's own buffers (attached in either mode),
-finalize or the non-TP helper then finalize, and six sequences of modes over five steps.
+finalize or the non-TP helper then finalize, and seven sequences of modes over five steps.
 Every step: bit-identical to a twin called in normal mode only; finalize also equal to the
 numpy reference.
 """
@@ -36,6 +37,8 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from parity_tests.compare import compare_ranks  # noqa: E402
 from parity_tests.reference import reference_finalize  # noqa: E402
@@ -75,6 +78,7 @@ MODES: dict[str, Callable[[], Any]] = {
     "float64 default dtype": lambda: _default_dtype(torch.float64),
     "autocast bfloat16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
     "grad enabled": torch.enable_grad,
+    "flop counter": lambda: FlopCounterMode(display=False),
 }
 #: Per step, the mode of the call.
 SEQUENCES = {
@@ -87,6 +91,7 @@ SEQUENCES = {
                                                "inference"),
     "float64 default dtype, autocast, grad enabled": ("float64 default dtype", "autocast bfloat16", "grad enabled",
                                                       "float64 default dtype", "normal"),
+    "flop counter first, then every other call": ("flop counter", "flop counter", "normal", "flop counter", "normal"),
 }
 STORAGES = ("one storage", "own buffers", "own buffers attached in inference mode")
 CELLS = [
@@ -206,6 +211,6 @@ def test_calls_in_other_torch_modes_give_normal_mode_numbers_and_the_reference(w
                     result = compare_ranks(_at(layout, step), [outputs], [reference[layout, step][rank]])
                     assert result.ok, (cell, rank, step, result.failures[:5])
     reliability("property", f"{len(CELLS)} models called under torch.inference_mode(), a meta default device, a "
-                f"float64 default dtype, autocast or grad enabled, mixed with normal calls, over {STEPS} steps (kept "
-                "buffers, strided runs, own buffers, host token factor) [4 ranks]",
+                f"float64 default dtype, autocast, grad enabled or a FlopCounterMode, mixed with normal calls, over "
+                f"{STEPS} steps (kept buffers, strided runs, own buffers, host token factor) [4 ranks]",
                 "numbers bit-identical to normal-mode calls and the reference (no CollectiveError, no RuntimeError)")
