@@ -115,12 +115,14 @@ def _at(layout: str, step: int) -> Scenario:
     return dataclasses.replace(LAYOUTS[layout], seed=step)
 
 
-def _one_storage(model: list[Any]) -> None:
+def _one_storage(model: list[Any], inference: bool = False) -> None:
     """Each chunk's gradients as views of one buffer, parameters in reverse order (as a
-    Megatron DDP keeps them)."""
+    Megatron DDP keeps them); with ``inference``, the buffer made under
+    ``torch.inference_mode()`` (an inference tensor)."""
     for chunk in model:
         params = [p for p in chunk.parameters() if p.requires_grad][::-1]
-        flat = torch.zeros(sum(p.numel() for p in params))
+        with torch.inference_mode(inference):
+            flat = torch.zeros(sum(p.numel() for p in params))
         offset = 0
         for p in params:
             p.main_grad = flat[offset:offset + p.numel()].view(p.shape)
@@ -185,6 +187,34 @@ def case_modes(rank: int, world: int) -> list[list[tuple]]:
     return out
 
 
+#: Gradients made under inference mode (on every rank, or on rank 2 only): the steps'
+#: modes, a call outside inference mode after steady calls inside it.
+INFERENCE_GRADIENT_STEPS = ("inference", "inference", "inference", "normal", "inference")
+INFERENCE_GRADIENT_RANKS = (None, 2)
+
+
+def case_inference_gradients(rank: int, world: int) -> list[list[tuple]]:
+    """Per cell (every rank's gradients made under inference mode, or rank 2's only), per
+    step: (outcome, message, nothing changed, the outputs for the reference)."""
+    layout = "dp2 tp2, experts"
+    groups = timed_collection(LAYOUTS[layout])
+    out = []
+    for bad in INFERENCE_GRADIENT_RANKS:
+        model = _model(layout, "one storage", rank, groups)
+        _one_storage(model, inference=bad is None or rank == bad)
+        steps = []
+        for step, mode in enumerate(INFERENCE_GRADIENT_STEPS):
+            scenario = _at(layout, step)
+            data = make_rank_inputs(scenario, rank)
+            with torch.inference_mode():  # the only mode that writes into an inference tensor
+                _load_in_place(model, scenario, data)
+            before = snapshot(model)
+            kind, message = _step(model, groups, data, False, mode)
+            steps.append((kind, message, snapshot(model) == before, read_outputs(model, scenario, data)))
+        out.append(steps)
+    return out
+
+
 CASES = local_cases(globals())
 
 
@@ -214,3 +244,33 @@ def test_calls_in_other_torch_modes_give_normal_mode_numbers_and_the_reference(w
                 f"float64 default dtype, autocast, grad enabled or a FlopCounterMode, mixed with normal calls, over "
                 f"{STEPS} steps (kept buffers, strided runs, own buffers, host token factor) [4 ranks]",
                 "numbers bit-identical to normal-mode calls and the reference (no CollectiveError, no RuntimeError)")
+
+
+def test_a_gradient_made_under_inference_mode_is_refused_outside_it_before_anything_changes(world, reliability) -> None:
+    """Gradients that are inference tensors: calls under inference mode give the
+    reference's numbers; a call outside it (after steady calls inside) raises on every rank
+    before anything changes -- ValueError naming the gradient where it is one, a
+    ConsistencyError elsewhere -- and the next call under inference mode is right."""
+    layout = "dp2 tp2, experts"
+    ranks = case_values(world, "case_inference_gradients")
+    for index, bad in enumerate(INFERENCE_GRADIENT_RANKS):
+        for step, mode in enumerate(INFERENCE_GRADIENT_STEPS):
+            want = reference_finalize(_at(layout, step), [make_rank_inputs(_at(layout, step), r) for r in range(WORLD)])
+            for rank, cells in enumerate(ranks):
+                kind, message, untouched, outputs = cells[index][step]
+                cell = (bad, step, mode, rank)
+                if mode == "inference":
+                    assert kind == "ok", (cell, message)
+                    result = compare_ranks(_at(layout, step), [outputs], [want.outputs[rank]])
+                    assert result.ok, (cell, result.failures[:5])
+                    continue
+                assert untouched, (cell, "gradients or router state changed")
+                if bad is None or rank == bad:
+                    assert kind == "ValueError" and "torch.inference_mode()" in message, (cell, kind, message)
+                    assert message.startswith(f"rank {rank}: the gradient (main_grad) of "), (cell, message)
+                else:
+                    assert kind == "ConsistencyError" and f"rank {bad}" in message, (cell, kind, message)
+    reliability("bad input", "gradients made under torch.inference_mode(), a call outside it after steady calls "
+                "inside it (every rank, or one rank) [4 ranks]",
+                "ValueError naming the gradient where it is one, ConsistencyError elsewhere, before communication; "
+                "nothing changed; the next call under inference mode gives the reference's numbers")

@@ -17,7 +17,8 @@ from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey
 from torch_impl.call.checks import (
-    check_gradients, check_num_tokens, nonfinite_message, nonfinite_tokens, scan_spans, uses_nccl,
+    check_gradients, check_inference_mode, check_num_tokens, first_inference_gradient, nonfinite_message,
+    nonfinite_tokens, scan_spans, uses_nccl,
 )
 from torch_impl.call.group_checks import check_layout
 from torch_impl.run.grads import read_grads
@@ -60,7 +61,8 @@ class PlanRecord:
     gradients' device, whether the groups use NCCL, the discovery they checked, whether
     the consistency check passed and for which num_tokens (dtype, numel, device), and the
     spans of the NaN / Inf scan (:func:`~torch_impl.call.checks.scan_spans`; None: read
-    the gradients each step)."""
+    the gradients each step) and the first gradient that is an inference tensor (every
+    call outside inference mode refuses it: the mode is the call's)."""
 
     device: torch.device | None
     nccl: bool
@@ -68,6 +70,7 @@ class PlanRecord:
     consistent: bool = False
     tokens: Any = None
     nan_spans: Any = None
+    inference_gradient: str | None = None
 
 
 class Findings(NamedTuple):
@@ -122,11 +125,14 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
     spans = None if fresh else record.nan_spans
     try:
         if fresh:
-            device = check_gradients(read_grads(found.tensors, spec.keys), groups, config)
+            reads = read_grads(found.tensors, spec.keys)
+            device = check_gradients(reads, groups, config)
+            inference = first_inference_gradient(reads)
             nccl = record.nccl if record is not None else uses_nccl(groups)
             spans = scan_spans(read_grads(found.tensors, spec.nan_keys)) if nan_check else None
         else:
-            device, nccl = record.device, record.nccl
+            device, nccl, inference = record.device, record.nccl, record.inference_gradient
+        check_inference_mode(inference, groups.rank)
         if num_tokens is not None:
             check_num_tokens(num_tokens, device, groups, spec.ddp, nccl)
         if nan_due:  # one fused scan of the kept spans; the gradients are read to name a find
@@ -140,7 +146,7 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
         record = PlanRecord(device, nccl)
     record.device, record.found = device, found
     if fresh:
-        record.nan_spans = spans
+        record.nan_spans, record.inference_gradient = spans, inference
     if not round_due:
         return Findings(None, record)
     # The kind of num_tokens (a change is compared: it decides the token collectives).

@@ -161,6 +161,32 @@ def check_gradients(reads: Sequence[GradRead], groups: TorchGroups, config: Fina
     return device
 
 
+def first_inference_gradient(reads: Sequence[GradRead]) -> str | None:
+    """The first gradient that is an inference tensor (made under ``torch.inference_mode()``),
+    named as the errors name it, or None. Such a gradient can be updated in place only
+    under inference mode: :func:`check_inference_mode` refuses a call made outside it."""
+    for (chunk, name), _, grad, attr, _, local in reads:
+        if isinstance(local, torch.Tensor) and local.is_inference():
+            return f"the gradient ({attr}) of {name!r} (chunk {chunk})"
+    return None
+
+
+def check_inference_mode(inference_gradient: str | None, rank: int) -> None:
+    """A call with an inference-tensor gradient (:func:`first_inference_gradient`) runs under
+    ``torch.inference_mode()``: outside it, torch refuses the in-place update of that
+    gradient (Megatron's finalize fails there, after its first collectives).
+
+    Raises:
+      ValueError: outside inference mode, naming the gradient.
+    """
+    if inference_gradient is not None and not torch.is_inference_mode_enabled():
+        raise FinalizeInputError(
+            f"rank {rank}: {inference_gradient} was made under torch.inference_mode() (an inference tensor), which "
+            "cannot be updated in place outside it: make the gradient outside inference mode, or call finalize "
+            "under torch.inference_mode()"
+        )
+
+
 def check_num_tokens(
     num_tokens: Any,
     device: torch.device | None,
