@@ -1,8 +1,9 @@
 """Calls under ``torch.inference_mode()``, a default-device context (``with
 torch.device("meta")``, as ``torch.set_default_device`` sets one), a float64 default dtype,
-``torch.autocast``, grad mode or a ``TorchDispatchMode`` (``FlopCounterMode``), mixed with
-normal calls on one long-lived model, give the numbers of a model called in normal mode
-only, and the reference.
+``torch.autocast``, grad mode or a ``TorchDispatchMode`` (``FlopCounterMode``), or given a
+``num_tokens`` made under inference mode, mixed with normal calls on one long-lived model,
+give the numbers (and global count) of a model called in normal mode only, and the
+reference.
 
 A tensor allocated in inference mode cannot be updated in place outside it and has no
 version counter, so whatever meshgrad keeps between calls -- a bound program's staging
@@ -21,7 +22,7 @@ sequence parallelism, a per-token count reduced by collectives; dp 2 x tp 2 of f
 pure dp 4, whose count the status round carries and the host scales), gradients held in one
 storage layer after layer (as a Megatron DDP's buffer: staged through a kept buffer, by
 strided runs from the second call) or in meshgrad's own buffers (attached in either mode),
-finalize or the non-TP helper then finalize, and seven sequences of modes over five steps.
+finalize or the non-TP helper then finalize, and eight sequences of modes over five steps.
 Every step: bit-identical to a twin called in normal mode only; finalize also equal to the
 numpy reference.
 """
@@ -80,6 +81,10 @@ MODES: dict[str, Callable[[], Any]] = {
     "grad enabled": torch.enable_grad,
     "flop counter": lambda: FlopCounterMode(display=False),
 }
+#: A normal call whose ``num_tokens`` was made under ``torch.inference_mode()`` (an
+#: inference tensor, which the global count is written back into).
+COUNT_IN_INFERENCE = "num_tokens made under inference mode"
+MODES[COUNT_IN_INFERENCE] = torch.no_grad
 #: Per step, the mode of the call.
 SEQUENCES = {
     "inference first": ("inference", "inference", "normal", "normal", "normal"),
@@ -92,6 +97,8 @@ SEQUENCES = {
     "float64 default dtype, autocast, grad enabled": ("float64 default dtype", "autocast bfloat16", "grad enabled",
                                                       "float64 default dtype", "normal"),
     "flop counter first, then every other call": ("flop counter", "flop counter", "normal", "flop counter", "normal"),
+    "num_tokens made under inference mode": (COUNT_IN_INFERENCE, COUNT_IN_INFERENCE, "normal", COUNT_IN_INFERENCE,
+                                             "inference"),
 }
 STORAGES = ("one storage", "own buffers", "own buffers attached in inference mode")
 CELLS = [
@@ -153,9 +160,11 @@ def _model(layout: str, storage: str, rank: int, groups: Any) -> list[Any]:
     return model
 
 
-def _step(model: list[Any], groups: Any, data: Any, helper: bool, mode: str) -> tuple[str, str]:
-    """One call (the non-TP helper first with ``helper``) in ``mode``: (outcome, message)."""
-    tokens = torch.tensor(data.num_tokens, device="cpu")
+def _step(model: list[Any], groups: Any, data: Any, helper: bool, mode: str) -> tuple[str, str, Any]:
+    """One call (the non-TP helper first with ``helper``) in ``mode``: (outcome, message,
+    the count ``num_tokens`` holds afterwards)."""
+    with torch.inference_mode(mode == COUNT_IN_INFERENCE):
+        tokens = torch.tensor(data.num_tokens, device="cpu")
 
     def call(m: list[Any]) -> None:
         with MODES[mode]():
@@ -164,7 +173,7 @@ def _step(model: list[Any], groups: Any, data: Any, helper: bool, mode: str) -> 
             finalize_model_grads(m, num_tokens=tokens, pg_collection=groups)
 
     kind, message, _, _ = attempt(model, call)
-    return kind, message
+    return kind, message, tokens.item()
 
 
 def case_modes(rank: int, world: int) -> list[list[tuple]]:
@@ -180,9 +189,10 @@ def case_modes(rank: int, world: int) -> list[list[tuple]]:
             data = make_rank_inputs(scenario, rank)
             for model in (live, twin):
                 _load_in_place(model, scenario, data)
-            kind, message = _step(live, groups, data, helper, mode)
-            _step(twin, groups, data, helper, "normal")
-            steps.append((kind, message, snapshot(live) == snapshot(twin), read_outputs(live, scenario, data)))
+            kind, message, count = _step(live, groups, data, helper, mode)
+            twin_count = _step(twin, groups, data, helper, "normal")[2]
+            same = snapshot(live) == snapshot(twin) and count == twin_count
+            steps.append((kind, message, same, read_outputs(live, scenario, data)))
         out.append(steps)
     return out
 
@@ -209,7 +219,7 @@ def case_inference_gradients(rank: int, world: int) -> list[list[tuple]]:
             with torch.inference_mode():  # the only mode that writes into an inference tensor
                 _load_in_place(model, scenario, data)
             before = snapshot(model)
-            kind, message = _step(model, groups, data, False, mode)
+            kind, message, _ = _step(model, groups, data, False, mode)
             steps.append((kind, message, snapshot(model) == before, read_outputs(model, scenario, data)))
         out.append(steps)
     return out
@@ -241,7 +251,8 @@ def test_calls_in_other_torch_modes_give_normal_mode_numbers_and_the_reference(w
                     result = compare_ranks(_at(layout, step), [outputs], [reference[layout, step][rank]])
                     assert result.ok, (cell, rank, step, result.failures[:5])
     reliability("property", f"{len(CELLS)} models called under torch.inference_mode(), a meta default device, a "
-                f"float64 default dtype, autocast, grad enabled or a FlopCounterMode, mixed with normal calls, over "
+                f"float64 default dtype, autocast, grad enabled, a FlopCounterMode or num_tokens made under inference "
+                f"mode, mixed with normal calls, over "
                 f"{STEPS} steps (kept buffers, strided runs, own buffers, host token factor) [4 ranks]",
                 "numbers bit-identical to normal-mode calls and the reference (no CollectiveError, no RuntimeError)")
 

@@ -1,4 +1,5 @@
-"""Where meshgrad makes the tensors it keeps between calls (:func:`outside_inference_mode`)."""
+"""The inference mode meshgrad makes its kept tensors in (:func:`outside_inference_mode`) and
+updates the caller's tensors in (:func:`writing_into`)."""
 
 from __future__ import annotations
 
@@ -21,4 +22,14 @@ def outside_inference_mode() -> ContextManager[Any]:
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
-__all__ = ["outside_inference_mode"]
+def writing_into(tensor: torch.Tensor) -> ContextManager[Any]:
+    """The context in which to update the caller's ``tensor`` in place (the global token
+    count written back into ``num_tokens``): ``torch.inference_mode()`` for an inference
+    tensor in a call made outside it (torch updates one in place only there; Megatron's
+    all-reduce writes the count into it in either mode), else nothing to enter."""
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        return torch.inference_mode()
+    return contextlib.nullcontext()
+
+
+__all__ = ["outside_inference_mode", "writing_into"]

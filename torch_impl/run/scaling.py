@@ -14,7 +14,7 @@ from meshgrad.plan import ReduceOp, TokenScale
 from torch_impl.run.collectives import all_reduce
 from torch_impl.run.errors import collective_guard
 from torch_impl.run.groups import TorchGroups
-from torch_impl.run.modes import outside_inference_mode
+from torch_impl.run.modes import outside_inference_mode, writing_into
 
 
 def global_token_scale(
@@ -41,7 +41,8 @@ def global_token_scale(
     wide = torch.float64 if num_tokens.is_floating_point() else torch.int64
     if reduced is not None:
         total = reduced.to(device=num_tokens.device, dtype=wide).reshape(num_tokens.shape)
-        num_tokens.detach().copy_(total)
+        with writing_into(num_tokens):
+            num_tokens.detach().copy_(total)
         return torch.clamp(total, min=1).reciprocal()
     total = num_tokens.detach().to(wide, copy=True)
     pp = groups.group(Group.PP)
@@ -51,7 +52,8 @@ def global_token_scale(
     elif pp is not None:
         dist.broadcast(total, src=groups.pp_last_rank, group=pp)
     all_reduce(total, groups.group(action.group), ReduceOp.SUM, groups.size(action.group))
-    num_tokens.detach().copy_(total)
+    with writing_into(num_tokens):
+        num_tokens.detach().copy_(total)
     counted = num_tokens.detach() if num_tokens.is_floating_point() else total
     return torch.clamp(counted, min=1).reciprocal()
 
@@ -105,7 +107,8 @@ def host_scale(num_tokens: torch.Tensor, total: int, kept: HostFactor | None = N
         return None
     if dtype not in (torch.float32, torch.float64) or num_tokens.device.type != "cpu":
         return None
-    num_tokens.fill_(total)  # an integer tensor: it cannot require grad
+    with writing_into(num_tokens):
+        num_tokens.fill_(total)  # an integer tensor: it cannot require grad
     return (kept if kept is not None else HostFactor()).get(total, num_tokens.shape, dtype)
 
 
