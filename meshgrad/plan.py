@@ -150,6 +150,20 @@ class FinalizePlan:
         keys.update(dict.fromkeys(self.token_scale.keys if scale_keys is None else scale_keys))
         return tuple(keys)
 
+    def router_writes(self) -> tuple[tuple[ParamKey, str], ...]:
+        """(router key, buffer attribute) of every router buffer the plan updates in place:
+        the expert bias and qb_beta updates' results, the reset's zeroed counts."""
+        out: dict[tuple[ParamKey, str], None] = {}
+        for action in self.actions:
+            if isinstance(action, ExpertBiasUpdate):
+                out.update(dict.fromkeys((k, "expert_bias") for k in action.routers))
+            elif isinstance(action, QbBetaUpdate):
+                out.update(dict.fromkeys((k, "qb_beta") for k in action.routers))
+            elif isinstance(action, ResetTemporaries):
+                out.update(dict.fromkeys((k, "local_tokens_per_expert") for k in action.zero_tokens))
+                out.update(dict.fromkeys((k, attr) for k in action.zero_qb for attr in ("qb_beta_accum", "qb_beta_count")))
+        return tuple(out)
+
     def actions_with(self, num_tokens: bool) -> tuple[Action, ...]:
         """The actions to run: the plan's, plus its token scaling when num_tokens is given."""
         return self.actions + ((self.token_scale,) if num_tokens else ())

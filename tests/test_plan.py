@@ -151,6 +151,14 @@ def test_router_steps():
     (reset,) = reductions(plan, Step.RESET)
     assert isinstance(reset, ResetTemporaries)
     assert len(reset.zero_tokens) == 4 and reset.reset_aux_loss == ()
+    # What the plan updates in place (the check stage refuses an inference tensor there):
+    # the trained, unfrozen biases; every router's counts, and the qb accumulators of those
+    # that have them.
+    qb_accumulators = [((0, n), attr) for n in ("r0", "r1", "eval") for attr in ("qb_beta_accum", "qb_beta_count")]
+    assert plan.router_writes() == (
+        ((0, "r0"), "expert_bias"), ((0, "r1"), "expert_bias"),
+        *(((0, n), "local_tokens_per_expert") for n in ("r0", "r1", "eval", "frozen")), *qb_accumulators,
+    )
 
     qb = FinalizeConfig(moe_router_load_balancing_type="quantile_balancing", moe_router_quantile_balancing_ema=0.0)
     plan = plan_finalize([], qb, DIMS, routers)
@@ -159,6 +167,7 @@ def test_router_steps():
     assert (update.routers, update.ema, update.group) == (((0, "r0"), (0, "r1")), 0.0, Group.DP_CP_GTP)
     (reset,) = reductions(plan, Step.RESET)
     assert reset.zero_qb == ((0, "r0"), (0, "r1"), (0, "eval")) and reset.zero_tokens == ()
+    assert plan.router_writes() == (((0, "r0"), "qb_beta"), ((0, "r1"), "qb_beta"), *qb_accumulators)
 
     aux = plan_finalize([], FinalizeConfig(moe_router_load_balancing_type="global_aux_loss"), DIMS, routers)
     assert reductions(aux, Step.RESET)[0].reset_aux_loss == ((0, "r0"),)

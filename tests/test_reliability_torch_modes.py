@@ -47,6 +47,7 @@ from parity_tests.scenarios import ParamLayout, Scenario, gpt_params, make_rank_
 from parity_tests.torch_world import build_model, load_inputs, read_outputs, scenario_config  # noqa: E402
 from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
 from test_reliability_inputs import DP_TP, attempt, snapshot, timed_collection  # noqa: E402
+from test_reliability_steps import ROUTER  # noqa: E402
 from torch_impl import _allreduce_non_tensor_model_parallel_grads, attach_grad_buffers, finalize_model_grads  # noqa: E402
 
 WORLD = 4
@@ -197,23 +198,30 @@ def case_modes(rank: int, world: int) -> list[list[tuple]]:
     return out
 
 
-#: Gradients made under inference mode (on every rank, or on rank 2 only): the steps'
-#: modes, a call outside inference mode after steady calls inside it.
-INFERENCE_GRADIENT_STEPS = ("inference", "inference", "inference", "normal", "inference")
-INFERENCE_GRADIENT_RANKS = (None, 2)
+#: Tensors finalize updates in place made under inference mode (the gradients, or a router
+#: buffer the plan writes), on every rank or on rank 2 only; the steps' modes: a call
+#: outside inference mode after steady calls inside it.
+INFERENCE_TARGETS = ("gradients", "expert_bias", "local_tokens_per_expert")
+INFERENCE_STEPS = ("inference", "inference", "inference", "normal", "inference")
+INFERENCE_CELLS = [(target, bad) for target in INFERENCE_TARGETS for bad in (None, 2)]
 
 
-def case_inference_gradients(rank: int, world: int) -> list[list[tuple]]:
-    """Per cell (every rank's gradients made under inference mode, or rank 2's only), per
+def case_inference_tensors(rank: int, world: int) -> list[list[tuple]]:
+    """Per cell (what is made under inference mode, on every rank or on rank 2 only), per
     step: (outcome, message, nothing changed, the outputs for the reference)."""
     layout = "dp2 tp2, experts"
     groups = timed_collection(LAYOUTS[layout])
     out = []
-    for bad in INFERENCE_GRADIENT_RANKS:
+    for target, bad in INFERENCE_CELLS:
         model = _model(layout, "one storage", rank, groups)
-        _one_storage(model, inference=bad is None or rank == bad)
+        made_there = bad is None or rank == bad
+        _one_storage(model, inference=made_there and target == "gradients")
+        if made_there and target != "gradients":
+            router = model[0].get_submodule(ROUTER)
+            with torch.inference_mode():
+                setattr(router, target, getattr(router, target).clone())
         steps = []
-        for step, mode in enumerate(INFERENCE_GRADIENT_STEPS):
+        for step, mode in enumerate(INFERENCE_STEPS):
             scenario = _at(layout, step)
             data = make_rank_inputs(scenario, rank)
             with torch.inference_mode():  # the only mode that writes into an inference tensor
@@ -257,19 +265,21 @@ def test_calls_in_other_torch_modes_give_normal_mode_numbers_and_the_reference(w
                 "numbers bit-identical to normal-mode calls and the reference (no CollectiveError, no RuntimeError)")
 
 
-def test_a_gradient_made_under_inference_mode_is_refused_outside_it_before_anything_changes(world, reliability) -> None:
-    """Gradients that are inference tensors: calls under inference mode give the
-    reference's numbers; a call outside it (after steady calls inside) raises on every rank
-    before anything changes -- ValueError naming the gradient where it is one, a
-    ConsistencyError elsewhere -- and the next call under inference mode is right."""
+def test_a_tensor_made_under_inference_mode_is_refused_outside_it_before_anything_changes(world, reliability) -> None:
+    """Gradients or a router buffer finalize writes that are inference tensors: calls under
+    inference mode give the reference's numbers; a call outside it (after steady calls
+    inside) raises on every rank before anything changes -- ValueError naming the tensor
+    where it is one, a ConsistencyError elsewhere -- and the next call under inference
+    mode is right."""
     layout = "dp2 tp2, experts"
-    ranks = case_values(world, "case_inference_gradients")
-    for index, bad in enumerate(INFERENCE_GRADIENT_RANKS):
-        for step, mode in enumerate(INFERENCE_GRADIENT_STEPS):
+    ranks = case_values(world, "case_inference_tensors")
+    for index, (target, bad) in enumerate(INFERENCE_CELLS):
+        named = "the gradient (main_grad) of " if target == "gradients" else f"the {target} buffer of router "
+        for step, mode in enumerate(INFERENCE_STEPS):
             want = reference_finalize(_at(layout, step), [make_rank_inputs(_at(layout, step), r) for r in range(WORLD)])
             for rank, cells in enumerate(ranks):
                 kind, message, untouched, outputs = cells[index][step]
-                cell = (bad, step, mode, rank)
+                cell = (target, bad, step, mode, rank)
                 if mode == "inference":
                     assert kind == "ok", (cell, message)
                     result = compare_ranks(_at(layout, step), [outputs], [want.outputs[rank]])
@@ -278,10 +288,11 @@ def test_a_gradient_made_under_inference_mode_is_refused_outside_it_before_anyth
                 assert untouched, (cell, "gradients or router state changed")
                 if bad is None or rank == bad:
                     assert kind == "ValueError" and "torch.inference_mode()" in message, (cell, kind, message)
-                    assert message.startswith(f"rank {rank}: the gradient (main_grad) of "), (cell, message)
+                    assert message.startswith(f"rank {rank}: {named}"), (cell, message)
                 else:
                     assert kind == "ConsistencyError" and f"rank {bad}" in message, (cell, kind, message)
-    reliability("bad input", "gradients made under torch.inference_mode(), a call outside it after steady calls "
-                "inside it (every rank, or one rank) [4 ranks]",
-                "ValueError naming the gradient where it is one, ConsistencyError elsewhere, before communication; "
+    reliability("bad input", "gradients or a router buffer finalize writes (expert_bias, local_tokens_per_expert) "
+                "made under torch.inference_mode(), a call outside it after steady calls inside it (every rank, or "
+                "one rank) [4 ranks]",
+                "ValueError naming the tensor where it is one, ConsistencyError elsewhere, before communication; "
                 "nothing changed; the next call under inference mode gives the reference's numbers")

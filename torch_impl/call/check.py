@@ -17,7 +17,7 @@ from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey
 from torch_impl.call.checks import (
-    check_gradients, check_inference_mode, check_num_tokens, first_inference_gradient, nonfinite_message,
+    check_gradients, check_inference_mode, check_num_tokens, first_inference_tensor, nonfinite_message,
     nonfinite_tokens, scan_spans, uses_nccl,
 )
 from torch_impl.call.group_checks import check_layout
@@ -42,6 +42,8 @@ class CheckSpec:
       collection: groups from a collection or mapping (members checked against the mesh).
       over: the groups of the status round (together they reach every rank of the call).
       compared: the groups whose signatures are compared (None: every group of size > 1).
+      router_writes: (router key, buffer attribute) of the router buffers the plan updates
+        in place (:meth:`~meshgrad.plan.FinalizePlan.router_writes`).
     """
 
     keys: tuple[ParamKey, ...]
@@ -53,6 +55,7 @@ class CheckSpec:
     collection: bool = False
     over: tuple[Group, ...] = SPANNING_GROUPS
     compared: tuple[Group, ...] | None = None
+    router_writes: tuple[tuple[ParamKey, str], ...] = ()
 
 
 @dataclasses.dataclass
@@ -61,8 +64,9 @@ class PlanRecord:
     gradients' device, whether the groups use NCCL, the discovery they checked, whether
     the consistency check passed and for which num_tokens (dtype, numel, device), and the
     spans of the NaN / Inf scan (:func:`~torch_impl.call.checks.scan_spans`; None: read
-    the gradients each step) and the first gradient that is an inference tensor (every
-    call outside inference mode refuses it: the mode is the call's)."""
+    the gradients each step) and the first gradient or written router buffer that is an
+    inference tensor (every call outside inference mode refuses it: the mode is the
+    call's)."""
 
     device: torch.device | None
     nccl: bool
@@ -70,7 +74,7 @@ class PlanRecord:
     consistent: bool = False
     tokens: Any = None
     nan_spans: Any = None
-    inference_gradient: str | None = None
+    inference_tensor: str | None = None
 
 
 class Findings(NamedTuple):
@@ -127,11 +131,11 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
         if fresh:
             reads = read_grads(found.tensors, spec.keys)
             device = check_gradients(reads, groups, config)
-            inference = first_inference_gradient(reads)
+            inference = first_inference_tensor(reads, found.router_modules, spec.router_writes)
             nccl = record.nccl if record is not None else uses_nccl(groups)
             spans = scan_spans(read_grads(found.tensors, spec.nan_keys)) if nan_check else None
         else:
-            device, nccl, inference = record.device, record.nccl, record.inference_gradient
+            device, nccl, inference = record.device, record.nccl, record.inference_tensor
         check_inference_mode(inference, groups.rank)
         if num_tokens is not None:
             check_num_tokens(num_tokens, device, groups, spec.ddp, nccl)
@@ -146,7 +150,7 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
         record = PlanRecord(device, nccl)
     record.device, record.found = device, found
     if fresh:
-        record.nan_spans, record.inference_gradient = spans, inference
+        record.nan_spans, record.inference_tensor = spans, inference
     if not round_due:
         return Findings(None, record)
     # The kind of num_tokens (a change is compared: it decides the token collectives).

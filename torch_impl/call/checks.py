@@ -161,29 +161,35 @@ def check_gradients(reads: Sequence[GradRead], groups: TorchGroups, config: Fina
     return device
 
 
-def first_inference_gradient(reads: Sequence[GradRead]) -> str | None:
-    """The first gradient that is an inference tensor (made under ``torch.inference_mode()``),
-    named as the errors name it, or None. Such a gradient can be updated in place only
-    under inference mode: :func:`check_inference_mode` refuses a call made outside it."""
+def first_inference_tensor(reads: Sequence[GradRead], routers: Mapping[ParamKey, Any],
+                           writes: Sequence[tuple[ParamKey, str]]) -> str | None:
+    """The first gradient, or router buffer the plan updates in place (``writes``: router
+    key, attribute), that is an inference tensor (made under ``torch.inference_mode()``),
+    named as the errors name it, or None. Such a tensor can be updated in place only under
+    inference mode: :func:`check_inference_mode` refuses a call made outside it."""
     for (chunk, name), _, grad, attr, _, local in reads:
         if isinstance(local, torch.Tensor) and local.is_inference():
             return f"the gradient ({attr}) of {name!r} (chunk {chunk})"
+    for (chunk, name), attr in writes:
+        buffer = getattr(routers.get((chunk, name)), attr, None)
+        if isinstance(buffer, torch.Tensor) and buffer.is_inference():
+            return f"the {attr} buffer of router {name!r} (chunk {chunk})"
     return None
 
 
-def check_inference_mode(inference_gradient: str | None, rank: int) -> None:
-    """A call with an inference-tensor gradient (:func:`first_inference_gradient`) runs under
-    ``torch.inference_mode()``: outside it, torch refuses the in-place update of that
-    gradient (Megatron's finalize fails there, after its first collectives).
+def check_inference_mode(inference_tensor: str | None, rank: int) -> None:
+    """A call that updates an inference tensor in place (:func:`first_inference_tensor`)
+    runs under ``torch.inference_mode()``: outside it, torch refuses the update (Megatron's
+    finalize fails there, after its first collectives).
 
     Raises:
-      ValueError: outside inference mode, naming the gradient.
+      ValueError: outside inference mode, naming the tensor.
     """
-    if inference_gradient is not None and not torch.is_inference_mode_enabled():
+    if inference_tensor is not None and not torch.is_inference_mode_enabled():
         raise FinalizeInputError(
-            f"rank {rank}: {inference_gradient} was made under torch.inference_mode() (an inference tensor), which "
-            "cannot be updated in place outside it: make the gradient outside inference mode, or call finalize "
-            "under torch.inference_mode()"
+            f"rank {rank}: {inference_tensor} was made under torch.inference_mode() (an inference tensor), which "
+            "cannot be updated in place outside it: make it outside inference mode, or call finalize under "
+            "torch.inference_mode()"
         )
 
 

@@ -104,6 +104,7 @@ def _finalize_plan(
         requested=requested,
         experts=found.untouched_experts or any(p.expert and p.has_grad for p in found.params),
         collection=source_kind(source) in LISTED_KINDS,
+        router_writes=bound.plan.router_writes(),
     )
     return dataclasses.replace(bound, checks=checks)
 
@@ -112,7 +113,8 @@ def _helper_plan(found: Discovered, config: FinalizeConfig, groups: TorchGroups,
     """A seed helper's plan (:func:`meshgrad.helpers.plan_helper`: its steps, built with its
     rules), checked over its own groups."""
     plan = plan_helper(found.params, config, groups.group_sizes(config), found.routers, request.steps)
-    checks = CheckSpec(keys=plan.gradient_keys(()), nan=False, over=request.over, compared=request.over)
+    checks = CheckSpec(keys=plan.gradient_keys(()), nan=False, over=request.over, compared=request.over,
+                       router_writes=plan.router_writes())
     return BoundPlan(plan, (), (), (), checks, helper=True)
 
 
