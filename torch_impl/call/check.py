@@ -136,7 +136,8 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
             spans = scan_spans(read_grads(found.tensors, spec.nan_keys)) if nan_check else None
         else:
             device, nccl, inference = record.device, record.nccl, record.inference_tensor
-        check_inference_mode(inference, groups.rank)
+        if inference is not None:  # rare: no call on the usual step
+            check_inference_mode(inference, groups.rank)
         if num_tokens is not None:
             check_num_tokens(num_tokens, device, groups, spec.ddp, nccl)
         if nan_due:  # one fused scan of the kept spans; the gradients are read to name a find
