@@ -167,7 +167,7 @@ def first_inference_tensor(reads: Sequence[GradRead], routers: Mapping[ParamKey,
     key, attribute), that is an inference tensor (made under ``torch.inference_mode()``),
     named as the errors name it, or None. Such a tensor can be updated in place only under
     inference mode: :func:`check_inference_mode` refuses a call made outside it."""
-    for (chunk, name), _, grad, attr, _, local in reads:
+    for (chunk, name), _, _, attr, _, local in reads:
         if isinstance(local, torch.Tensor) and local.is_inference():
             return f"the gradient ({attr}) of {name!r} (chunk {chunk})"
     for (chunk, name), attr in writes:
