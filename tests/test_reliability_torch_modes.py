@@ -17,9 +17,10 @@ raised a bare RuntimeError under inference mode, and NotImplementedError under a
 default device, after the gradients were reduced but before they were scaled; the strided
 runs' probe failed under a meta default device. Megatron-core's finalize works in each.
 
-One gloo world of 4 ranks runs the grid: three layouts (dp 2 x tp 2 with experts, routers and
+One gloo world of 4 ranks runs the grid: four layouts (dp 2 x tp 2 with experts, routers and
 sequence parallelism, a per-token count reduced by collectives; dp 2 x tp 2 of four layers;
-pure dp 4, whose count the status round carries and the host scales), gradients held in one
+pp 2 x tp 2 with the word and position embeddings synced across stages; pure dp 4, whose
+count the status round carries and the host scales), gradients held in one
 storage layer after layer (as a Megatron DDP's buffer: staged through a kept buffer, by
 strided runs from the second call) or in meshgrad's own buffers (attached in either mode),
 finalize or the non-TP helper then finalize, and eight sequences of modes over five steps.
@@ -46,7 +47,7 @@ from parity_tests.reference import reference_finalize  # noqa: E402
 from parity_tests.scenarios import ParamLayout, Scenario, gpt_params, make_rank_inputs  # noqa: E402
 from parity_tests.torch_world import build_model, load_inputs, read_outputs, scenario_config  # noqa: E402
 from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
-from test_reliability_inputs import DP_TP, attempt, snapshot, timed_collection  # noqa: E402
+from test_reliability_inputs import DP_TP, PP_TP, attempt, snapshot, timed_collection  # noqa: E402
 from test_reliability_steps import ROUTER  # noqa: E402
 from torch_impl import _allreduce_non_tensor_model_parallel_grads, attach_grad_buffers, finalize_model_grads  # noqa: E402
 
@@ -67,6 +68,9 @@ LAYOUTS = {
     "dp2 tp2, 4 layers": Scenario(
         "modes-layers", dp=2, tp=2, params=LAYERS, num_tokens="random",
         config=dict(sequence_parallel=True, calculate_per_token_loss=True),
+    ),
+    "pp2 tp2, embeddings": dataclasses.replace(
+        PP_TP, name="modes-pp2tp2", num_tokens="random", config={**PP_TP.config, "calculate_per_token_loss": True}
     ),
     "dp4, count on the host": Scenario(
         "modes-dp4", dp=4, params=gpt_params(), num_tokens="random", config=dict(calculate_per_token_loss=True)
