@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable, Mapping
+from typing import ClassVar
 
 from meshgrad.axes import Group
 from meshgrad.params import ParamKey
@@ -360,6 +361,9 @@ class _LocalAction:
 @dataclasses.dataclass(frozen=True)
 class ResetTemporaries(_LocalAction):
     """Zero token counts / qb accumulators, reset the global aux-loss tracker."""
+
+    #: The buffers zeroed on each router of ``zero_qb``.
+    QB_ACCUMULATORS: ClassVar[tuple[str, ...]] = ("qb_beta_accum", "qb_beta_count")
 
     zero_tokens: tuple[ParamKey, ...]
     zero_qb: tuple[ParamKey, ...]

@@ -161,7 +161,7 @@ class FinalizePlan:
                 out.update(dict.fromkeys((k, "qb_beta") for k in action.routers))
             elif isinstance(action, ResetTemporaries):
                 out.update(dict.fromkeys((k, "local_tokens_per_expert") for k in action.zero_tokens))
-                out.update(dict.fromkeys((k, attr) for k in action.zero_qb for attr in ("qb_beta_accum", "qb_beta_count")))
+                out.update(dict.fromkeys((k, attr) for k in action.zero_qb for attr in action.QB_ACCUMULATORS))
         return tuple(out)
 
     def actions_with(self, num_tokens: bool) -> tuple[Action, ...]:

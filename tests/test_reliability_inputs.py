@@ -157,6 +157,35 @@ def setup_model(
     return model
 
 
+def load_in_place(model: Sequence[Any], scenario: Scenario, data: Any) -> None:
+    """``data`` loaded (:func:`load_inputs`), its gradients copied into the tensors the
+    model holds (as backward accumulates into the same buffers), so that a long-lived
+    model's next step changes only what a case changes."""
+    inner = [getattr(c, "module", c) for c in model]
+    held = {(i, n): p.main_grad for i, c in enumerate(inner) for n, p in c.named_parameters()
+            if getattr(p, "main_grad", None) is not None}
+    load_inputs(model, scenario, data)
+    for (i, name), old in held.items():
+        p = inner[i].get_parameter(name)
+        if p.main_grad is not old:
+            old.copy_(p.main_grad)
+            p.main_grad = old
+
+
+def ddp_buffer_layout(model: Sequence[Any], inference: bool = False) -> None:
+    """Each chunk's trainable gradients (``main_grad``, values kept) as views of one buffer,
+    parameters in reverse order, as a Megatron DDP keeps them; with ``inference``, the
+    buffer made under ``torch.inference_mode()`` (an inference tensor)."""
+    for chunk in model:
+        params = [p for p in getattr(chunk, "module", chunk).parameters() if p.requires_grad][::-1]
+        with torch.inference_mode(inference):
+            buffer = torch.cat([p.main_grad.reshape(-1) for p in params])
+        offset = 0
+        for p in params:
+            p.main_grad = buffer[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+
+
 def _seeded(scenario: Scenario, step: int) -> Scenario:
     import dataclasses
 

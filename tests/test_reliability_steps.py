@@ -52,6 +52,7 @@ from test_reliability_inputs import (  # noqa: E402
     _seeded,
     attempt,
     kind_of,
+    load_in_place,
     param,
     setup_model,
     snapshot,
@@ -123,13 +124,7 @@ class HelperThenFinalize:
 def _step2_in_place(model: Sequence[Any], rank: int) -> None:
     """:func:`_step2`, the new values copied into the gradient tensors the model holds (as
     training accumulates into the same buffers), so that only the case's change differs."""
-    held = {name: p.main_grad for name, p in _inner(model).named_parameters() if hasattr(p, "main_grad")}
-    _step2(model, rank)
-    for name, p in _inner(model).named_parameters():
-        old = held.get(name)
-        if old is not None and p.main_grad is not old:
-            old.copy_(p.main_grad)
-            p.main_grad = old
+    load_in_place(model, DP_TP, make_rank_inputs(_seeded(DP_TP, 1), rank))
 
 
 def _steady_live_case(name: str) -> Callable[[int, int], tuple]:

@@ -47,7 +47,9 @@ from parity_tests.reference import reference_finalize  # noqa: E402
 from parity_tests.scenarios import ParamLayout, Scenario, gpt_params, make_rank_inputs  # noqa: E402
 from parity_tests.torch_world import build_model, load_inputs, read_outputs, scenario_config  # noqa: E402
 from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
-from test_reliability_inputs import DP_TP, PP_TP, attempt, snapshot, timed_collection  # noqa: E402
+from test_reliability_inputs import (  # noqa: E402
+    DP_TP, PP_TP, attempt, ddp_buffer_layout, load_in_place, snapshot, timed_collection,
+)
 from test_reliability_steps import ROUTER  # noqa: E402
 from torch_impl import _allreduce_non_tensor_model_parallel_grads, attach_grad_buffers, finalize_model_grads  # noqa: E402
 
@@ -127,32 +129,6 @@ def _at(layout: str, step: int) -> Scenario:
     return dataclasses.replace(LAYOUTS[layout], seed=step)
 
 
-def _one_storage(model: list[Any], inference: bool = False) -> None:
-    """Each chunk's gradients as views of one buffer, parameters in reverse order (as a
-    Megatron DDP keeps them); with ``inference``, the buffer made under
-    ``torch.inference_mode()`` (an inference tensor)."""
-    for chunk in model:
-        params = [p for p in chunk.parameters() if p.requires_grad][::-1]
-        with torch.inference_mode(inference):
-            flat = torch.zeros(sum(p.numel() for p in params))
-        offset = 0
-        for p in params:
-            p.main_grad = flat[offset:offset + p.numel()].view(p.shape)
-            offset += p.numel()
-
-
-def _load_in_place(model: list[Any], scenario: Scenario, data: Any) -> None:
-    """``data``'s gradients copied into the tensors the model holds (as backward accumulates
-    into the same buffers), its router state loaded."""
-    held = {(i, n): p.main_grad for i, c in enumerate(model) for n, p in c.named_parameters()
-            if getattr(p, "main_grad", None) is not None}
-    load_inputs(model, scenario, data)
-    for (i, name), old in held.items():
-        p = model[i].get_parameter(name)
-        old.copy_(p.main_grad)
-        p.main_grad = old
-
-
 def _model(layout: str, storage: str, rank: int, groups: Any) -> list[Any]:
     scenario = _at(layout, 0)
     model = build_model(scenario, rank, scenario_config(scenario, False))
@@ -161,7 +137,7 @@ def _model(layout: str, storage: str, rank: int, groups: Any) -> list[Any]:
         with torch.inference_mode(storage.endswith("inference mode")):
             attach_grad_buffers(model, groups)
     else:
-        _one_storage(model)
+        ddp_buffer_layout(model)
     return model
 
 
@@ -193,7 +169,7 @@ def case_modes(rank: int, world: int) -> list[list[tuple]]:
             scenario = _at(layout, step)
             data = make_rank_inputs(scenario, rank)
             for model in (live, twin):
-                _load_in_place(model, scenario, data)
+                load_in_place(model, scenario, data)
             kind, message, count = _step(live, groups, data, helper, mode)
             twin_count = _step(twin, groups, data, helper, "normal")[2]
             same = snapshot(live) == snapshot(twin) and count == twin_count
@@ -219,7 +195,7 @@ def case_inference_tensors(rank: int, world: int) -> list[list[tuple]]:
     for target, bad in INFERENCE_CELLS:
         model = _model(layout, "one storage", rank, groups)
         made_there = bad is None or rank == bad
-        _one_storage(model, inference=made_there and target == "gradients")
+        ddp_buffer_layout(model, inference=made_there and target == "gradients")
         if made_there and target != "gradients":
             router = model[0].get_submodule(ROUTER)
             with torch.inference_mode():
@@ -229,7 +205,7 @@ def case_inference_tensors(rank: int, world: int) -> list[list[tuple]]:
             scenario = _at(layout, step)
             data = make_rank_inputs(scenario, rank)
             with torch.inference_mode():  # the only mode that writes into an inference tensor
-                _load_in_place(model, scenario, data)
+                load_in_place(model, scenario, data)
             before = snapshot(model)
             kind, message, _ = _step(model, groups, data, False, mode)
             steps.append((kind, message, snapshot(model) == before, read_outputs(model, scenario, data)))

@@ -30,6 +30,7 @@ from parity_tests.scenarios import (  # noqa: E402
 )
 from parity_tests.torch_world import build_model, collection, load_inputs, read_outputs  # noqa: E402
 from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
+from test_reliability_inputs import ddp_buffer_layout  # noqa: E402
 
 WORLD = 4
 _GROUPS: dict[Any, Any] = {}  # per worker process: groups per mesh (tests only)
@@ -358,12 +359,8 @@ def case_ddp_buffer_layers(rank: int, world: int) -> tuple[RankData, list[bool],
     from torch_impl.run import strided_runs
 
     model, pgc, data = _prepare(DDP_LAYERS, rank)
+    ddp_buffer_layout(model)
     params = [p for p in model[0].parameters() if p.requires_grad][::-1]
-    buffer = torch.cat([p.main_grad.reshape(-1) for p in params])
-    offset = 0
-    for p in params:
-        p.main_grad = buffer[offset : offset + p.numel()].view(p.shape)
-        offset += p.numel()
     # The TP weights between the staged gradients in the buffer (``params`` order).
     between = [not (getattr(p, "sequence_parallel", False) or "layernorm" in n or "tp_avg" in n)
                for n, p in model[0].named_parameters() if p.requires_grad][::-1]

@@ -109,6 +109,11 @@ def _check_disjoint(by_storage: Mapping[Any, list[tuple[torch.Tensor, str]]], ra
                     )
 
 
+def _gradient_name(chunk: int, name: str, attr: str) -> str:
+    """A gradient as the errors name it."""
+    return f"the gradient ({attr}) of {name!r} (chunk {chunk})"
+
+
 def check_gradients(reads: Sequence[GradRead], groups: TorchGroups, config: FinalizeConfig) -> torch.device | None:
     """Every gradient finalize will touch: a dense (strided) floating tensor of its
     parameter's shape without internal overlap, all on one usable device, no two
@@ -136,7 +141,7 @@ def check_gradients(reads: Sequence[GradRead], groups: TorchGroups, config: Fina
     for (chunk, name), param, grad, attr, dtensor, _ in reads:
         if grad is None:
             continue
-        what = f"the gradient ({attr}) of {name!r} (chunk {chunk})"
+        what = _gradient_name(chunk, name, attr)
         _check_grad(grad, param, what, rank, config.use_megatron_fsdp or dtensor)
         here = grad.device
         if nccl and here.type != "cuda":
@@ -169,7 +174,7 @@ def first_inference_tensor(reads: Sequence[GradRead], routers: Mapping[ParamKey,
     inference mode: :func:`check_inference_mode` refuses a call made outside it."""
     for (chunk, name), _, _, attr, _, local in reads:
         if isinstance(local, torch.Tensor) and local.is_inference():
-            return f"the gradient ({attr}) of {name!r} (chunk {chunk})"
+            return _gradient_name(chunk, name, attr)
     for (chunk, name), attr in writes:
         buffer = getattr(routers.get((chunk, name)), attr, None)
         if isinstance(buffer, torch.Tensor) and buffer.is_inference():
@@ -177,15 +182,15 @@ def first_inference_tensor(reads: Sequence[GradRead], routers: Mapping[ParamKey,
     return None
 
 
-def check_inference_mode(inference_tensor: str | None, rank: int) -> None:
-    """A call that updates an inference tensor in place (:func:`first_inference_tensor`)
-    runs under ``torch.inference_mode()``: outside it, torch refuses the update (Megatron's
-    finalize fails there, after its first collectives).
+def check_inference_mode(inference_tensor: str, rank: int) -> None:
+    """A call that updates an inference tensor in place (``inference_tensor``: its name,
+    from :func:`first_inference_tensor`) runs under ``torch.inference_mode()``: outside it,
+    torch refuses the update (Megatron's finalize fails there, after its first collectives).
 
     Raises:
       ValueError: outside inference mode, naming the tensor.
     """
-    if inference_tensor is not None and not torch.is_inference_mode_enabled():
+    if not torch.is_inference_mode_enabled():
         raise FinalizeInputError(
             f"rank {rank}: {inference_tensor} was made under torch.inference_mode() (an inference tensor), which "
             "cannot be updated in place outside it: make it outside inference mode, or call finalize under "

@@ -206,7 +206,7 @@ def apply_reset(action: ResetTemporaries, routers: Mapping[ParamKey, nn.Module])
         if tokens is not None:
             zero.append(tokens)
     for key in action.zero_qb:
-        for attr in ("qb_beta_accum", "qb_beta_count"):
+        for attr in action.QB_ACCUMULATORS:
             value = getattr(routers[key], attr, None)
             if value is not None:
                 zero.append(value)
