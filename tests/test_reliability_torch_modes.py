@@ -1,9 +1,10 @@
 """Calls under ``torch.inference_mode()``, a default-device context (``with
 torch.device("meta")``, as ``torch.set_default_device`` sets one), a float64 default dtype,
-``torch.autocast``, grad mode or a ``TorchDispatchMode`` (``FlopCounterMode``), or given a
-``num_tokens`` made under inference mode, mixed with normal calls on one long-lived model,
-give the numbers (and global count) of a model called in normal mode only, and the
-reference.
+``torch.autocast``, grad mode, a ``TorchDispatchMode`` (``FlopCounterMode``, a user's
+pass-through mode) or a ``TorchFunctionMode``, deterministic algorithms, anomaly detection,
+from another thread than the first call's, or given a ``num_tokens`` made under inference
+mode, mixed with normal calls on one long-lived model, give the numbers (and global count)
+of a model called in normal mode only, and the reference.
 
 A tensor allocated in inference mode cannot be updated in place outside it and has no
 version counter, so whatever meshgrad keeps between calls -- a bound program's staging
@@ -23,7 +24,9 @@ pp 2 x tp 2 with the word and position embeddings synced across stages; pure dp 
 count the status round carries and the host scales), gradients held in one
 storage layer after layer (as a Megatron DDP's buffer: staged through a kept buffer, by
 strided runs from the second call) or in meshgrad's own buffers (attached in either mode),
-finalize or the non-TP helper then finalize, and eight sequences of modes over five steps.
+finalize or the non-TP helper then finalize, and eight sequences of modes over five steps
+(three more, of modes that meshgrad's kept tensors do not depend on, without the buffers
+attached in inference mode).
 Every step: bit-identical to a twin called in normal mode only; finalize also equal to the
 numpy reference.
 """
@@ -33,6 +36,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import operator
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +45,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from parity_tests.compare import compare_ranks  # noqa: E402
@@ -83,7 +90,7 @@ MODES: dict[str, Callable[[], Any]] = {
     "normal": torch.no_grad,
     "inference": torch.inference_mode,
     "meta default device": lambda: torch.device("meta"),
-    "float64 default dtype": lambda: _default_dtype(torch.float64),
+    "float64 default dtype": lambda: _global_setting(torch.get_default_dtype, torch.set_default_dtype, torch.float64),
     "autocast bfloat16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
     "grad enabled": torch.enable_grad,
     "flop counter": lambda: FlopCounterMode(display=False),
@@ -92,6 +99,10 @@ MODES: dict[str, Callable[[], Any]] = {
 #: inference tensor, which the global count is written back into).
 COUNT_IN_INFERENCE = "num_tokens made under inference mode"
 MODES[COUNT_IN_INFERENCE] = torch.no_grad
+#: A normal call made from a new thread (grad mode, inference mode and dispatch state are
+#: per thread).
+ANOTHER_THREAD = "another thread"
+MODES[ANOTHER_THREAD] = torch.no_grad
 #: Per step, the mode of the call.
 SEQUENCES = {
     "inference first": ("inference", "inference", "normal", "normal", "normal"),
@@ -108,21 +119,73 @@ SEQUENCES = {
                                              "inference"),
 }
 STORAGES = ("one storage", "own buffers", "own buffers attached in inference mode")
+#: Sequences of modes no kept tensor is made differently under: on the first two storages.
+OTHER_SEQUENCES = {
+    "deterministic algorithms, anomaly detection": ("deterministic algorithms", "anomaly detection", "normal",
+                                                    "deterministic algorithms", "anomaly detection"),
+    "a user's function and dispatch modes": ("torch function mode", "torch dispatch mode", "normal",
+                                             "torch function mode", "torch dispatch mode"),
+    "another thread every other call": (ANOTHER_THREAD, "normal", ANOTHER_THREAD, "normal", ANOTHER_THREAD),
+}
 CELLS = [
     (layout, storage, helper, sequence)
-    for layout, storage, helper, sequence in itertools.product(LAYOUTS, STORAGES, (False, True), SEQUENCES)
+    for sequences, storages in ((SEQUENCES, STORAGES), (OTHER_SEQUENCES, STORAGES[:2]))
+    for layout, storage, helper, sequence in itertools.product(LAYOUTS, storages, (False, True), sequences)
     if not helper or (storage == "one storage" and layout.startswith("dp2 tp2"))
 ]
+SEQUENCES.update(OTHER_SEQUENCES)
+
+
+class _PassThroughFunctions(TorchFunctionMode):
+    """A user's ``TorchFunctionMode`` that sees every torch call and changes none."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class _PassThroughDispatch(TorchDispatchMode):
+    """A user's ``TorchDispatchMode`` that sees every aten op and changes none."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+MODES.update({
+    # which also fills every new tensor with NaN
+    "deterministic algorithms": lambda: _global_setting(
+        torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms, True),
+    "anomaly detection": lambda: torch.autograd.set_detect_anomaly(True, check_nan=True),
+    "torch function mode": _PassThroughFunctions,
+    "torch dispatch mode": _PassThroughDispatch,
+})
+
+
+def _in_a_new_thread(body: Callable[[], None]) -> None:
+    """``body()`` on a new thread, its exception raised here."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            body()
+        except BaseException as err:  # noqa: BLE001 -- handed to the caller's thread
+            raised.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if raised:
+        raise raised[0]
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: Any) -> Iterator[None]:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+def _global_setting(get: Callable[[], Any], put: Callable[[Any], Any], value: Any) -> Iterator[None]:
+    """``put(value)`` for the block, what ``get()`` gave put back after it."""
+    before = get()
+    put(value)
     try:
         yield
     finally:
-        torch.set_default_dtype(before)
+        put(before)
 
 
 def _at(layout: str, step: int) -> Scenario:
@@ -148,10 +211,13 @@ def _step(model: list[Any], groups: Any, data: Any, helper: bool, mode: str) -> 
         tokens = torch.tensor(data.num_tokens, device="cpu")
 
     def call(m: list[Any]) -> None:
-        with MODES[mode]():
-            if helper:
-                _allreduce_non_tensor_model_parallel_grads(m, m[0].config, groups.tp)
-            finalize_model_grads(m, num_tokens=tokens, pg_collection=groups)
+        def body() -> None:
+            with MODES[mode]():
+                if helper:
+                    _allreduce_non_tensor_model_parallel_grads(m, m[0].config, groups.tp)
+                finalize_model_grads(m, num_tokens=tokens, pg_collection=groups)
+
+        (_in_a_new_thread if mode == ANOTHER_THREAD else operator.call)(body)
 
     kind, message, _, _ = attempt(model, call)
     return kind, message, tokens.item()
@@ -240,7 +306,8 @@ def test_calls_in_other_torch_modes_give_normal_mode_numbers_and_the_reference(w
                     assert result.ok, (cell, rank, step, result.failures[:5])
     reliability("property", f"{len(CELLS)} models called under torch.inference_mode(), a meta default device, a "
                 f"float64 default dtype, autocast, grad enabled, a FlopCounterMode or num_tokens made under inference "
-                f"mode, mixed with normal calls, over "
+                f"mode, deterministic algorithms, anomaly detection, a user's function or dispatch mode, or from "
+                f"another thread, mixed with normal calls, over "
                 f"{STEPS} steps (kept buffers, strided runs, own buffers, host token factor) [4 ranks]",
                 "numbers bit-identical to normal-mode calls and the reference (no CollectiveError, no RuntimeError)")
 
