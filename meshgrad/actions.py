@@ -286,6 +286,9 @@ class StageReduction:
 class _RouterUpdate:
     """Groups, listing and signature of a router-buffer update (a mixin)."""
 
+    #: The buffer it writes in place on each of its routers.
+    BUFFER: ClassVar[str]
+
     routers: tuple[ParamKey, ...]
     num_experts: tuple[int, ...]
     group: Group
@@ -303,10 +306,16 @@ class _RouterUpdate:
         """Its collective (expert counts) and the routers whose buffers meet in it."""
         return (Signature(self.group, str(self.step), experts=self.num_experts, routers=self.routers),)
 
+    def router_writes(self) -> tuple[tuple[ParamKey, str], ...]:
+        """(router key, buffer attribute) of each buffer it updates in place."""
+        return tuple((key, self.BUFFER) for key in self.routers)
+
 
 @dataclasses.dataclass(frozen=True)
 class ExpertBiasUpdate(_RouterUpdate):
     """Sum token counts over tp_dp_cp (one collective), sign-update the bias."""
+
+    BUFFER: ClassVar[str] = "expert_bias"
 
     routers: tuple[ParamKey, ...]
     num_experts: tuple[int, ...]
@@ -325,6 +334,8 @@ class ExpertBiasUpdate(_RouterUpdate):
 @dataclasses.dataclass(frozen=True)
 class QbBetaUpdate(_RouterUpdate):
     """AVG accum/max(count,1) over ``group``, EMA-blend, re-centre."""
+
+    BUFFER: ClassVar[str] = "qb_beta"
 
     routers: tuple[ParamKey, ...]
     num_experts: tuple[int, ...]
@@ -362,7 +373,8 @@ class _LocalAction:
 class ResetTemporaries(_LocalAction):
     """Zero token counts / qb accumulators, reset the global aux-loss tracker."""
 
-    #: The buffers zeroed on each router of ``zero_qb``.
+    #: The buffer zeroed on each router of ``zero_tokens``, and those of ``zero_qb``.
+    TOKENS: ClassVar[str] = "local_tokens_per_expert"
     QB_ACCUMULATORS: ClassVar[tuple[str, ...]] = ("qb_beta_accum", "qb_beta_count")
 
     zero_tokens: tuple[ParamKey, ...]
@@ -373,6 +385,12 @@ class ResetTemporaries(_LocalAction):
     def groups(self) -> tuple[Group, ...]:
         """None: local."""
         return ()
+
+    def router_writes(self) -> tuple[tuple[ParamKey, str], ...]:
+        """(router key, buffer attribute) of each buffer it zeroes."""
+        return tuple((key, self.TOKENS) for key in self.zero_tokens) + tuple(
+            (key, attr) for key in self.zero_qb for attr in self.QB_ACCUMULATORS
+        )
 
 
 @dataclasses.dataclass(frozen=True)

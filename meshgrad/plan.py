@@ -155,13 +155,8 @@ class FinalizePlan:
         the expert bias and qb_beta updates' results, the reset's zeroed counts."""
         out: dict[tuple[ParamKey, str], None] = {}
         for action in self.actions:
-            if isinstance(action, ExpertBiasUpdate):
-                out.update(dict.fromkeys((k, "expert_bias") for k in action.routers))
-            elif isinstance(action, QbBetaUpdate):
-                out.update(dict.fromkeys((k, "qb_beta") for k in action.routers))
-            elif isinstance(action, ResetTemporaries):
-                out.update(dict.fromkeys((k, "local_tokens_per_expert") for k in action.zero_tokens))
-                out.update(dict.fromkeys((k, attr) for k in action.zero_qb for attr in action.QB_ACCUMULATORS))
+            if isinstance(action, (ExpertBiasUpdate, QbBetaUpdate, ResetTemporaries)):
+                out.update(dict.fromkeys(action.router_writes()))
         return tuple(out)
 
     def actions_with(self, num_tokens: bool) -> tuple[Action, ...]:

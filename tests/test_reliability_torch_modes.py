@@ -85,6 +85,39 @@ LAYOUTS = {
         "modes-dp4", dp=4, params=gpt_params(), num_tokens="random", config=dict(calculate_per_token_loss=True)
     ),
 }
+
+
+class _PassThroughFunctions(TorchFunctionMode):
+    """A user's ``TorchFunctionMode`` that sees every torch call and changes none."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class _PassThroughDispatch(TorchDispatchMode):
+    """A user's ``TorchDispatchMode`` that sees every aten op and changes none."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _global_setting(get: Callable[[], Any], put: Callable[[Any], Any], value: Any) -> Iterator[None]:
+    """``put(value)`` for the block, what ``get()`` gave put back after it."""
+    before = get()
+    put(value)
+    try:
+        yield
+    finally:
+        put(before)
+
+
+#: A normal call whose ``num_tokens`` was made under ``torch.inference_mode()`` (an
+#: inference tensor, which the global count is written back into).
+COUNT_IN_INFERENCE = "num_tokens made under inference mode"
+#: A normal call made from a new thread (grad mode, inference mode and dispatch state are
+#: per thread).
+ANOTHER_THREAD = "another thread"
 #: The modes a call runs in ("normal": ``torch.no_grad()``, as a training loop's step).
 MODES: dict[str, Callable[[], Any]] = {
     "normal": torch.no_grad,
@@ -94,15 +127,15 @@ MODES: dict[str, Callable[[], Any]] = {
     "autocast bfloat16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
     "grad enabled": torch.enable_grad,
     "flop counter": lambda: FlopCounterMode(display=False),
+    COUNT_IN_INFERENCE: torch.no_grad,
+    ANOTHER_THREAD: torch.no_grad,
+    # which also fills every new tensor with NaN
+    "deterministic algorithms": lambda: _global_setting(
+        torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms, True),
+    "anomaly detection": lambda: torch.autograd.set_detect_anomaly(True, check_nan=True),
+    "torch function mode": _PassThroughFunctions,
+    "torch dispatch mode": _PassThroughDispatch,
 }
-#: A normal call whose ``num_tokens`` was made under ``torch.inference_mode()`` (an
-#: inference tensor, which the global count is written back into).
-COUNT_IN_INFERENCE = "num_tokens made under inference mode"
-MODES[COUNT_IN_INFERENCE] = torch.no_grad
-#: A normal call made from a new thread (grad mode, inference mode and dispatch state are
-#: per thread).
-ANOTHER_THREAD = "another thread"
-MODES[ANOTHER_THREAD] = torch.no_grad
 #: Per step, the mode of the call.
 SEQUENCES = {
     "inference first": ("inference", "inference", "normal", "normal", "normal"),
@@ -133,31 +166,7 @@ CELLS = [
     for layout, storage, helper, sequence in itertools.product(LAYOUTS, storages, (False, True), sequences)
     if not helper or (storage == "one storage" and layout.startswith("dp2 tp2"))
 ]
-SEQUENCES.update(OTHER_SEQUENCES)
-
-
-class _PassThroughFunctions(TorchFunctionMode):
-    """A user's ``TorchFunctionMode`` that sees every torch call and changes none."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
-class _PassThroughDispatch(TorchDispatchMode):
-    """A user's ``TorchDispatchMode`` that sees every aten op and changes none."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
-MODES.update({
-    # which also fills every new tensor with NaN
-    "deterministic algorithms": lambda: _global_setting(
-        torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms, True),
-    "anomaly detection": lambda: torch.autograd.set_detect_anomaly(True, check_nan=True),
-    "torch function mode": _PassThroughFunctions,
-    "torch dispatch mode": _PassThroughDispatch,
-})
+EVERY_SEQUENCE = {**SEQUENCES, **OTHER_SEQUENCES}
 
 
 def _in_a_new_thread(body: Callable[[], None]) -> None:
@@ -175,17 +184,6 @@ def _in_a_new_thread(body: Callable[[], None]) -> None:
     thread.join()
     if raised:
         raise raised[0]
-
-
-@contextlib.contextmanager
-def _global_setting(get: Callable[[], Any], put: Callable[[Any], Any], value: Any) -> Iterator[None]:
-    """``put(value)`` for the block, what ``get()`` gave put back after it."""
-    before = get()
-    put(value)
-    try:
-        yield
-    finally:
-        put(before)
 
 
 def _at(layout: str, step: int) -> Scenario:
@@ -231,7 +229,7 @@ def case_modes(rank: int, world: int) -> list[list[tuple]]:
         groups = timed_collection(LAYOUTS[layout])
         live, twin = (_model(layout, storage, rank, groups) for _ in range(2))
         steps = []
-        for step, mode in enumerate(SEQUENCES[sequence]):
+        for step, mode in enumerate(EVERY_SEQUENCE[sequence]):
             scenario = _at(layout, step)
             data = make_rank_inputs(scenario, rank)
             for model in (live, twin):

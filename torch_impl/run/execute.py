@@ -202,7 +202,7 @@ def apply_reset(action: ResetTemporaries, routers: Mapping[ParamKey, nn.Module])
     """semantics `reset`: zero token counts and qb accumulators, reset the global aux-loss tracker."""
     zero = []
     for key in action.zero_tokens:
-        tokens = getattr(routers[key], "local_tokens_per_expert", None)
+        tokens = getattr(routers[key], action.TOKENS, None)
         if tokens is not None:
             zero.append(tokens)
     for key in action.zero_qb:
