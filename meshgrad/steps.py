@@ -23,6 +23,10 @@ QK_MARK = "_layernorm"
 #: Steps whose actions read routers only, no gradient (their plans do not depend on the
 #: parameters).
 ROUTER_ONLY_STEPS = frozenset({Step.EXPERT_BIAS, Step.QB_BETA, Step.RESET})
+#: Steps whose plans depend on the parameters' embedding roles; every other step picks its
+#: parameters by flags and names alone (so a call of other steps need not read what
+#: decides the roles: the model's ``shared_embedding_or_output_weight()``).
+ROLE_STEPS = frozenset({Step.WORD_EMBEDDING, Step.POS_EMBEDDING})
 
 
 def is_qk_layernorm(name: str) -> bool:
@@ -294,6 +298,7 @@ __all__ = [
     "DISTINCT_DATA_GROUP",
     "QK_LAYERNORM_NAMES",
     "QK_MARK",
+    "ROLE_STEPS",
     "ROUTER_ONLY_STEPS",
     "check_unique",
     "cross_stage_keys",

@@ -249,7 +249,7 @@ def test_a_covered_parameter_is_watched_in_its_module_dicts_too():
     like a watched one: replacing it in its module's dict (no hook sees it) is seen."""
     chunk = _with_one_element_and_inner(Chunk())
     found = discover_module.discover([chunk], CONFIG)
-    watch = ModelWatch(found, [chunk], tuple, [(0, "a")])
+    watch = ModelWatch(found, [chunk], lambda roles=True: (), [(0, "a")])
     watch.cover([(0, "inner.w")])
     assert watch.same()
     chunk.inner._parameters["w"] = _param(2, 5.0)

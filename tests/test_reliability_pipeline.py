@@ -10,7 +10,11 @@
 - a parameter replaced by one of another shape (``param.data = ...``) between steps is
   seen (the cached call behaves like a fresh one);
 - finalize entered on some ranks only: the others raise the documented
-  ``CollectiveError`` naming the round, within the process-group timeout.
+  ``CollectiveError`` naming the round, within the process-group timeout;
+- the embedding roles changed between steady steps (the tied weight moved to another
+  parameter, or untied): the non-TP seed helper, whose plan reads no role, keeps its probes
+  and does not call the model's getter (Megatron's helper never does); the finalize call
+  after it reads the change; both give a fresh model's numbers.
 """
 
 from __future__ import annotations
@@ -26,9 +30,15 @@ torch = pytest.importorskip("torch")
 from parity_tests.scenarios import make_rank_inputs  # noqa: E402
 from parity_tests.torch_world import device_mesh, load_inputs  # noqa: E402
 from parity_tests.world_cases import case_values, local_cases, run_cases  # noqa: E402
-from test_reliability_inputs import DP_TP, LINEAR, PP_TP, TIMEOUT, kind_of, param, setup_model, snapshot, timed_collection  # noqa: E402
+from meshgrad.axes import Group  # noqa: E402
+from meshgrad.plan import Step  # noqa: E402
+from test_reliability_inputs import (  # noqa: E402
+    DP_TP, LINEAR, PP_TP, TIMEOUT, kind_of, load_in_place, param, setup_model, snapshot, timed_collection,
+)
 from test_reliability_steps import STEADY, live_vs_fresh  # noqa: E402
-from torch_impl import finalize_model_grads  # noqa: E402
+from test_steady_watched import probes_hold  # noqa: E402
+from torch_impl import _allreduce_non_tensor_model_parallel_grads, finalize_model_grads  # noqa: E402
+from torch_impl.call.read import Request  # noqa: E402
 
 WORLD = 4
 SHORT = 4.0  # the process-group timeout of the groups of the last case
@@ -158,6 +168,72 @@ def case_param_data_of_another_shape_after_steady_steps(rank: int, world: int) -
     return live_vs_fresh(rank, _param_data_of_another_shape, warm=STEADY)
 
 
+#: Changes of the embedding roles alone, on every chunk of every rank: which weight is tied.
+ROLE_CHANGES: dict[str, Callable[[Any], None]] = {
+    "tied to another weight": lambda chunk: setattr(chunk, "_word", "decoder.layers.0.mlp.linear_fc1.weight"),
+    "untied": lambda chunk: setattr(chunk, "share_embeddings_and_output_weights", False),
+}
+
+
+def _counted_getter(model: list[Any]) -> list[int]:
+    """Each chunk's ``shared_embedding_or_output_weight()`` logged (one entry per call)."""
+    calls: list[int] = []
+    for chunk in model:
+        def counted(getter: Callable[[], Any] = chunk.shared_embedding_or_output_weight) -> Any:
+            calls.append(1)
+            return getter()
+
+        chunk.__dict__["shared_embedding_or_output_weight"] = counted
+    return calls
+
+
+def _roles_changed(rank: int, change: str) -> tuple:
+    """(helper's gradients == a fresh model's, finalize's == a fresh model's, != the
+    unchanged model's, the helper's probes answered after the change, finalize's missed,
+    getter calls during the helper call): the non-TP helper then finalize, STEADY times,
+    then ``change`` on every rank and both calls once more, next to a fresh model given the
+    same change and an unchanged one."""
+    groups = timed_collection(PP_TP)
+    models = [setup_model(PP_TP, rank) for _ in range(3)]  # live, fresh, unchanged
+    logs = [_counted_getter(m) for m in models]
+    live, fresh, unchanged = models
+    data = make_rank_inputs(PP_TP, rank)
+    helper = ({Group.TP: groups.tp}, Request(steps=(Step.NON_TP,), config=live[0].config, over=(Group.TP,)))
+
+    def step(model: list[Any]) -> Any:
+        load_in_place(model, PP_TP, data)
+        _allreduce_non_tensor_model_parallel_grads(model, model[0].config, groups.tp)
+        after_helper = snapshot(model)
+        _finalize(groups)(model)
+        return after_helper
+
+    for _ in range(STEADY):
+        step(live)
+    for model in (live, fresh):
+        for chunk in model:
+            ROLE_CHANGES[change](chunk)
+    probed = probes_hold(live, helper)
+    missed = not probes_hold(live, (groups, Request()))
+    before = len(logs[0])
+    load_in_place(live, PP_TP, data)
+    _allreduce_non_tensor_model_parallel_grads(live, live[0].config, groups.tp)
+    in_helper = len(logs[0]) - before
+    live_helper = snapshot(live)
+    _finalize(groups)(live)
+    fresh_helper = step(fresh)
+    step(unchanged)
+    return (live_helper == fresh_helper, snapshot(live) == snapshot(fresh), snapshot(live) != snapshot(unchanged),
+            probed, missed, in_helper)
+
+
+def case_roles_changed_tied_to_another_weight(rank: int, world: int) -> tuple:
+    return _roles_changed(rank, "tied to another weight")
+
+
+def case_roles_changed_untied(rank: int, world: int) -> tuple:
+    return _roles_changed(rank, "untied")
+
+
 def case_num_tokens_dtype_differs_on_rank0(rank: int, world: int) -> tuple:
     groups = timed_collection(DP_TP)
     model = setup_model(DP_TP, rank)
@@ -281,6 +357,19 @@ def test_a_parameter_of_another_shape_is_seen_like_a_fresh_call(world, reliabili
         assert probed == (when != "after step 1"), (rank, "the probes did not answer the steady calls")
     reliability("bad input", f"param.data replaced by another shape {when}, gradient left [4 ranks]",
                 "ValueError naming the shape on every rank, as a fresh call raises; nothing changed")
+
+
+@pytest.mark.parametrize("change", list(ROLE_CHANGES))
+def test_an_embedding_role_change_leaves_the_helper_and_reaches_finalize(world, reliability, change):
+    name = "case_roles_changed_" + change.replace(" ", "_")
+    for rank, (helper_same, final_same, changed, probed, missed, getter_calls) in enumerate(case_values(world, name)):
+        assert helper_same and final_same, (rank, "the long-lived model differs from a fresh one")
+        assert changed, (rank, "the change did not change finalize's numbers: the case tests nothing")
+        assert probed and missed, (rank, "the helper's probes missed" if not probed else "finalize's probes held")
+        assert getter_calls == 0, (rank, "the helper called the model's embedding getter")
+    reliability("bad input", f"seed helper, then finalize: the word embedding {change} after steady steps [4 ranks]",
+                "the helper's probes answer (its plan reads no role; the getter is not called); finalize replanned: "
+                "both bit-identical to a fresh model on every rank")
 
 
 def test_finalize_entered_on_some_ranks_only_raises_a_collective_error(world, reliability):

@@ -93,10 +93,10 @@ def test_a_host_token_count_encodes_as_the_device_placement_does(reached: int):
     assert status.decode(big.tolist(), 4) == [4, 0, 0, 0, 0, 1]
 
 
-def test_a_host_wire_made_under_inference_mode_is_a_normal_tensor_sharing_its_array():
+def test_a_host_wire_made_under_inference_mode_is_a_normal_tensor_sharing_its_memory():
     """A route's wire is kept between calls: made during a call under
     ``torch.inference_mode()`` it is still a normal tensor (the round's collective writes
-    into it in place, in either mode), and the tensor and the array share their memory."""
+    into it in place, in either mode), and the tensor and the memoryview share their memory."""
     with torch.inference_mode():
         wire = status.HostWire(3)
     assert not wire.tensor.is_inference()

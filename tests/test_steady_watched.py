@@ -263,3 +263,70 @@ def test_a_gradient_less_parameter_viewed_as_another_dtype_makes_the_probes_miss
     refill()
     finalize_model_grads(chunks, num_tokens=torch.tensor(2))  # the full check, which writes the probes again
     assert probes_hold(chunks, _finalize_call())
+
+
+def _tie(chunks: list[DDP], weight: str) -> list[str]:
+    """Tie ``weight`` of the inner module as its word embedding (Megatron's
+    ``share_embeddings_and_output_weights`` and getter); returns the getter's call log."""
+    inner = chunks[0].module
+    calls: list[str] = []
+
+    def shared_embedding_or_output_weight() -> nn.Parameter:
+        calls.append(inner.tied_name)
+        return getattr(inner, inner.tied_name)
+
+    inner.tied_name = weight
+    inner.share_embeddings_and_output_weights = True
+    inner.shared_embedding_or_output_weight = shared_embedding_or_output_weight
+    return calls
+
+
+#: Changes of the embedding roles alone (no parameter, flag or gradient changes): what only
+#: finalize's plan reads (its embedding steps), never a seed helper's of the discovery.
+ROLE_CHANGES: dict[str, Callable[[nn.Module], None]] = {
+    "tied_to_another_weight": lambda inner: setattr(inner, "tied_name", "b"),
+    "untied": lambda inner: setattr(inner, "share_embeddings_and_output_weights", False),
+}
+
+
+def _roles(chunks: list[DDP]) -> dict[str, Any]:
+    """Each parameter's embedding role in the model state's last finalize plan's discovery."""
+    (kind, last), = ((k, v) for k, v in ModelState.of(chunks).steady.items() if not k[0])
+    return {spec.name: spec.role for spec in last.inputs.found.params}
+
+
+def _helper_actions(chunks: list[DDP]) -> tuple[Any, ...]:
+    return tuple(ModelState.of(chunks).steady[steady._kind(_helper_call(chunks)[1])].bound.plan.actions)
+
+
+@pytest.mark.parametrize("change", list(ROLE_CHANGES))
+def test_an_embedding_role_change_leaves_a_helpers_probes_and_reaches_the_next_finalize(change: str) -> None:
+    """A seed helper's plan reads no embedding role (``meshgrad.steps.ROLE_STEPS``): after
+    the tied weight moves or is untied, its probes and full check still hold, it does not
+    call the model's getter (as Megatron's helper never does) and its plan is a fresh
+    model's; finalize's probes and full check miss, its next call reads the getter again
+    and plans with the new roles, as a fresh model's first call does."""
+    live, fresh = model(), model()
+    calls = _tie(live, "a")
+    for n in (2, 4, 8):
+        step(live, n)
+        helper_step(live)
+    helper, final = _helper_call(live), _finalize_call()
+    assert probes_hold(live, helper) and probes_hold(live, final)
+    roles = _roles(live)
+    ROLE_CHANGES[change](live[0].module)
+    _tie(fresh, "a")
+    ROLE_CHANGES[change](fresh[0].module)
+    assert probes_hold(live, helper) and full_check_passes(live, helper)
+    assert not probes_hold(live, final) and not full_check_passes(live, final)
+    before = len(calls)
+    helper_step(live)
+    helper_step(fresh)
+    assert len(calls) == before, "the helper called the model's embedding getter"
+    assert _helper_actions(live) == _helper_actions(fresh)
+    step(live, 16)
+    step(fresh, 16)
+    assert len(calls) > before or change == "untied"  # untied: the getter is not asked (Megatron's rule)
+    assert _roles(live) == _roles(fresh) != roles
+    assert all(map(torch.equal, (p.main_grad for p in live[0].module.parameters()),
+                   (p.main_grad for p in fresh[0].module.parameters())))

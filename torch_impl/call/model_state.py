@@ -170,9 +170,9 @@ class ModelState:
         token = self._token(found)
         has_mtp = config.has_mtp
         watch = ModelWatch(
-            found, chunks, lambda: chunk_facts(chunks, has_mtp, ddp_object),
+            found, chunks, partial(chunk_facts, chunks, has_mtp, ddp_object),
             watched_keys(found, [obj is None for obj in ddp]), candidate_keys(found), self.own_views,
-            lambda probes: probe_chunk_reads(probes, chunks, has_mtp, ddp_object),
+            partial(probe_chunk_reads, model=chunks, has_mtp=has_mtp, ddp_object=ddp_object),
         )
         self.found[slot] = (token, found, watch, ddp)
         return token, found, ddp

@@ -169,31 +169,33 @@ class ModelWatch:
     Args:
       found: the discovered model.
       chunks: the chunks as given (wrappers included).
-      facts: per chunk, the facts that decide discovery (:func:`chunk_facts`).
+      facts: per chunk, the facts that decide discovery (:func:`chunk_facts`; called with
+        ``roles=False``: without those that decide the embedding roles).
       watched: the keys of the parameters to watch.
       touched: the keys of the parameters a step besides the DP sync may touch (what a
         seed helper's plan may read: :meth:`touched_same`); None: all watched ones.
       own_views: meshgrad's own buffer views by id, watched by identity only
         (:class:`~torch_impl.call.watches.GradWatch`).
-      probe_facts: writes down as probes what ``facts`` reads (:meth:`probe`; None: it
-        cannot be).
+      probe_facts: writes down as probes what ``facts`` reads, with or without the roles'
+        (:meth:`probe`; None: it cannot be).
     """
 
     def __init__(
         self,
         found: Any,
         chunks: Sequence[Any],
-        facts: Callable[[], tuple[Any, ...]],
+        facts: Callable[..., tuple[Any, ...]],
         watched: Iterable[ParamKey],
         touched: Iterable[ParamKey] | None = None,
         own_views: Mapping[int, Any] | None = None,
-        probe_facts: Callable[[Probes], bool] | None = None,
+        probe_facts: Callable[..., bool] | None = None,
     ) -> None:
         self.found = found
         self.own_views = own_views
         self.facts, self.probe_facts = facts, probe_facts
         self.chunk_facts = facts()  # held: their ids cannot be reused while watched
-        self.fact_ids = tuple(map(id, self.chunk_facts))
+        # by whether the roles are read: a seed helper's plan reads none (ROLE_STEPS)
+        self.fact_ids = {True: tuple(map(id, self.chunk_facts)), False: tuple(map(id, facts(roles=False)))}
         self.keys = set(watched)
         self.touched = self.keys if touched is None else set(touched) & self.keys
         self.grads = self._grad_watch(self.keys)
@@ -218,24 +220,28 @@ class ModelWatch:
         """The module-tree edges to the watched parameters."""
         return _Edges(self.found.chunks, [(k[0], k[1], PARAMETERS) for k in self.keys])
 
-    def structure_same(self) -> bool:
+    def structure_same(self, roles: bool = True) -> bool:
         """No registration in the model since construction, the same module-tree edges to
-        the watched objects, and the same per-chunk facts."""
+        the watched objects, and the same per-chunk facts (without ``roles``: but those
+        that decide the embedding roles)."""
         return (
             not self.dirty[0]
             and self.param_edges.same()
             and self.router_edges.same()
-            and tuple(map(id, self.facts())) == self.fact_ids
+            and self._facts_same(roles)
         )
+
+    def _facts_same(self, roles: bool) -> bool:
+        return tuple(map(id, self.facts(roles=roles))) == self.fact_ids[roles]
 
     def routers_same(self) -> bool:
         """What a plan of router steps only (expert bias, qb_beta, reset) depends on: no
-        registration in the model, the same edges to the routers, chunk facts, router
-        attributes and buffers (not the parameters)."""
+        registration in the model, the same edges to the routers, chunk facts (not the
+        roles'), router attributes and buffers (not the parameters)."""
         return (
             not self.dirty[0]
             and self.router_edges.same()
-            and tuple(map(id, self.facts())) == self.fact_ids
+            and self._facts_same(False)
             and self._routers_unchanged()
         )
 
@@ -262,9 +268,10 @@ class ModelWatch:
         probes.same(partial(operator.getitem, self.dirty, 0), False)
         if self.router_dicts:
             probes.check(self._routers_unchanged)
+        roles = reads == "all"  # a helper's plan reads no role (ROLE_STEPS)
         if reads == "routers":
             self.router_edges.probe(probes)
-            return self.probe_facts(probes)
+            return self.probe_facts(probes, roles=roles)
         # Replaced when a plan covers more (cover): the probes below check the old ones.
         probes.same(partial(getattr, self, "param_edges"), self.param_edges)
         if reads == "touched":
@@ -280,11 +287,13 @@ class ModelWatch:
                 probes.check(watch.same)
         self.param_edges.probe(probes)
         self.router_edges.probe(probes)
-        return self.probe_facts(probes)
+        return self.probe_facts(probes, roles=roles)
 
     def touched_same(self) -> bool:
         """What a seed helper's plan depends on (it does no DP sync): structure, chunk
-        facts and routers as :meth:`same`, the parameters a step besides the DP sync may
+        facts (but those that decide the embedding roles, which no helper step of the
+        discovery reads: :data:`~meshgrad.steps.ROLE_STEPS`; a change there is seen by the
+        next finalize) and routers as :meth:`same`, the parameters a step besides the DP sync may
         touch (and what bound plans read) in full, and of the other watched parameters
         their attributes only (a flag set later makes one a candidate); their gradients
         and requires_grad are the DP sync's, which :meth:`same` checks."""
@@ -295,7 +304,7 @@ class ModelWatch:
             full = self.grads if not rest else self._grad_watch(self.touched)
             self._helper = (full, DictWatch(map(vars, rest)))
         full, rest = self._helper
-        return self.structure_same() and self._routers_unchanged() and full.same() and rest.same()
+        return self.structure_same(roles=False) and self._routers_unchanged() and full.same() and rest.same()
 
     def _grad_watch(self, keys: set[ParamKey]) -> GradWatch:
         return GradWatch((self.found.tensors[k] for k in self.found.tensors if k in keys), self.own_views)

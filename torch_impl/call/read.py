@@ -20,7 +20,7 @@ from meshgrad.axes import Group
 from meshgrad.config import FinalizeConfig
 from meshgrad.errors import FinalizeTypeError
 from meshgrad.plan import Step
-from meshgrad.steps import ROUTER_ONLY_STEPS
+from meshgrad.steps import ROLE_STEPS, ROUTER_ONLY_STEPS
 from torch_impl.call.model_state import ModelState, Reads
 from torch_impl.run.groups import TorchGroups, world_rank
 from torch_impl.sources.config import Requested, chunk_configs
@@ -66,9 +66,10 @@ class Request(NamedTuple):
 
     @property
     def reads(self) -> Reads:
-        """What the call's plan may read: every watched parameter (finalize), the routers
-        only (router steps), else what a step besides the DP sync may touch."""
-        if self.finalize:
+        """What the call's plan may read: every watched parameter and the embedding roles
+        (finalize; an embedding step), the routers only (router steps), else what a step
+        besides the DP sync may touch (no role: :data:`~meshgrad.steps.ROLE_STEPS`)."""
+        if self.finalize or not ROLE_STEPS.isdisjoint(self.steps):
             return "all"
         return "routers" if ROUTER_ONLY_STEPS.issuperset(self.steps) else "touched"
 

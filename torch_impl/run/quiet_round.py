@@ -51,19 +51,20 @@ class QuietRound:
         Raises:
           CollectiveError: a hop failed (timeout): names ``what``, the hop and this rank.
         """
-        host = self.wire.host
-        host.fill(0)
+        words = self.wire.words
+        for index in range(len(words)):  # the last round's sum: zeros again
+            words[index] = 0
         if tokens is not None:
             if self.fmt == "short":
-                host[0] = token_bits(tokens, self.reached)  # the count, or the too-large flag
+                words[0] = token_bits(tokens, self.reached)  # the count, or the too-large flag
             else:
-                host[-1] = tokens
+                words[-1] = tokens
         for name, pg in self.hops:
             try:
                 rounds.all_reduce_status(self.wire.tensor, pg, self.options)
             except RuntimeError as err:
                 raise rounds.round_failed(rank, what, name, err) from err
-        reduced = rounds.read_back(self.wire.tensor, host)
+        reduced = rounds.read_back(self.wire.tensor, words)
         healthy = nothing_flagged(reduced, self.fmt)
         if not healthy or tokens is None:
             return reduced, healthy, None

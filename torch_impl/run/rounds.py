@@ -17,7 +17,6 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -89,9 +88,10 @@ def encode(status: Sequence[int], reached: int, tokens: int | None = None) -> to
 
 
 class HostWire:
-    """An int64 host tensor for a round's words and the numpy array sharing its memory
-    (written and read back without a torch operation). A route's status rounds reuse one
-    (:func:`reduce_status`): a healthy round then makes no torch operation besides its
+    """An int64 host tensor for a round's words and a memoryview of its memory (written and
+    read back in plain Python, without a torch or numpy operation: inside a step every
+    library a round calls into comes back cold from memory). A route's status rounds reuse
+    one (:func:`reduce_status`): a healthy round then makes no torch operation besides its
     collective. A round reads its result back before it returns, so the next round may
     overwrite it; the owner drops a wire whose round failed (the failed collective may
     still hold the tensor). Other rounds make a fresh one each.
@@ -100,17 +100,20 @@ class HostWire:
       size: the wire's int64 elements (:data:`meshgrad.status_wire.ELEMENTS`).
     """
 
-    __slots__ = ("host", "tensor")
+    __slots__ = ("tensor", "words")
 
     def __init__(self, size: int) -> None:
-        self.host = np.zeros(size, dtype=np.int64)
+        memory = bytearray(8 * size)  # zeros; malloc'd, so aligned for int64
         with outside_inference_mode():  # a route's wire is kept between calls
-            self.tensor = torch.from_numpy(self.host)
+            self.tensor = torch.frombuffer(memory, dtype=torch.int64)
+        self.words = memoryview(memory).cast("q")  # native int64, the tensor's elements
 
-    def load(self, words: list[int]) -> tuple[torch.Tensor, np.ndarray]:
-        """The tensor holding ``words`` (as many as the wire's elements) and its array."""
-        self.host[:] = words
-        return self.tensor, self.host
+    def load(self, words: Sequence[int]) -> tuple[torch.Tensor, memoryview]:
+        """The tensor holding ``words`` (as many as the wire's elements) and its memoryview."""
+        view = self.words
+        for index, word in enumerate(words):
+            view[index] = word
+        return self.tensor, view
 
 
 def decode(wire: Sequence[int], reached: int) -> list[int]:
@@ -197,10 +200,10 @@ def all_reduce_max(value: torch.Tensor, pg: Any) -> None:
     pg.allreduce([value], reduce_options(dist.ReduceOp.MAX)).wait()
 
 
-def read_back(value: torch.Tensor, host: np.ndarray | None = None) -> list[int]:
+def read_back(value: torch.Tensor, host: memoryview | None = None) -> list[int]:
     """The reduced vector on the host: a round's one host sync (on a GPU it waits for the
-    work queued before it, as any read of a device value does). ``host``: the numpy array
-    a host tensor shares its memory with (read directly)."""
+    work queued before it, as any read of a device value does). ``host``: the memoryview
+    of a host tensor's memory (:class:`HostWire`, read directly)."""
     return host.tolist() if host is not None else value.tolist()
 
 

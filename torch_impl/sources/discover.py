@@ -362,34 +362,39 @@ def watched_keys(found: Discovered, plain: Sequence[bool]) -> list[ParamKey]:
 
 
 def chunk_facts(
-    model: Sequence[Any], has_mtp: bool, ddp_object: Any, read: Callable[..., Any] = attr_or
+    model: Sequence[Any], has_mtp: bool, ddp_object: Any, read: Callable[..., Any] = attr_or, roles: bool = True
 ) -> tuple[Any, ...]:
     """Per chunk, what decides discovery beyond the parameters: the unwrapped module, its
-    DDP object, the tied-embedding flag and weight, the position-embedding weight
-    (``read`` as in :func:`~torch_impl.sources.wrappers.unwrap`)."""
+    DDP object and, with ``roles``, the tied-embedding flag and weight and the position-
+    embedding weight (``read`` as in :func:`~torch_impl.sources.wrappers.unwrap`). Without
+    ``roles`` (a call of no :data:`~meshgrad.steps.ROLE_STEPS`) no getter is called."""
     out: list[Any] = []
     for chunk in model:
         module = unwrap(chunk, read=read)
-        tied = read(module, "share_embeddings_and_output_weights", None)
-        word = shared_word_embedding(module, has_mtp, tied, read)
-        out += (module, ddp_object(chunk, read), tied, word, position_embedding(module, read))
+        out += (module, ddp_object(chunk, read))
+        if roles:
+            tied = read(module, "share_embeddings_and_output_weights", None)
+            out += (tied, shared_word_embedding(module, has_mtp, tied, read), position_embedding(module, read))
     return tuple(out)
 
 
 _WORD_GETTER = operator.methodcaller("shared_embedding_or_output_weight")
 
 
-def probe_chunk_reads(probes: Probes, model: Sequence[Any], has_mtp: bool, ddp_object: Any) -> bool:
+def probe_chunk_reads(probes: Probes, model: Sequence[Any], has_mtp: bool, ddp_object: Any,
+                      roles: bool = True) -> bool:
     """Write down as probes what a step reads of the chunks' ``.module`` chains: the reads
-    of :func:`chunk_facts` and of ``chunk_configs`` (the configs a call resolves), made
-    once through a :class:`~torch_impl.sources.wrappers.ReadRecorder`, and the tied word
-    embedding's getter called where :func:`shared_word_embedding` calls it. False where
-    a chain holds a ``torch.compile`` wrapper (read through per call)."""
+    of :func:`chunk_facts` (with or without ``roles``) and of ``chunk_configs`` (the configs
+    a call resolves), made once through a :class:`~torch_impl.sources.wrappers.ReadRecorder`,
+    and the tied word embedding's getter called where :func:`shared_word_embedding` calls
+    it. False where a chain holds a ``torch.compile`` wrapper (read through per call)."""
     read = ReadRecorder(probes)
     chunk_configs(model, read)
     for chunk in model:
         read.start(chunk)
-        module, _, tied, word, _ = chunk_facts([chunk], has_mtp, ddp_object, read)
-        if (tied or has_mtp) and callable(attr_or(module, "shared_embedding_or_output_weight", None)):
-            probes.same(partial(_WORD_GETTER, module), word)
+        facts = chunk_facts([chunk], has_mtp, ddp_object, read, roles)
+        if roles:
+            module, _, tied, word, _ = facts
+            if (tied or has_mtp) and callable(attr_or(module, "shared_embedding_or_output_weight", None)):
+                probes.same(partial(_WORD_GETTER, module), word)
     return not read.compiled
