@@ -67,7 +67,7 @@ def test_no_guard_for_nothing_or_what_it_cannot_describe():
 def path(request, monkeypatch):
     """The watch's path: torch's guard, or attribute by attribute (no guard)."""
     if request.param == "attributes":
-        monkeypatch.setattr(guard_module, "metadata_guard", lambda tensors: None)
+        monkeypatch.setattr(guard_module, "metadata_guard", lambda tensors, strides=True: None)
     return request.param
 
 
@@ -108,20 +108,37 @@ def test_the_watch_sees_requires_grad_flipped_under_no_grad(path):
         assert not watch.same()
 
 
-def test_a_stricter_change_falls_back_to_the_attributes_and_re_arms_the_guard():
-    """Strides, which the guard checks and the watch does not: the guard fails, the
-    attribute path says the same, and the guard is rebuilt on the new strides (the next
-    check is the guard's one call again); a later shape change is still seen."""
+def test_a_stricter_change_falls_back_to_the_callers_check_and_re_arms_the_guard():
+    """Strides, which a guard built with them checks and this caller's check does not: the
+    guard fails, the caller's check says the same, and the guard is rebuilt on the new
+    strides (the next check is the guard's one call again); a later shape change is seen."""
+    tensor = torch.zeros(2, 3)
+    check = GuardedCheck()
+    sizes = lambda: tensor.shape == (2, 3)  # noqa: E731 -- the caller's check: sizes only
+    assert check.same([tensor], sizes)
+    tensor.set_(tensor.untyped_storage(), 0, (2, 3), (1, 2))  # the same storage, other strides
+    old_guard = check.guard
+    assert not old_guard.check(tensor)
+    assert check.same([tensor], sizes)
+    assert check.guard is not old_guard and check.guard.check(tensor) and check.rearms == 1
+    tensor.set_(tensor.untyped_storage(), 0, (3, 2), (2, 1))
+    assert not check.same([tensor], sizes)
+
+
+def test_the_parameters_guard_compares_no_strides():
+    """A parameter's strides are no question of the watch: restrided over its own storage
+    (``set_`` under no_grad), its guard still passes in one call (no fall back, no
+    re-arm); its shape, dtype and ``requires_grad`` are still seen."""
     params, watch = _watched([(2, 3)])
-    assert watch.same()
-    params[0].data = params[0].data.as_strided((2, 3), (1, 2))  # its own storage, other strides
-    old_guard = watch.param_check.guard
-    assert not old_guard.check(*watch.params)
-    assert watch.same()
-    assert watch.param_check.guard is not old_guard and watch.param_check.guard.check(*watch.params)
-    assert watch.same()
-    params[0].data = params[0].data.as_strided((3, 2), (2, 1))
-    assert not watch.same()
+    assert watch.same() and watch.param_check.guard is not None
+    guard = watch.param_check.guard
+    with torch.no_grad():
+        params[0].set_(params[0].untyped_storage(), 0, (2, 3), (1, 2))
+    assert guard.check(*watch.params) and watch.same()
+    assert watch.param_check.guard is guard and watch.param_check.rearms == 0
+    with torch.no_grad():
+        params[0].set_(params[0].untyped_storage(), 0, (3, 2), (2, 1))
+    assert not guard.check(*watch.params) and not watch.same()
 
 
 def test_a_check_without_a_guard_answers_by_the_slow_check_and_stops_trying():
@@ -137,20 +154,21 @@ def test_a_check_without_a_guard_answers_by_the_slow_check_and_stops_trying():
 
 
 def test_strides_that_keep_changing_stop_the_re_arming():
-    """A parameter whose strides flip between two layouts every check: the guard is
-    re-armed MAX_REARMS times, then dropped; every answer stays right (the same while
-    only strides change, changed once the shape does)."""
-    params, watch = _watched([(2, 3)])
-    storage = params[0].data
-    layouts = [storage.as_strided((2, 3), (1, 2)), storage.as_strided((2, 3), (3, 1))]
-    assert watch.same()
+    """A tensor whose strides flip between two layouts every check, under a caller that
+    asks about sizes only: the guard is re-armed MAX_REARMS times, then dropped; every
+    answer stays right (the same while only strides change, changed once the shape does)."""
+    tensor = torch.zeros(2, 3)
+    storage = tensor.untyped_storage()
+    check = GuardedCheck()
+    sizes = lambda: tensor.shape == (2, 3)  # noqa: E731 -- the caller's check: sizes only
+    assert check.same([tensor], sizes)
     for i in range(MAX_REARMS + 3):
-        params[0].data = layouts[i % 2]
-        assert watch.same()
-    assert watch.param_check.guard is None and watch.param_check.usable is False
-    assert watch.param_check.rearms == MAX_REARMS + 1
-    params[0].data = storage.as_strided((3, 2), (2, 1))
-    assert not watch.same()
+        tensor.set_(storage, 0, (2, 3), ((1, 2), (3, 1))[i % 2])
+        assert check.same([tensor], sizes)
+    assert check.guard is None and check.usable is False
+    assert check.rearms == MAX_REARMS + 1
+    tensor.set_(storage, 0, (3, 2), (2, 1))
+    assert not check.same([tensor], sizes)
 
 
 def test_a_tensor_listed_twice_fails_the_guard_and_the_slow_check_answers():

@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 
-def _build(guard_type: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    """A guard on ``tensors`` as they are now: every size and stride static."""
+def _build(guard_type: Any, tensors: Sequence[torch.Tensor], strides: bool = True) -> Any:
+    """A guard on ``tensors`` as they are now: every size static, and every stride too
+    with ``strides`` (else no stride is compared: None per dimension)."""
     return guard_type(
         *tensors,
         dynamic_dims_sizes=[list(t.size()) for t in tensors],
-        dynamic_dims_strides=[list(t.stride()) for t in tensors],
+        dynamic_dims_strides=[list(t.stride()) if strides else [None] * t.dim() for t in tensors],
     )
 
 
@@ -34,16 +35,19 @@ def _sees_changes(guard_type: Any) -> bool:
     for (``requires_grad`` flipped, under no_grad as well; another shape; another dtype),
     and passes on the unchanged tensor."""
     param = torch.nn.Parameter(torch.zeros(2, 3, device="cpu"))
-    with torch.no_grad():
-        guard = _build(guard_type, [param])
-        if not guard.check(param):
-            return False
-        param.requires_grad_(False)
-        flipped = guard.check(param)
-        param.requires_grad_(True)
     resized = torch.nn.Parameter(torch.zeros(5, 3, device="cpu"))  # the same strides
     retyped = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float64, device="cpu"))
-    return not (flipped or guard.check(resized) or guard.check(retyped))
+    for strides in (True, False):
+        with torch.no_grad():
+            guard = _build(guard_type, [param], strides)
+            if not guard.check(param):
+                return False
+            param.requires_grad_(False)
+            flipped = guard.check(param)
+            param.requires_grad_(True)
+        if flipped or guard.check(resized) or guard.check(retyped):
+            return False
+    return True
 
 
 @functools.cache
@@ -58,14 +62,15 @@ def _guard_type() -> Any:
         return None
 
 
-def metadata_guard(tensors: Sequence[torch.Tensor]) -> Any:
+def metadata_guard(tensors: Sequence[torch.Tensor], strides: bool = True) -> Any:
     """A guard whose ``check(*tensors)`` is True only while each tensor keeps its Python
-    type, dtype, device, ``requires_grad``, sizes and strides (False also on a change the
-    watches ignore, and always where one tensor is in ``tensors`` twice: torch's guard
-    requires distinct tensors).
+    type, dtype, device, ``requires_grad``, sizes and, with ``strides``, strides (False
+    also on a change the watches ignore, and always where one tensor is in ``tensors``
+    twice: torch's guard requires distinct tensors).
 
     Args:
       tensors: the tensors, in the order ``check`` will get them.
+      strides: compare their strides too (a watch that asks about strides).
 
     Returns:
       The guard, or None: no tensors, no usable guard in this torch, or tensors it cannot
@@ -75,7 +80,7 @@ def metadata_guard(tensors: Sequence[torch.Tensor]) -> Any:
     if guard_type is None or not tensors:
         return None
     try:
-        return _build(guard_type, tensors)
+        return _build(guard_type, tensors, strides)
     except Exception:  # noqa: BLE001 -- a tensor the guard cannot describe
         return None
 
@@ -92,12 +97,18 @@ class GuardedCheck:
     tensors as they are then (so a check made once never pays for a guard), and a pass
     after the guard failed (a fact it checks and the caller does not: strides) re-arms it,
     up to :data:`MAX_REARMS` times. Where no guard can be made, or after that, the
-    caller's check answers from then on."""
+    caller's check answers from then on.
 
-    def __init__(self) -> None:
+    Args:
+      strides: the caller's check asks about strides (else its guard compares none: a
+        stride change it does not ask about is then no guard failure).
+    """
+
+    def __init__(self, strides: bool = True) -> None:
         self.guard: Any = None
         self.usable = True
         self.rearms = 0
+        self.strides = strides
 
     def same(self, tensors: Sequence[torch.Tensor], slow_same: Callable[[], bool], asked: bool = False) -> bool:
         """Whether ``tensors`` keep what ``slow_same`` checks.
@@ -114,7 +125,7 @@ class GuardedCheck:
         if same and self.usable:
             if self.guard is not None:  # it failed where the caller's check passed
                 self.rearms += 1
-            self.guard = metadata_guard(tensors) if self.rearms <= MAX_REARMS else None
+            self.guard = metadata_guard(tensors, self.strides) if self.rearms <= MAX_REARMS else None
             self.usable = self.guard is not None
         return same
 

@@ -221,8 +221,9 @@ class GradWatch:
         self.param_sizes = list(map(_SHAPE, self.params))
         # a parameter without a gradient is described by its own dtype (``param_spec``)
         self.param_dtypes = list(map(_DTYPE, self.params))
-        # requires_grad, shapes and dtypes in one C++ call where torch has the guard.
-        self.param_check, self.grad_check = GuardedCheck(), GuardedCheck()
+        # requires_grad, shapes and dtypes in one C++ call where torch has the guard (the
+        # parameters' strides are no question of the watch; the gradients' are).
+        self.param_check, self.grad_check = GuardedCheck(strides=False), GuardedCheck()
 
     def __len__(self) -> int:
         return len(self.params)
