@@ -293,8 +293,8 @@ class ModelWatch:
         """What a seed helper's plan depends on (it does no DP sync): structure, chunk
         facts (but those that decide the embedding roles, which no helper step of the
         discovery reads: :data:`~meshgrad.steps.ROLE_STEPS`; a change there is seen by the
-        next finalize) and routers as :meth:`same`, the parameters a step besides the DP sync may
-        touch (and what bound plans read) in full, and of the other watched parameters
+        next finalize) and routers as :meth:`same`, the parameters a step besides the DP
+        sync may touch (and what bound plans read) in full, and of the other watched parameters
         their attributes only (a flag set later makes one a candidate); their gradients
         and requires_grad are the DP sync's, which :meth:`same` checks."""
         if self._helper is None:

@@ -95,9 +95,9 @@ class GuardedCheck:
     """A check of some tensors' metadata answered by one guard call once armed, else by
     the caller's own attribute-by-attribute check: its first pass arms a guard on the
     tensors as they are then (so a check made once never pays for a guard), and a pass
-    after the guard failed (a fact it checks and the caller does not: strides) re-arms it,
-    up to :data:`MAX_REARMS` times. Where no guard can be made, or after that, the
-    caller's check answers from then on.
+    after the guard failed (a fact it checks and the caller does not: strides, a device)
+    re-arms it, up to :data:`MAX_REARMS` times. Where no guard can be made, or after that,
+    the caller's check answers from then on.
 
     Args:
       strides: the caller's check asks about strides (else its guard compares none: a
