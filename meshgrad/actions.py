@@ -1,10 +1,11 @@
 """The actions of a finalize plan: what one step communicates, as data.
 
 Each action type owns its groups (:meth:`groups`), its human text (:meth:`describe` for
-errors, :meth:`summary` for a plan listing) and its structured signature
-(:meth:`signature`: what the members of its group must launch identically). Backends map
-action type to executor in one table each; adding an action type touches this module,
-the planner and one entry per backend.
+errors, :meth:`summary` for a plan listing), its structured signature (:meth:`signature`:
+what the members of its group must launch identically, as a
+:class:`~meshgrad.signature.Signature`) and the router buffers it updates in place
+(:meth:`router_writes`). Backends map action type to executor in one table each; adding an
+action type touches this module, the planner and one entry per backend.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import ClassVar
 
 from meshgrad.axes import Group
 from meshgrad.params import ParamKey
+from meshgrad.signature import Operand, Signature
 
 #: A group's size, when a description should show it (e.g. ``TorchGroups.size``).
 SizeOf = Callable[[Group], int]
@@ -50,85 +52,6 @@ class ReduceOp(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-@dataclasses.dataclass(frozen=True)
-class Operand:
-    """One tensor of a collective: its name (None where members hold different ones) and shape."""
-
-    name: str | None
-    shape: tuple[int, ...]
-
-    def text(self) -> str:
-        """``name[d0, d1]`` (``[d0, d1]`` without a name)."""
-        return f"{self.name or ''}{list(self.shape)}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Signature:
-    """What one action launches on one group, as data.
-
-    The members of a group must produce equal signatures, or the collectives they launch
-    would not match (a hang or mixed data). The collective fields (op, scale, dtype,
-    operands, expert counts) decide the launch; the identities (routers, stages) say
-    which data meet in it.
-
-    Args:
-      group: the group it communicates over.
-      step: its step(s), ``"+"``-joined when fused.
-      op: the reduction, or None (a router update's collective).
-      pre_scale: multiplier before the collective, or None when the action has none.
-      dtype: the tensors' dtype, or None.
-      scatter: a reduce-scatter.
-      operands: the tensors, or None when the action reduces router buffers.
-      experts: per router, its expert count (router updates), else None.
-      routers: the routers whose buffers meet in the collective.
-      stages: the pp stages of a stage-subset group.
-    """
-
-    group: Group
-    step: str
-    op: ReduceOp | None = None
-    pre_scale: float | None = None
-    dtype: str | None = None
-    scatter: bool = False
-    operands: tuple[Operand, ...] | None = None
-    experts: tuple[int, ...] | None = None
-    routers: tuple[ParamKey, ...] = ()
-    stages: tuple[int, ...] | None = None
-
-    def without_names(self) -> "Signature":
-        """The same signature with operand names dropped (members over pp hold other layers)."""
-        if self.operands is None:
-            return self
-        return dataclasses.replace(self, operands=tuple(Operand(None, o.shape) for o in self.operands))
-
-    def line(self) -> str:
-        """The collective as one line: ``step op xscale dtype [scatter] [operands]``."""
-        words = [self.step]
-        if self.op is not None:
-            words.append(str(self.op))
-        if self.pre_scale is not None:
-            words.append(f"x{self.pre_scale!r}")
-        if self.dtype is not None:
-            words.append(self.dtype)
-        if self.scatter:
-            words.append("scatter")
-        if self.experts is not None:
-            words.append(f"experts {list(self.experts)}")
-        if self.operands is not None:
-            words.append("[" + ",".join(o.text() for o in self.operands) + "]")
-        return " ".join(words)
-
-    def identity_lines(self) -> tuple[str, ...]:
-        """The identities as lines: ``step routers [chunk:name,...]``, ``step stages [...]``."""
-        lines = []
-        if self.routers:
-            names = ",".join(f"{chunk}:{name}" for chunk, name in self.routers)
-            lines.append(f"{self.step} routers [{names}]")
-        if self.stages is not None:
-            lines.append(f"{self.step} stages {list(self.stages)}")
-        return tuple(lines)
 
 
 def _size_text(group: Group, size_of: SizeOf | None) -> str:
@@ -200,6 +123,10 @@ class Reduction:
         """The groups it communicates over."""
         return (self.group,)
 
+    def router_writes(self) -> tuple[tuple[ParamKey, str], ...]:
+        """None: it writes gradients only."""
+        return ()
+
     def describe(self, size_of: SizeOf | None = None) -> str:
         """One line for errors: steps, op, collective, group (and its size), tensor count."""
         kind = "reduce-scatter" if self.scatter else "all-reduce"
@@ -262,6 +189,10 @@ class StageReduction:
     def groups(self) -> tuple[Group, ...]:
         """The groups it communicates over."""
         return (self.group,)
+
+    def router_writes(self) -> tuple[tuple[ParamKey, str], ...]:
+        """None: it writes gradients only."""
+        return ()
 
     def describe(self, size_of: SizeOf | None = None) -> str:
         """One line for errors: step, group and its stages."""
@@ -366,6 +297,10 @@ class _LocalAction:
 
     def signature(self, stage: int | None, shapes: Shapes) -> tuple[Signature, ...]:
         """None planned (a token scale's collectives depend on the num_tokens tensor)."""
+        return ()
+
+    def router_writes(self) -> tuple[tuple[ParamKey, str], ...]:
+        """None (a reset names the buffers it zeroes)."""
         return ()
 
 

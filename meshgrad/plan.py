@@ -153,11 +153,7 @@ class FinalizePlan:
     def router_writes(self) -> tuple[tuple[ParamKey, str], ...]:
         """(router key, buffer attribute) of every router buffer the plan updates in place:
         the expert bias and qb_beta updates' results, the reset's zeroed counts."""
-        out: dict[tuple[ParamKey, str], None] = {}
-        for action in self.actions:
-            if isinstance(action, (ExpertBiasUpdate, QbBetaUpdate, ResetTemporaries)):
-                out.update(dict.fromkeys(action.router_writes()))
-        return tuple(out)
+        return tuple(dict.fromkeys(write for action in self.actions for write in action.router_writes()))
 
     def actions_with(self, num_tokens: bool) -> tuple[Action, ...]:
         """The actions to run: the plan's, plus its token scaling when num_tokens is given."""
