@@ -62,6 +62,7 @@ from meshgrad.axes import Group  # noqa: E402
 from meshgrad.plan import Step  # noqa: E402
 from torch_impl import _allreduce_non_tensor_model_parallel_grads, finalize_model_grads, invalidate_plans  # noqa: E402
 from torch_impl.call.read import Request  # noqa: E402
+from torch_impl.call.replay import replayed  # noqa: E402
 from test_steady_watched import probes_hold  # noqa: E402
 
 WORLD = 4
@@ -138,6 +139,17 @@ def steady_name(name: str) -> str:
     return name.replace("case_", "case_steady_", 1)
 
 
+def replayed_name(name: str) -> str:
+    """The name of the ``replayed_*`` twin of case ``name`` (finalize without num_tokens)."""
+    return name.replace("case_", "case_replayed_", 1)
+
+
+def replay_answers(model: Sequence[Any], groups: Any) -> bool:
+    """Whether the next finalize call without num_tokens is a replay of the last one
+    (:mod:`torch_impl.call.replay`: no read or check stage)."""
+    return replayed(list(model), groups, Request()) is not None
+
+
 def probes_answer(model: Sequence[Any], groups: Any, helper: bool) -> bool:
     """Whether the probes kept on ``model`` answer its next finalize call (and, with
     ``helper``, its next non-TP helper call) without the full steady check."""
@@ -175,24 +187,26 @@ def live_vs_fresh(
     return kind_live, kind_fresh, between and snapshot(live) == snapshot(fresh), message, probed
 
 
-def one_rank(rank: int, bad: int, change: Callable[[list[Any], int], Any], ddp: bool = False, warm: int = 1) -> tuple:
+def one_rank(rank: int, bad: int, change: Callable[[list[Any], int], Any], ddp: bool = False, warm: int = 1,
+             tokens: bool = True) -> tuple:
     """After ``warm`` good steps, rank ``bad`` alone applies ``change``; (``attempt`` of
-    step 2, whether the probes answered the call before the change). ``change`` may return
-    a replacement for the model argument; with ``warm`` > 1 step 2's inputs are copied into
-    the held gradient tensors."""
+    step 2, whether the probes answered the call before the change -- without ``tokens``,
+    whether it was replayed). ``change`` may return a replacement for the model argument;
+    with ``warm`` > 1 step 2's inputs are copied into the held gradient tensors."""
     groups = timed_collection(DP_TP)
     model = _model(rank, ddp)
+    call = _call(groups, tokens)
     for _ in range(warm):
-        _call(groups)(model)
+        call(model)
     (_step2_in_place if warm > 1 else _step2)(model, rank)
-    probed = probes_answer(model, groups, helper=False)
+    probed = probes_answer(model, groups, helper=False) if tokens else replay_answers(model, groups)
     target: Any = model
     if rank == bad:
         target = change(model, rank) or model
     before = snapshot(model)
     start = time.monotonic()
     try:
-        _call(groups)(target)
+        call(target)
         kind, message = "ok", ""
     except Exception as err:  # recorded for the parent
         kind, message = kind_of(err), str(err)
@@ -385,14 +399,15 @@ ONE_RANK = {
 }
 
 
-def _one_rank_case(name: str, warm: int) -> Callable[[int, int], tuple]:
+def _one_rank_case(name: str, warm: int, tokens: bool = True) -> Callable[[int, int], tuple]:
     bad, change, _, _ = ONE_RANK[name]
-    return lambda rank, world: one_rank(rank, bad, change, warm=warm)
+    return lambda rank, world: one_rank(rank, bad, change, warm=warm, tokens=tokens)
 
 
 for _name in ONE_RANK:
     globals()[_name] = _one_rank_case(_name, 1)
     globals()[steady_name(_name)] = _one_rank_case(_name, STEADY)
+    globals()[replayed_name(_name)] = _one_rank_case(_name, STEADY, tokens=False)
 
 
 # groups meshgrad creates ---------------------------------------------------------
@@ -477,14 +492,22 @@ def test_a_changed_model_gets_the_numbers_of_a_fresh_call(world, reliability, la
     reliability("bad input", f"{label} [4 ranks]", "replanned: bit-identical to a fresh call on every rank")
 
 
-@pytest.mark.parametrize("steady", [False, True], ids=["after_step1", "after_steady_steps"])
+#: When the change is made: (the case's name from the ONE_RANK name, the rows' words).
+ONE_RANK_WHEN = {
+    "after_step1": (lambda name: name, "after step 1"),
+    "after_steady_steps": (steady_name, "after steady steps (answered by the probes)"),
+    "replayed": (replayed_name, "after replayed steady steps (finalize without num_tokens)"),
+}
+
+
+@pytest.mark.parametrize("when", list(ONE_RANK_WHEN))
 @pytest.mark.parametrize("name", list(ONE_RANK), ids=list(ONE_RANK))
-def test_a_change_on_one_rank_raises_on_every_rank_before_anything_moves(world, reliability, name, steady):
+def test_a_change_on_one_rank_raises_on_every_rank_before_anything_moves(world, reliability, name, when):
     bad, _, kind, text = ONE_RANK[name]
+    case_name, words = ONE_RANK_WHEN[when]
+    steady = when != "after_step1"
     slowest = 0.0
-    for rank, (got, message, untouched, seconds, probed) in enumerate(
-        case_values(world, steady_name(name) if steady else name)
-    ):
+    for rank, (got, message, untouched, seconds, probed) in enumerate(case_values(world, case_name(name))):
         assert probed == steady, (name, rank, "probes answered" if probed else "the probes did not answer")
         assert untouched, (name, rank, "gradients or router state changed")
         assert seconds < TIMEOUT / 2, (name, rank, seconds)
@@ -497,8 +520,7 @@ def test_a_change_on_one_rank_raises_on_every_rank_before_anything_moves(world, 
         else:
             assert got == "ConsistencyError" and f"rank {bad} failed its own checks" in message, (name, rank, message)
     label = name.removeprefix("case_one_rank_").replace("_", " ")
-    when = "after steady steps (answered by the probes)" if steady else "after step 1"
-    reliability("bad input", f"{when}, on rank {bad} only: {label} [4 ranks]",
+    reliability("bad input", f"{words}, on rank {bad} only: {label} [4 ranks]",
                 f"{kind} there, ConsistencyError naming it or the group elsewhere, after <= {slowest:.2f} s; nothing changed")
 
 

@@ -50,7 +50,7 @@ def probes_hold(chunks: list[DDP], call: tuple[Any, Request]) -> bool:
     """Whether the kept probes answer the next call of this kind with these arguments."""
     source, request = call
     state = ModelState.of(chunks)
-    kind = steady._kind(request)
+    kind = steady.call_kind(request)
     last, guard = state.steady.get(kind), state.steady_guards.get(kind)
     return last is not None and guard is not None and guard.holds(last, source, request)
 
@@ -296,7 +296,7 @@ def _roles(chunks: list[DDP]) -> dict[str, Any]:
 
 
 def _helper_actions(chunks: list[DDP]) -> tuple[Any, ...]:
-    return tuple(ModelState.of(chunks).steady[steady._kind(_helper_call(chunks)[1])].bound.plan.actions)
+    return tuple(ModelState.of(chunks).steady[steady.call_kind(_helper_call(chunks)[1])].bound.plan.actions)
 
 
 @pytest.mark.parametrize("change", list(ROLE_CHANGES))

@@ -99,6 +99,7 @@ class ModelState:
         self.host_factor = HostFactor()  # the last num_tokens factor known on the host
         self.steady: dict[Any, Any] = {}  # per kind of call, its last inputs and plan (torch_impl.call.steady)
         self.steady_guards: dict[Any, Any] = {}  # per kind of call, its steady check as probes (same module)
+        self.replays: dict[Any, Any] = {}  # per kind of call, its stages' answers (torch_impl.call.replay)
         # The gradient views of meshgrad's own buffers (attach_grad_buffers), by id; weak:
         # an entry goes with its view, so an id cannot be reused while it is here.
         self.own_views: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
@@ -116,6 +117,13 @@ class ModelState:
             state = cls(chunks)
             object.__setattr__(chunks[0], _STATE_ATTR, state)
         return state
+
+    @classmethod
+    def existing(cls, chunks: Sequence[Any]) -> "ModelState | None":
+        """The state :meth:`of` would give for this chunk list, or None where it would make
+        one."""
+        state = getattr(chunks[0], _STATE_ATTR, None)
+        return state if type(state) is cls and state.chunk_ids == tuple(map(id, chunks)) else None
 
     def _token(self, found: Discovered) -> int:
         """A small int standing for the specs (cheap to hash in plan keys): equal specs,
@@ -207,6 +215,7 @@ class ModelState:
         self.found.clear()
         self.steady.clear()
         self.steady_guards.clear()
+        self.replays.clear()
         self.plans.clear()
         self.programs.clear()
         self.plan_memo.records.clear()

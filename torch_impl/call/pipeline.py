@@ -18,6 +18,7 @@ from torch_impl.call.check import CheckSpec, check_call
 from torch_impl.call.plan import build_plan, plan
 from torch_impl.call.plan_memo import BoundPlan
 from torch_impl.call.read import CallInputs, Request, read, read_layout
+from torch_impl.call.replay import keep_replay, replayed
 from torch_impl.call.steady import keep_steady, steady_read
 from torch_impl.run.errors import ranked
 from torch_impl.run.execute import execute_local, finish_ddp_sync
@@ -33,7 +34,15 @@ def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallI
     of any type, is shared with the other ranks through that round, then re-raised (the
     entry point's wrapper, :func:`~torch_impl.sources.wrappers.eager_under_compile`,
     prefixes a ValueError / TypeError with this rank).
+    A call that replays the last call of its kind (:func:`~torch_impl.call.replay.replayed`:
+    its read and check stages would answer as they did) goes to the agree stage at once;
+    an error raised from there on is the round's own, as on the full path.
     Returns the plan, the inputs and the global token count when the round carried it."""
+    replay = replayed(model, source, request)
+    if replay is not None:
+        kept, bound, inputs = replay
+        total = agree_call(kept.findings, kept.spec, bound.plan, inputs.groups, inputs.config, request.num_tokens)
+        return bound, inputs, total
     known: dict[str, Any] = {}
     try:
         steady = steady_read(model, source, request, known)
@@ -56,6 +65,8 @@ def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallI
         raise
     if findings.record is not record:  # else the kept one, updated in place
         inputs.state.plan_memo.keep_record(bound, findings.record)
+    if steady is not None:
+        keep_replay(inputs.state, request, spec, findings)
     return bound, inputs, total
 
 

@@ -157,7 +157,7 @@ def _keep_guard(state: ModelState, kind: Any, last: SteadyCall, source: Any, req
     state.steady_guards[kind] = SteadyGuard(last, kept_source, request.config, raw, probes, builds)
 
 
-def _kind(request: Request) -> tuple[Any, ...]:
+def call_kind(request: Request) -> tuple[Any, ...]:
     """What of ``request`` decides its read and plan besides its config (num_tokens only by
     presence; of an embedding helper's read, all but its getter, which is given per call
     and called on every call)."""
@@ -192,7 +192,7 @@ def steady_read(
     """
     chunks = as_chunks(model)
     state = ModelState.of(chunks)
-    kind = _kind(request)
+    kind = call_kind(request)
     last: SteadyCall | None = state.steady.get(kind)
     if last is None:
         return None
@@ -251,7 +251,7 @@ def keep_steady(inputs: CallInputs, bound: BoundPlan, source: Any, request: Requ
     """Keep this call's inputs and plan for the next call of its kind
     (:func:`steady_read`); a call the steady path does not serve (module doc) drops what
     was kept for its kind."""
-    kind = _kind(request)
+    kind = call_kind(request)
     state, found = inputs.state, inputs.found
     if request.embedding is not None:  # its discovery is its own, checked on every call
         slot, entry = EMBEDDING_SLOT, ()
@@ -266,5 +266,6 @@ def keep_steady(inputs: CallInputs, bound: BoundPlan, source: Any, request: Requ
 
 
 __all__ = [
-    "EMBEDDING_SLOT", "MAX_GUARD_BUILDS", "PER_CALL", "SteadyCall", "SteadyGuard", "keep_steady", "steady_read",
+    "EMBEDDING_SLOT", "MAX_GUARD_BUILDS", "PER_CALL", "SteadyCall", "SteadyGuard", "call_kind", "keep_steady",
+    "steady_read",
 ]

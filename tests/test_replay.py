@@ -1,0 +1,234 @@
+"""The steady call replayed (``torch_impl.call.replay``): from the third call of a kind
+without ``num_tokens``, whose check stage found nothing per step, the agree stage gets the
+last call's plan, inputs and findings without the read and check stages; each input of
+those findings is read again, and a call whose check stage has work per step keeps the
+stages.
+
+World of one rank (no process group): finalize's DP sync is counted and every gradient is
+checked against its filled value after each call; the multi-rank twin (a change on one
+rank while the others replay) is in ``tests/test_reliability_steps.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from meshgrad import FinalizeConfig  # noqa: E402
+from meshgrad.axes import Group  # noqa: E402
+from meshgrad.plan import Step  # noqa: E402
+from torch_impl import _allreduce_non_tensor_model_parallel_grads, finalize_model_grads, invalidate_plans  # noqa: E402
+from torch_impl.call.model_state import ModelState  # noqa: E402
+from torch_impl.call.read import Request  # noqa: E402
+from test_steady_guard import DDP, Config, FILLER, Inner  # noqa: E402
+
+pipeline = importlib.import_module("torch_impl.call.pipeline")
+replay = importlib.import_module("torch_impl.call.replay")
+steady = importlib.import_module("torch_impl.call.steady")
+
+
+def model(**config: Any) -> list[DDP]:
+    """A DDP chunk whose ``a`` is sequence-parallel (the non-TP helper's plan reduces it)."""
+    inner = Inner()
+    inner.a.sequence_parallel = True
+    fields = {"calculate_per_token_loss": False, "qk_layernorm": False, **FILLER, **config}
+    return [DDP(inner, Config(**fields))]
+
+
+def finalize(chunks: list[DDP], **kwargs: Any) -> None:
+    finalize_model_grads(chunks, **kwargs)
+
+
+def helper(chunks: list[DDP], config: Any = None) -> None:
+    _allreduce_non_tensor_model_parallel_grads(chunks, config if config is not None else chunks[0].config, None)
+
+
+#: Each kind of call: (the call, its group source and request as the pipeline sees them).
+KINDS: dict[str, tuple[Callable[[list[DDP]], None], Callable[[list[DDP]], tuple[Any, Request]]]] = {
+    "finalize": (finalize, lambda chunks: (None, Request())),
+    "non-TP helper": (helper, lambda chunks: (
+        {Group.TP: None}, Request(steps=(Step.NON_TP,), config=chunks[0].config, over=(Group.TP,)))),
+}
+
+
+@pytest.fixture
+def stages(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How many times the read stage's steady check and the check stage ran."""
+    counts = {"steady_read": 0, "check_call": 0}
+    for name in counts:
+        real = getattr(pipeline, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            counts[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(pipeline, name, counted)
+    return counts
+
+
+def checked_call(chunks: list[DDP], call: Callable[[list[DDP]], None], finalize_call: bool) -> None:
+    """``call`` on freshly filled gradients: each unchanged (a world of one), one DP sync
+    per chunk for finalize."""
+    syncs = [c.syncs for c in chunks]
+    for c in chunks:
+        c.fill()
+    want = [p.main_grad.clone() for c in chunks for p in c.module.parameters()]
+    call(chunks)
+    assert all(torch.equal(p.main_grad, w) for p, w in zip((p for c in chunks for p in c.module.parameters()), want))
+    assert [c.syncs for c in chunks] == [s + int(finalize_call) for s in syncs]
+
+
+def is_replayed(chunks: list[DDP], kind: str) -> bool:
+    source, request = KINDS[kind][1](chunks)
+    return replay.replayed(chunks, source, request) is not None
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_third_call_of_a_kind_is_replayed(stages: dict[str, int], kind: str) -> None:
+    chunks = model()
+    call = KINDS[kind][0]
+    for expected in ({"steady_read": 1, "check_call": 1}, {"steady_read": 2, "check_call": 2}):
+        checked_call(chunks, call, kind == "finalize")
+        assert stages == expected  # the first call reads, the second takes the steady path
+    assert is_replayed(chunks, kind)
+    for _ in range(3):
+        checked_call(chunks, call, kind == "finalize")
+    assert stages == {"steady_read": 2, "check_call": 2}  # replayed: neither stage ran again
+    state = ModelState.of(chunks)
+    (kept,) = state.replays.values()
+    assert kept.last is next(iter(state.steady.values())) and kept.findings.error is None
+    assert kept.findings.round_due and not kept.findings.compare  # the status round runs on every call
+
+
+def _tokens_compared(chunks: list[DDP]) -> None:
+    next(iter(ModelState.of(chunks).replays.values())).findings.record.tokens = (torch.int64, 1, torch.device("cpu"))
+
+
+def _not_consistent(chunks: list[DDP]) -> None:
+    next(iter(ModelState.of(chunks).replays.values())).findings.record.consistent = False
+
+
+def _record_dropped(chunks: list[DDP]) -> None:
+    ModelState.of(chunks).plan_memo.records.clear()
+
+
+def _inference_tensor(chunks: list[DDP]) -> None:
+    next(iter(ModelState.of(chunks).replays.values())).findings.record.inference_tensor = "module.a"
+
+
+def _flag_cleared(chunks: list[DDP]) -> None:
+    chunks[0].module.a.sequence_parallel = False  # the plan reduces a no more
+
+
+def _grad_replaced(chunks: list[DDP]) -> None:
+    chunks[0].module.a.main_grad = torch.zeros(3)
+
+
+#: Changes after which the next call is not replayed, each with what the stages then
+#: raise (None: the call goes on with a fresh model's plan).
+CHANGES: dict[str, tuple[Callable[[list[DDP]], None], str | None]] = {
+    "another kind of num_tokens compared on the plan": (_tokens_compared, None),
+    "the plan's consistency not established": (_not_consistent, None),
+    "the plan's record dropped": (_record_dropped, None),
+    "an inference tensor found on the plan": (_inference_tensor, "module.a was made under torch.inference_mode()"),
+    "a watched flag cleared": (_flag_cleared, None),
+    "a watched gradient replaced": (_grad_replaced, None),
+    "invalidate_plans": (invalidate_plans, None),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_each_input_of_the_replay_is_read_again(stages: dict[str, int], kind: str, change: str) -> None:
+    chunks, fresh = model(), model()
+    call = KINDS[kind][0]
+    for _ in range(3):
+        checked_call(chunks, call, kind == "finalize")
+    assert is_replayed(chunks, kind)
+    make, refused = CHANGES[change]
+    make(chunks)
+    if change in ("a watched flag cleared", "a watched gradient replaced"):
+        make(fresh)
+    assert not is_replayed(chunks, kind)
+    before = dict(stages)
+    if refused is not None:  # the check stage refuses, before anything changes
+        grads = [p.main_grad.clone() for p in chunks[0].module.parameters()]
+        with pytest.raises(ValueError, match=refused):
+            call(chunks)
+        assert all(torch.equal(p.main_grad, g) for p, g in zip(chunks[0].module.parameters(), grads))
+        assert stages["check_call"] == before["check_call"] + 1 and not is_replayed(chunks, kind)
+        return
+    checked_call(chunks, call, kind == "finalize")
+    assert stages["check_call"] == before["check_call"] + 1  # the stages ran
+    checked_call(fresh, call, kind == "finalize")
+    state, fresh_state = ModelState.of(chunks), ModelState.of(fresh)
+    (last,), (fresh_last,) = state.steady.values(), fresh_state.steady.values()
+    assert last.bound.plan.actions == fresh_last.bound.plan.actions  # the plan a fresh model gets
+    record = state.plan_memo.record(last.bound)
+    assert record.consistent and record.tokens is None and record.inference_tensor is None
+    for _ in range(2):
+        checked_call(chunks, call, kind == "finalize")
+    assert is_replayed(chunks, kind)  # kept again once its call had nothing to check
+
+
+def test_a_capture_takes_the_stages(stages: dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    chunks = model()
+    for _ in range(3):
+        checked_call(chunks, finalize, True)
+    assert is_replayed(chunks, "finalize")
+    monkeypatch.setattr(replay, "capturing", lambda: True)
+    assert not is_replayed(chunks, "finalize")
+    monkeypatch.setattr(replay, "capturing", lambda: False)
+    assert is_replayed(chunks, "finalize")
+
+
+def test_another_chunk_list_or_config_object_takes_the_stages(stages: dict[str, int]) -> None:
+    chunks = model()
+    for _ in range(3):
+        checked_call(chunks, helper, False)
+    assert is_replayed(chunks, "non-TP helper")
+    other = Config(**vars(chunks[0].config))  # equal values, another object
+    source, request = KINDS["non-TP helper"][1](chunks)
+    assert replay.replayed(chunks, source, request._replace(config=other)) is None
+    assert replay.replayed(chunks + model(), source, request) is None
+    assert replay.replayed((c for c in chunks), source, request) is None  # a generator: the stages raise
+    assert replay.replayed(tuple(chunks), source, request) is not None  # the same chunks as a tuple
+    before = stages["check_call"]
+    checked_call(chunks, lambda c: helper(c, other), False)
+    assert stages["check_call"] == before + 1
+
+
+#: Calls whose check stage has work on every call: no replay is kept for them.
+EVERY_STEP = FinalizeConfig(consistency_check="every_step")
+PER_STEP: dict[str, tuple[dict[str, Any], Callable[[list[DDP]], None]]] = {
+    "num_tokens given": ({"calculate_per_token_loss": True}, lambda c: finalize(c, num_tokens=torch.tensor(1))),
+    "check_for_nan_in_grad": ({"check_for_nan_in_grad": True}, finalize),
+    "consistency_check='every_step'": ({}, lambda c: helper(c, EVERY_STEP)),
+}
+
+
+@pytest.mark.parametrize("case", list(PER_STEP))
+def test_no_replay_is_kept_where_the_check_stage_has_work_per_step(stages: dict[str, int], case: str) -> None:
+    config, call = PER_STEP[case]
+    chunks = model(**config)
+    for _ in range(4):
+        for c in chunks:
+            c.fill()
+        call(chunks)
+    assert not ModelState.of(chunks).replays
+    assert stages == {"steady_read": 4, "check_call": 4}
+
+
+def test_consistency_check_off_replays_without_a_round(stages: dict[str, int]) -> None:
+    chunks = model()
+    off = FinalizeConfig(consistency_check="off")
+    for _ in range(4):
+        checked_call(chunks, lambda c: helper(c, off), False)
+    assert stages["check_call"] == 2
+    (kept,) = ModelState.of(chunks).replays.values()
+    assert not kept.findings.round_due

@@ -1,0 +1,122 @@
+"""A steady call replayed: what the read and check stages answered on the last call of a
+kind, kept for the next one (:class:`Replay`).
+
+A call whose steady check holds (:mod:`torch_impl.call.steady`: the probes of everything
+the read stage read) reads and plans what the last call of its kind read and planned.
+When the check stage then had nothing to look at on that call beyond what it checks once
+per plan -- no ``num_tokens``, no NaN check, ``consistency_check`` not ``"every_step"``,
+the plan's record kept for this very discovery, consistent, with no inference tensor and
+no other kind of ``num_tokens`` compared -- it finds nothing on the next call either:
+its findings are a function of those inputs, and :func:`replayable` reads each of them
+again (the guard's probes, the record's fields, a CUDA graph capture). :func:`replayed`
+then hands the agree stage that call's plan, inputs and findings without the read and
+check stages' layers of calls (each a few microseconds with cold caches inside a step).
+
+Nothing of the agreement is skipped: the agree stage runs as on every call, the same
+status round over the same groups, before anything changes, so an error, a comparison or
+a NaN found on another rank is met as on the full path. A call for which any part does
+not hold takes the pipeline's stages, which write the replay anew.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from torch import nn
+
+from torch_impl.call.check import CheckSpec, Findings
+from torch_impl.call.memo import put
+from torch_impl.call.model_state import ModelState
+from torch_impl.call.plan_memo import BoundPlan
+from torch_impl.call.read import CallInputs, Request
+from torch_impl.call.steady import SteadyCall, SteadyGuard, call_kind
+from torch_impl.run.status import capturing
+
+
+class Replay(NamedTuple):
+    """The last call of one kind, as the agree stage took it.
+
+    Args:
+      last: the kept call (its inputs and plan: :class:`~torch_impl.call.steady.SteadyCall`).
+      guard: its steady check as probes, which must hold for the next call.
+      spec: what the plan's calls check.
+      findings: what the check stage found: nothing (the plan's record, a round due or not).
+    """
+
+    last: SteadyCall
+    guard: SteadyGuard
+    spec: CheckSpec
+    findings: Findings
+
+
+def _chunks(model: Any) -> Any:
+    """The chunk list as :func:`~torch_impl.call.read.as_chunks` takes it, or None where it
+    would raise or copy (the pipeline then reads it)."""
+    if isinstance(model, nn.Module):
+        return (model,)
+    if type(model) is not list and type(model) is not tuple or not model:
+        return None
+    for chunk in model:
+        if not isinstance(chunk, nn.Module):
+            return None
+    return model
+
+
+def replayable(replay: Replay, state: ModelState, kind: Any, source: Any, request: Request) -> bool:
+    """Whether the check stage would find for this call what it found for ``replay``'s:
+    the kept call and its probes still current and holding, the record unchanged in every
+    field the check stage reads, no CUDA graph capture."""
+    last, findings = replay.last, replay.findings
+    record = findings.record
+    return (
+        state.steady.get(kind) is last and state.steady_guards.get(kind) is replay.guard
+        and state.plan_memo.record(last.bound) is record and record.found is last.inputs.found
+        and record.inference_tensor is None
+        and (not findings.round_due or record.consistent and record.tokens is None)
+        and not capturing()
+        and replay.guard.holds(last, source, request)
+    )
+
+
+def replayed(model: Any, source: Any, request: Request) -> tuple[Replay, BoundPlan, CallInputs] | None:
+    """The replay of the last call of this kind (module doc), with its plan and inputs, when
+    this call is one; else None (never raises: the pipeline's stages then read and report)."""
+    try:
+        chunks = _chunks(model)
+        state = ModelState.existing(chunks) if chunks is not None else None
+        if state is None or not state.replays:
+            return None
+        kind = call_kind(request)
+        replay = state.replays.get(kind)
+        if replay is None or not replayable(replay, state, kind, source, request):
+            return None
+    except Exception:  # noqa: BLE001 -- a read that raises: the stages read it and report
+        return None
+    return replay, replay.last.bound, replay.last.inputs
+
+
+def keep_replay(state: ModelState, request: Request, spec: CheckSpec, findings: Findings) -> None:
+    """After a call that took the steady path and passed its status round: keep it for
+    :func:`replayed` when the check stage had nothing to look at per step (module doc);
+    else drop what was kept for its kind (a kind with ``num_tokens`` or an embedding
+    helper's never has one)."""
+    if request.num_tokens is not None or request.embedding is not None:
+        return
+    kind = call_kind(request)
+    last, guard = state.steady.get(kind), state.steady_guards.get(kind)
+    record, config = findings.record, last.inputs.config if last is not None else None
+    quiet = (
+        guard is not None and guard.last is last and guard.probes is not None
+        and record is not None and record.found is last.inputs.found and record.inference_tensor is None
+        and findings.error is None and not findings.compare and findings.tokens is None
+        and findings.nonfinite is None and not findings.nonfinite_tokens
+        and config.consistency_check != "every_step" and not (config.check_for_nan_in_grad and spec.nan)
+        and findings.round_due == (config.consistency_check != "off")  # not under a capture
+    )
+    if quiet:
+        put(state.replays, kind, Replay(last, guard, spec, findings))
+    else:
+        state.replays.pop(kind, None)
+
+
+__all__ = ["Replay", "keep_replay", "replayable", "replayed"]
