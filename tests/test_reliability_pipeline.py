@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from meshgrad.plan import Step  # noqa: E402
 from test_reliability_inputs import (  # noqa: E402
     DP_TP, LINEAR, PP_TP, TIMEOUT, kind_of, load_in_place, param, setup_model, snapshot, timed_collection,
 )
-from test_reliability_steps import STEADY, live_vs_fresh  # noqa: E402
+from test_reliability_steps import STEADY, live_vs_fresh, replay_answers  # noqa: E402
 from test_steady_watched import probes_hold  # noqa: E402
 from torch_impl import _allreduce_non_tensor_model_parallel_grads, finalize_model_grads  # noqa: E402
 from torch_impl.call.read import Request  # noqa: E402
@@ -91,6 +92,47 @@ def case_user_method_raises_runtime_error(rank: int, world: int) -> tuple:
 
 def case_user_method_raises_keyboard_interrupt(rank: int, world: int) -> tuple:
     return _user_method_raises(rank, KeyboardInterrupt("interrupted in the user's method"))
+
+
+class _Config(types.SimpleNamespace):
+    """A Megatron-like config of a class of its own (so that it can become
+    :class:`_Interrupting` and back)."""
+
+
+class _Interrupting(_Config):
+    """A config whose ``calculate_per_token_loss`` raises KeyboardInterrupt when read."""
+
+    @property
+    def calculate_per_token_loss(self) -> bool:
+        raise KeyboardInterrupt("interrupted while a replayed call read the config")
+
+
+def case_replayed_call_interrupted_reading_the_config(rank: int, world: int) -> tuple:
+    """After STEADY finalize calls without num_tokens (replayed from the third), rank 1's
+    config raises KeyboardInterrupt when the replay reads it again: (attempt, the next call
+    after the config is restored gives a fresh call's numbers, the call before was replayed
+    on this rank)."""
+    groups = timed_collection(PP_TP)
+    model = setup_model(PP_TP, rank)
+    # Many attributes, as a Megatron config has: the fields it is read for are read by name.
+    config = _Config(**vars(model[0].config), **{f"unread_{i}": i for i in range(60)})
+    for chunk in model:
+        chunk.config = getattr(chunk, "module", chunk).config = config
+    data = make_rank_inputs(PP_TP, rank)
+    for _ in range(STEADY):
+        load_in_place(model, PP_TP, data)
+        _finalize(groups)(model)
+    load_in_place(model, PP_TP, data)
+    replayed = replay_answers(model, groups)
+    if rank == 1:
+        config.__class__ = _Interrupting
+    outcome = attempt_any(model, _finalize(groups))
+
+    def undo() -> None:
+        config.__class__ = _Config
+        load_in_place(model, PP_TP, data)
+
+    return (*outcome, _recovers(rank, PP_TP, groups, model, undo), replayed)
 
 
 BAD_CONFIG = {
@@ -293,6 +335,25 @@ def test_an_exception_in_a_user_method_on_one_rank_raises_on_every_rank(world, r
             assert kind in message, (rank, message)
     reliability("bad input", f"a user method finalize calls raises {kind} on rank 1 only [4 ranks]",
                 f"{kind} there, ConsistencyError naming it elsewhere, after <= {slowest:.2f} s; "
+                "nothing changed; the next call gives a fresh call's numbers")
+
+
+def test_an_interrupt_while_a_replayed_call_reads_is_held_for_the_round(world, reliability):
+    slowest = 0.0
+    for rank, (got, message, untouched, seconds, recovered, replayed) in enumerate(
+        case_values(world, "case_replayed_call_interrupted_reading_the_config")
+    ):
+        assert replayed, (rank, "the call before the interrupt was not replayed")
+        assert untouched, (rank, got, message, "gradients changed")
+        assert recovered, (rank, "the next call did not give a fresh call's numbers")
+        assert seconds < TIMEOUT / 2, (rank, seconds)
+        slowest = max(slowest, seconds)
+        if rank == 1:
+            assert got == "KeyboardInterrupt" and "replayed call read the config" in message, (rank, got, message)
+        else:
+            assert got == "ConsistencyError" and "rank 1 failed its own checks" in message, (rank, got, message)
+    reliability("bad input", "a config property raises KeyboardInterrupt on rank 1 only, read by a replayed finalize "
+                "call [4 ranks]", f"KeyboardInterrupt there, ConsistencyError naming it elsewhere, after <= {slowest:.2f} s; "
                 "nothing changed; the next call gives a fresh call's numbers")
 
 

@@ -35,16 +35,16 @@ def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallI
     entry point's wrapper, :func:`~torch_impl.sources.wrappers.eager_under_compile`,
     prefixes a ValueError / TypeError with this rank).
     A call that replays the last call of its kind (:func:`~torch_impl.call.replay.replayed`:
-    its read and check stages would answer as they did) goes to the agree stage at once;
-    an error raised from there on is the round's own, as on the full path.
+    its read and check stages would answer as they did) goes to the agree stage at once.
     Returns the plan, the inputs and the global token count when the round carried it."""
-    replay = replayed(model, source, request)
-    if replay is not None:
-        kept, bound, inputs = replay
-        total = agree_call(kept.findings, kept.spec, bound.plan, inputs.groups, inputs.config, request.num_tokens)
-        return bound, inputs, total
     known: dict[str, Any] = {}
     try:
+        replay = replayed(model, source, request)
+        if replay is not None:
+            kept, bound, inputs = replay
+            known["shared"] = True
+            return bound, inputs, agree_call(kept.findings, kept.spec, bound.plan, inputs.groups, inputs.config,
+                                             request.num_tokens)
         steady = steady_read(model, source, request, known)
         if steady is None:
             inputs = read(model, source, request, known)
