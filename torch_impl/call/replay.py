@@ -80,7 +80,10 @@ def replayable(replay: Replay, state: ModelState, kind: Any, source: Any, reques
 
 def replayed(model: Any, source: Any, request: Request) -> tuple[Replay, BoundPlan, CallInputs] | None:
     """The replay of the last call of this kind (module doc), with its plan and inputs, when
-    this call is one; else None (never raises: the pipeline's stages then read and report)."""
+    this call is one; else None (an exception is the stages' to read again and report).
+    A call with ``num_tokens`` or an embedding helper's is never one (:func:`keep_replay`)."""
+    if request.num_tokens is not None or request.embedding is not None:
+        return None
     try:
         chunks = _chunks(model)
         state = ModelState.existing(chunks) if chunks is not None else None
