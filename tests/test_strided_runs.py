@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from torch_impl.run.staging import _Staging  # noqa: E402
+from torch_impl.run.row_gather import RowGather  # noqa: E402
 from torch_impl.run.strided_runs import RunCopies, find_runs  # noqa: E402
 
 
@@ -56,6 +57,29 @@ def test_find_runs_refuses_overlapping_rows():
     assert runs == [] and singles == list(range(6))
 
 
+def _round_trips(buffer: torch.Tensor, views: Sequence[torch.Tensor], calls: int = 3):
+    """(the kept staging of ``views``, whether each call found runs, the last staged
+    buffer) after ``calls`` copies in and out, each checked: the buffer equals the views
+    concatenated in order; after new values are written to it and copied out, every view
+    holds its part and every other element of ``buffer`` keeps its value."""
+    sizes = [v.numel() for v in views]
+    stage = _Staging(views, sizes, torch.float32, keep=True)
+    mask = torch.ones_like(buffer, dtype=torch.bool)
+    for v in views:
+        mask[v.storage_offset():v.storage_offset() + v.numel()] = False
+    others, runs_seen = buffer[mask].clone(), []
+    for step in range(calls):
+        staged = stage.copy_in()
+        runs_seen.append(stage.runs is not None)
+        flat = staged[0]
+        assert torch.equal(flat, torch.cat([v.reshape(-1) for v in views])), step
+        flat.copy_(-torch.arange(flat.numel(), dtype=torch.float32) * (step + 2))
+        stage.copy_out(staged)
+        assert all(torch.equal(v, part) for v, part in zip(views, torch.split(flat, sizes))), step
+        assert torch.equal(buffer[mask], others), step
+    return stage, runs_seen, flat
+
+
 @pytest.mark.parametrize("reverse", [True, False], ids=["reversed (Megatron DDP)", "in order"])
 def test_run_staging_moves_exactly_the_gradients(reverse):
     """Copy in: the staging buffer equals the gradients concatenated in model order. Copy
@@ -63,23 +87,7 @@ def test_run_staging_moves_exactly_the_gradients(reverse):
     (other parameters' gradients) keeps its value. Three calls on the kept buffer: the
     first by ``_foreach_copy_`` (no search on a first call), the others by the runs."""
     buffer, views = _ddp_layout(6, [16, 16, 8], gap=3, reverse=reverse, tail=[12, 5])
-    sizes = [v.numel() for v in views]
-    stage = _Staging(views, sizes, torch.float32, keep=True)
-    runs_seen = []
-    mask = torch.ones_like(buffer, dtype=torch.bool)
-    for v in views:
-        mask[v.storage_offset():v.storage_offset() + v.numel()] = False
-    others = buffer[mask].clone()
-    for step in range(3):
-        staged = stage.copy_in()
-        runs_seen.append(stage.runs is not None)
-        flat = staged[0]
-        assert torch.equal(flat, torch.cat([v.reshape(-1) for v in views])), step
-        flat.copy_(-torch.arange(flat.numel(), dtype=torch.float32) * (step + 2))
-        stage.copy_out(staged)
-        for view, part in zip(views, torch.split(flat, sizes)):
-            assert torch.equal(view, part), step
-        assert torch.equal(buffer[mask], others), step
+    stage, runs_seen, flat = _round_trips(buffer, views)
     assert runs_seen == [False, True, True]
     assert len(stage.runs.forward) + len(stage.runs.reversed) == 3
     assert len(stage.runs.reversed if reverse else stage.runs.forward) == 3
@@ -112,3 +120,30 @@ def test_runs_not_used_where_foreach_is_as_good():
     meta_stage = _Staging(meta_views, [8] * 12, torch.float32, keep=True)
     assert find_runs([8] * 12, [v.storage_offset() for v in meta_views], list(range(0, 96, 8)))[0]
     assert RunCopies.build(meta_views, *meta_stage.kept) is None
+
+
+@pytest.mark.parametrize("reverse", [True, False], ids=["reversed (Megatron DDP)", "in order"])
+def test_row_gather_copies_in_exactly_the_gradients(reverse):
+    """Gradients that start and end on whole rows of 64 or more elements of their storage
+    are copied in by gathers of those rows (in parts that torch runs on one thread), the
+    buffer equal to the gradients concatenated in model order; the copy out stays with
+    the runs and leaves every other element as it was."""
+    buffer, views = _ddp_layout(24, [1024, 512], gap=384, reverse=reverse, tail=[256])
+    stage, runs_seen, _ = _round_trips(buffer, views)
+    assert runs_seen == [False, True, True]
+    gather = stage.runs.gather
+    assert gather is not None and gather.source.shape[1] == 128  # gcd of 1024, 512, 384, 256
+    assert len(gather.parts) == 2  # 36,864 elements: two parts of at most 32,768
+    assert sum(index.numel() for index, _ in gather.parts) * 128 == sum(v.numel() for v in views)
+
+
+def test_row_gather_not_built_for_short_rows():
+    """Rows shorter than MIN_ROW (here offsets on 3-element boundaries): no gather, the
+    runs copy in, with the same values."""
+    _, views = _ddp_layout(6, [16, 16, 8], gap=3)
+    stage = _Staging(views, [v.numel() for v in views], torch.float32, keep=True)
+    for _ in range(3):
+        flat = stage.copy_in()[0]
+        assert torch.equal(flat, torch.cat([v.reshape(-1) for v in views]))
+    assert stage.runs is not None and stage.runs.gather is None
+    assert RowGather.build(views, stage.kept[0]) is None

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from torch_impl.run.row_gather import RowGather
+
 #: Longest layer period looked for (parameters a layer stages), and how many items from
 #: the start show whether the items repeat with a period (:func:`_repeats`).
 MAX_PERIOD = 16
@@ -104,7 +106,9 @@ def _index_select_fills_strided_out() -> bool:
 
 class RunCopies:
     """The copies between gradient tensors of one storage and a staging buffer, as strided
-    runs (:func:`find_runs`) and one ``_foreach_copy_`` for the rest.
+    runs (:func:`find_runs`) and one ``_foreach_copy_`` for the rest; the copy in as one
+    gather of whole rows where every tensor starts and ends on a long enough row
+    (:class:`~torch_impl.run.row_gather.RowGather`).
 
     Valid while each tensor keeps its data pointer (the runs are views of the storage as
     it was: :class:`~torch_impl.call.watches.GradWatch` checks the pointers every step).
@@ -118,6 +122,8 @@ class RunCopies:
 
     def __init__(self, tensors: Sequence[torch.Tensor], buffer: torch.Tensor, views: Sequence[torch.Tensor],
                  runs: list[list[int]], singles: list[int]) -> None:
+        # Copied in by one gather of whole rows where the layout allows it (row_gather).
+        self.gather = RowGather.build(tensors, buffer)
         self.forward: list[tuple[torch.Tensor, torch.Tensor]] = []  # (source rows, target rows), same direction
         self.reversed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (source rows ascending, target rows, row index)
         for run in runs:
@@ -155,7 +161,10 @@ class RunCopies:
         return RunCopies(tensors, buffer, views, runs, singles)
 
     def copy_in(self) -> None:
-        """The tensors into the staging buffer."""
+        """The tensors into the staging buffer (one gather of rows where it was built)."""
+        if self.gather is not None:
+            self.gather.copy_in()
+            return
         for source, target in self.forward:
             target.copy_(source)
         for source, target, rows in self.reversed:
