@@ -101,6 +101,25 @@ class Findings(NamedTuple):
     nonfinite_tokens: bool = False
 
 
+def nan_checked(spec: CheckSpec, config: FinalizeConfig) -> bool:
+    """Whether the calls of this plan scan their gradients for NaN / Inf."""
+    return bool(config.check_for_nan_in_grad and spec.nan)
+
+
+def nothing_per_step(spec: CheckSpec, config: FinalizeConfig, record: PlanRecord | None, found: Any) -> bool:
+    """Whether :func:`check_call` for these inputs and no ``num_tokens`` has nothing to look
+    at beyond what it found once per plan, and so finds nothing, outside a CUDA graph
+    capture: its record kept for ``found``, with no inference tensor; no NaN scan; not
+    ``"every_step"``; no comparison due (the plan consistent, no kind of num_tokens
+    compared)."""
+    mode = config.consistency_check
+    return (
+        record is not None and record.found is found and record.inference_tensor is None
+        and mode != "every_step" and not nan_checked(spec, config)
+        and (mode == "off" or record.consistent and record.tokens is None)
+    )
+
+
 def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: FinalizeConfig,
                num_tokens: Any, record: PlanRecord | None) -> Findings:
     """The check stage: the local checks of one call, the inputs' first, then the
@@ -121,7 +140,7 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
     Returns:
       The :class:`Findings`.
     """
-    mode, nan_check = config.consistency_check, config.check_for_nan_in_grad and spec.nan
+    mode, nan_check = config.consistency_check, nan_checked(spec, config)
     round_due = not (mode == "off" and not nan_check) and not capturing()
     fresh = record is None or mode == "every_step" or record.found is not found
     nonfinite, bad_tokens = None, False
@@ -161,4 +180,4 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
                     nonfinite_tokens=bad_tokens)
 
 
-__all__ = ["CheckSpec", "Findings", "PlanRecord", "check_call"]
+__all__ = ["CheckSpec", "Findings", "PlanRecord", "check_call", "nan_checked", "nothing_per_step"]

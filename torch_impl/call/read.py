@@ -93,22 +93,34 @@ def helper_groups(source: Any, request: Request) -> bool:
     return not request.finalize and isinstance(source, Mapping)
 
 
+def chunks_of(model: Any) -> Sequence[Any] | None:
+    """The chunks of ``model`` (a module, or a non-empty list or tuple of modules), or None
+    where :func:`as_chunks` refuses it."""
+    if isinstance(model, nn.Module):
+        return (model,)
+    if not isinstance(model, (list, tuple)) or not model:
+        return None
+    for chunk in model:
+        if not isinstance(chunk, nn.Module):
+            return None
+    return model
+
+
 def as_chunks(model: Any) -> list[Any]:
     """The model as a non-empty list of chunks.
 
     Raises:
       TypeError: ``model`` is not a module or a sequence of modules.
     """
-    if isinstance(model, nn.Module):
-        return [model]
+    chunks = chunks_of(model)
+    if chunks is not None:
+        return list(chunks)
     if not isinstance(model, (list, tuple)) or not model:
         raise FinalizeTypeError(
             f"rank {world_rank()}: model must be a non-empty list of nn.Module chunks, got {type(model).__name__}"
         )
-    for i, chunk in enumerate(model):
-        if not isinstance(chunk, nn.Module):
-            raise FinalizeTypeError(f"rank {world_rank()}: model[{i}] is a {type(chunk).__name__}, not an nn.Module")
-    return list(model)
+    i, chunk = next((i, c) for i, c in enumerate(model) if not isinstance(c, nn.Module))
+    raise FinalizeTypeError(f"rank {world_rank()}: model[{i}] is a {type(chunk).__name__}, not an nn.Module")
 
 
 #: The config of chunks without one, for a request with ``config_default`` (immutable).
@@ -207,6 +219,6 @@ def read_layout(model: Any, source: Any) -> CallInputs:
 
 
 __all__ = [
-    "DEFAULT_CONFIG", "EMBEDDING_FOUND", "CallInputs", "Request", "as_chunks", "config_sources", "helper_groups",
-    "read", "read_layout",
+    "DEFAULT_CONFIG", "EMBEDDING_FOUND", "CallInputs", "Request", "as_chunks", "chunks_of", "config_sources",
+    "helper_groups", "read", "read_layout",
 ]

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from torch import nn
-
-from torch_impl.call.check import CheckSpec, Findings
+from torch_impl.call.check import CheckSpec, Findings, nothing_per_step
 from torch_impl.call.memo import put
 from torch_impl.call.model_state import ModelState
 from torch_impl.call.plan_memo import BoundPlan
-from torch_impl.call.read import CallInputs, Request
+from torch_impl.call.read import CallInputs, Request, chunks_of
 from torch_impl.call.steady import SteadyCall, SteadyGuard, call_kind
 from torch_impl.run.status import capturing
 
@@ -49,30 +47,16 @@ class Replay(NamedTuple):
     findings: Findings
 
 
-def _chunks(model: Any) -> Any:
-    """The chunk list as :func:`~torch_impl.call.read.as_chunks` takes it, or None where it
-    would raise or copy (the pipeline then reads it)."""
-    if isinstance(model, nn.Module):
-        return (model,)
-    if type(model) is not list and type(model) is not tuple or not model:
-        return None
-    for chunk in model:
-        if not isinstance(chunk, nn.Module):
-            return None
-    return model
-
-
 def replayable(replay: Replay, state: ModelState, kind: Any, source: Any, request: Request) -> bool:
     """Whether the check stage would find for this call what it found for ``replay``'s:
-    the kept call and its probes still current and holding, the record unchanged in every
-    field the check stage reads, no CUDA graph capture."""
-    last, findings = replay.last, replay.findings
-    record = findings.record
+    the kept call and its probes still current and holding, the plan's record still the
+    one it had, with nothing to look at per step (:func:`~torch_impl.call.check.nothing_per_step`),
+    no CUDA graph capture."""
+    last, record = replay.last, replay.findings.record
     return (
         state.steady.get(kind) is last and state.steady_guards.get(kind) is replay.guard
-        and state.plan_memo.record(last.bound) is record and record.found is last.inputs.found
-        and record.inference_tensor is None
-        and (not findings.round_due or record.consistent and record.tokens is None)
+        and state.plan_memo.record(last.bound) is record
+        and nothing_per_step(replay.spec, last.inputs.config, record, last.inputs.found)
         and not capturing()
         and replay.guard.holds(last, source, request)
     )
@@ -85,7 +69,7 @@ def replayed(model: Any, source: Any, request: Request) -> tuple[Replay, BoundPl
     if request.num_tokens is not None or request.embedding is not None:
         return None
     try:
-        chunks = _chunks(model)
+        chunks = chunks_of(model)
         state = ModelState.existing(chunks) if chunks is not None else None
         if state is None or not state.replays:
             return None
@@ -107,14 +91,11 @@ def keep_replay(state: ModelState, request: Request, spec: CheckSpec, findings: 
         return
     kind = call_kind(request)
     last, guard = state.steady.get(kind), state.steady_guards.get(kind)
-    record, config = findings.record, last.inputs.config if last is not None else None
     quiet = (
         guard is not None and guard.last is last and guard.probes is not None
-        and record is not None and record.found is last.inputs.found and record.inference_tensor is None
-        and findings.error is None and not findings.compare and findings.tokens is None
-        and findings.nonfinite is None and not findings.nonfinite_tokens
-        and config.consistency_check != "every_step" and not (config.check_for_nan_in_grad and spec.nan)
-        and findings.round_due == (config.consistency_check != "off")  # not under a capture
+        and findings.error is None and not findings.compare and findings.nonfinite is None
+        and nothing_per_step(spec, last.inputs.config, findings.record, last.inputs.found)
+        and findings.round_due == (last.inputs.config.consistency_check != "off")  # not under a capture
     )
     if quiet:
         put(state.replays, kind, Replay(last, guard, spec, findings))

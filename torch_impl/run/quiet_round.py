@@ -51,9 +51,8 @@ class QuietRound:
         Raises:
           CollectiveError: a hop failed (timeout): names ``what``, the hop and this rank.
         """
+        self.wire.clear()  # the last round's sum: zeros again
         words = self.wire.words
-        for index in range(len(words)):  # the last round's sum: zeros again
-            words[index] = 0
         if tokens is not None:
             if self.fmt == "short":
                 words[0] = token_bits(tokens, self.reached)  # the count, or the too-large flag
