@@ -297,6 +297,44 @@ def case_num_tokens_nan_on_rank1_checked(rank: int, world: int) -> tuple:
     return (*outcome, bool(same))
 
 
+#: A bad num_tokens on one rank after replayed steps: (the rank, its num_tokens).
+REPLAYED_TOKENS = {
+    "case_replayed_num_tokens_float16_on_rank0": (0, torch.tensor(6.0, dtype=torch.float16)),
+    "case_replayed_num_tokens_of_two_elements_on_rank2": (2, torch.tensor([6.0, 6.0])),
+}
+
+
+def _replayed_bad_tokens(rank: int, bad: int, wrong: Any) -> tuple:
+    """After STEADY finalize calls with a float32 num_tokens (replayed from the third), rank
+    ``bad`` passes ``wrong``: (attempt, this rank's num_tokens unchanged, the next good call
+    gives a fresh call's numbers, the call before was replayed on this rank)."""
+    groups = timed_collection(DP_TP)
+    model = setup_model(DP_TP, rank)
+    data = make_rank_inputs(DP_TP, rank)
+
+    def call(chunks: Sequence[Any], tokens: Any) -> None:
+        finalize_model_grads(chunks, num_tokens=tokens, pg_collection=groups)
+
+    for _ in range(STEADY):
+        load_in_place(model, DP_TP, data)
+        call(model, torch.tensor(6.0))
+    load_in_place(model, DP_TP, data)
+    replayed = replay_answers(model, groups, torch.tensor(6.0))
+    given = wrong if rank == bad else torch.tensor(6.0)
+    tokens = given.clone()
+    outcome = attempt_any(model, lambda m: call(m, tokens))
+    unchanged = torch.equal(tokens, given)
+    load_in_place(model, DP_TP, data)
+    call(model, torch.tensor(6.0))
+    fresh = setup_model(DP_TP, rank)
+    call(fresh, torch.tensor(6.0))
+    return (*outcome, unchanged and snapshot(model) == snapshot(fresh), replayed)
+
+
+for _name, (_bad, _wrong) in REPLAYED_TOKENS.items():
+    globals()[_name] = lambda rank, world, _b=_bad, _w=_wrong: _replayed_bad_tokens(rank, _b, _w)
+
+
 def case_zz_finalize_entered_on_some_ranks_only(rank: int, world: int) -> tuple:
     groups = timed_collection(DP_TP, timeout=SHORT)
     model = setup_model(DP_TP, rank)
@@ -472,3 +510,29 @@ def test_non_finite_num_tokens_under_the_nan_check_raise_on_every_rank(world, re
         assert ("num_tokens is nan" in message) if rank == 1 else ("rank 1 has NaN or Inf" in message), (rank, message)
     reliability("bad input", "num_tokens NaN on rank 1, check_for_nan_in_grad [4 ranks]",
                 "NonFiniteGradError on every rank naming num_tokens there; nothing changed")
+
+
+@pytest.mark.parametrize("name", list(REPLAYED_TOKENS))
+def test_a_bad_num_tokens_on_one_rank_after_replayed_steps_raises_on_every_rank(world, reliability, name):
+    bad, wrong = REPLAYED_TOKENS[name]
+    slowest = 0.0
+    for rank, (got, message, untouched, seconds, recovered, replayed) in enumerate(case_values(world, name)):
+        assert replayed, (name, rank, "the call before was not replayed")
+        assert untouched and recovered, (name, rank, got, message)
+        assert seconds < TIMEOUT / 2, (name, rank, seconds)
+        slowest = max(slowest, seconds)
+        assert message.startswith(f"rank {rank}: "), (name, rank, message)
+        if wrong.numel() != 1:  # the local check refuses it there; the round tells the others
+            want = ("TypeError", "num_tokens must be a one-element tensor") if rank == bad else (
+                "ConsistencyError", f"rank {bad} failed its own checks")
+            assert got == want[0] and want[1] in message, (name, rank, got, message)
+        else:  # another kind of num_tokens: compared in the round
+            assert got == "ConsistencyError", (name, rank, got, message)
+            if rank in (0, 2):  # rank 0's dp_cp group names the dtypes
+                assert "float16" in message and "float32" in message, (name, rank, message)
+    label = ("num_tokens float16 on rank 0, float32 elsewhere" if wrong.numel() == 1
+             else "num_tokens of shape [2] on rank 2")
+    kinds = ("ConsistencyError on every rank (rank 0's group names both dtypes)" if wrong.numel() == 1
+             else "TypeError there, ConsistencyError naming it elsewhere")
+    reliability("bad input", f"after replayed steady steps (finalize with num_tokens): {label} [4 ranks]",
+                f"{kinds}, after <= {slowest:.2f} s; nothing changed; the next call gives a fresh call's numbers")

@@ -144,10 +144,10 @@ def replayed_name(name: str) -> str:
     return name.replace("case_", "case_replayed_", 1)
 
 
-def replay_answers(model: Sequence[Any], groups: Any) -> bool:
-    """Whether the next finalize call without num_tokens is a replay of the last one
+def replay_answers(model: Sequence[Any], groups: Any, num_tokens: Any = None) -> bool:
+    """Whether the next finalize call (with ``num_tokens``) is a replay of the last one
     (:mod:`torch_impl.call.replay`: no read or check stage)."""
-    return replayed(list(model), groups, Request()) is not None
+    return replayed(list(model), groups, Request(num_tokens=num_tokens)) is not None
 
 
 def probes_answer(model: Sequence[Any], groups: Any, helper: bool) -> bool:
@@ -190,8 +190,8 @@ def live_vs_fresh(
 def one_rank(rank: int, bad: int, change: Callable[[list[Any], int], Any], ddp: bool = False, warm: int = 1,
              tokens: bool = True) -> tuple:
     """After ``warm`` good steps, rank ``bad`` alone applies ``change``; (``attempt`` of
-    step 2, whether the probes answered the call before the change -- without ``tokens``,
-    whether it was replayed). ``change`` may return a replacement for the model argument;
+    step 2, whether the call before the change was replayed -- with ``tokens``, and
+    answered by the probes). ``change`` may return a replacement for the model argument;
     with ``warm`` > 1 step 2's inputs are copied into the held gradient tensors."""
     groups = timed_collection(DP_TP)
     model = _model(rank, ddp)
@@ -199,7 +199,8 @@ def one_rank(rank: int, bad: int, change: Callable[[list[Any], int], Any], ddp: 
     for _ in range(warm):
         call(model)
     (_step2_in_place if warm > 1 else _step2)(model, rank)
-    probed = probes_answer(model, groups, helper=False) if tokens else replay_answers(model, groups)
+    tokens_given = torch.tensor(7) if tokens else None
+    probed = replay_answers(model, groups, tokens_given) and (not tokens or probes_answer(model, groups, helper=False))
     target: Any = model
     if rank == bad:
         target = change(model, rank) or model
@@ -495,7 +496,7 @@ def test_a_changed_model_gets_the_numbers_of_a_fresh_call(world, reliability, la
 #: When the change is made: (the case's name from the ONE_RANK name, the rows' words).
 ONE_RANK_WHEN = {
     "after_step1": (lambda name: name, "after step 1"),
-    "after_steady_steps": (steady_name, "after steady steps (answered by the probes)"),
+    "after_steady_steps": (steady_name, "after replayed steady steps (finalize with num_tokens)"),
     "replayed": (replayed_name, "after replayed steady steps (finalize without num_tokens)"),
 }
 

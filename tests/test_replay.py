@@ -1,8 +1,8 @@
 """The steady call replayed (``torch_impl.call.replay``): from the third call of a kind
-without ``num_tokens``, whose check stage found nothing per step, the agree stage gets the
-last call's plan, inputs and findings without the read and check stages; each input of
-those findings is read again, and a call whose check stage has work per step keeps the
-stages.
+whose check stage found nothing per step but ``num_tokens``, the agree stage gets the last
+call's plan, inputs and findings without the read and check stages; each input of those
+findings is read again (``num_tokens`` checked as the check stage checks it), and a call
+whose check stage has other work per step keeps the stages.
 
 World of one rank (no process group): finalize's DP sync is counted and every gradient is
 checked against its filled value after each call; the multi-rank twin (a change on one
@@ -25,7 +25,7 @@ from meshgrad.plan import Step  # noqa: E402
 from torch_impl import _allreduce_non_tensor_model_parallel_grads, finalize_model_grads, invalidate_plans  # noqa: E402
 from torch_impl.call.model_state import ModelState  # noqa: E402
 from torch_impl.call.read import Request  # noqa: E402
-from test_steady_guard import DDP, Config, FILLER, Inner  # noqa: E402
+from test_steady_guard import DDP, Config, FILLER, Inner, step  # noqa: E402
 
 pipeline = importlib.import_module("torch_impl.call.pipeline")
 replay = importlib.import_module("torch_impl.call.replay")
@@ -206,7 +206,6 @@ def test_another_chunk_list_or_config_object_takes_the_stages(stages: dict[str, 
 #: Calls whose check stage has work on every call: no replay is kept for them.
 EVERY_STEP = FinalizeConfig(consistency_check="every_step")
 PER_STEP: dict[str, tuple[dict[str, Any], Callable[[list[DDP]], None]]] = {
-    "num_tokens given": ({"calculate_per_token_loss": True}, lambda c: finalize(c, num_tokens=torch.tensor(1))),
     "check_for_nan_in_grad": ({"check_for_nan_in_grad": True}, finalize),
     "consistency_check='every_step'": ({}, lambda c: helper(c, EVERY_STEP)),
 }
@@ -232,3 +231,75 @@ def test_consistency_check_off_replays_without_a_round(stages: dict[str, int]) -
     assert stages["check_call"] == 2
     (kept,) = ModelState.of(chunks).replays.values()
     assert not kept.findings.round_due
+
+
+def tokens_replayed(chunks: list[DDP], num_tokens: Any) -> bool:
+    return replay.replayed(chunks, None, Request(num_tokens=num_tokens)) is not None
+
+
+def test_a_call_with_num_tokens_is_replayed_and_scaled(stages: dict[str, int]) -> None:
+    chunks = model(calculate_per_token_loss=True)
+    for _ in range(2):
+        step(chunks, 4)
+    assert stages == {"steady_read": 2, "check_call": 2}
+    assert tokens_replayed(chunks, torch.tensor(4)) and not tokens_replayed(chunks, None)
+    for n in (4, 8, 2):  # another count of the same kind: replayed, scaled by it
+        step(chunks, n)
+    assert stages == {"steady_read": 2, "check_call": 2}
+    (kept,) = ModelState.of(chunks).replays.values()
+    assert kept.findings.tokens == (torch.int64, 1, torch.device("cpu")) and not kept.findings.compare
+    given = torch.tensor(8)
+    finalize(chunks, num_tokens=given)
+    assert given.item() == 8  # holds the global count (a world of one: its own)
+
+
+def test_num_tokens_of_another_kind_takes_the_stages_and_is_compared(stages: dict[str, int]) -> None:
+    chunks = model(calculate_per_token_loss=True)
+    for _ in range(3):
+        step(chunks, 4)
+    assert not tokens_replayed(chunks, torch.tensor(4.0))  # float32: another kind
+    before = stages["check_call"]
+    for c in chunks:
+        c.fill()
+    want = [p.main_grad / 4 for p in chunks[0].module.parameters()]
+    finalize(chunks, num_tokens=torch.tensor(4.0))
+    assert all(torch.equal(p.main_grad, w) for p, w in zip(chunks[0].module.parameters(), want))
+    assert stages["check_call"] == before + 1
+    record = ModelState.of(chunks).plan_memo.record(next(iter(ModelState.of(chunks).steady.values())).bound)
+    assert record.tokens == (torch.float32, 1, torch.device("cpu"))  # compared in the round, then kept
+    assert not tokens_replayed(chunks, torch.tensor(4))  # the int64 kind is compared again
+    finalize(chunks, num_tokens=torch.tensor(4.0))
+    assert tokens_replayed(chunks, torch.tensor(4.0))
+
+
+#: num_tokens a replayable call refuses as the check stage does: (value, error, text).
+BAD_TOKENS: dict[str, tuple[Any, type, str]] = {
+    "two elements": (torch.tensor([4, 4]), TypeError, "one-element tensor"),
+    "a Python int": (4, TypeError, "one-element tensor"),
+    "bool": (torch.tensor(True), TypeError, "integer or floating tensor"),
+    "complex": (torch.tensor(4 + 0j), TypeError, "integer or floating tensor"),
+    "on the meta device": (torch.empty((), dtype=torch.int64, device="meta"), ValueError, "meta device"),
+}
+
+
+@pytest.mark.parametrize("mode", ["once", "off"])  # off: no round, its kind not compared
+@pytest.mark.parametrize("case", list(BAD_TOKENS))
+def test_a_bad_num_tokens_on_a_replayable_call_raises_as_the_stages_do(stages: dict[str, int], case: str,
+                                                                      mode: str) -> None:
+    value, error, text = BAD_TOKENS[case]
+    config = {"calculate_per_token_loss": True, "consistency_check": mode}
+    chunks, fresh = model(**config), model(**config)
+    for _ in range(3):
+        step(chunks, 4)
+    assert tokens_replayed(chunks, torch.tensor(4)) and not tokens_replayed(chunks, value)
+    with pytest.raises(error, match=text) as live:
+        finalize(chunks, num_tokens=value)
+    assert stages["check_call"] == 3  # the stages ran, and refused
+    with pytest.raises(error) as first:
+        finalize(fresh, num_tokens=value)
+    assert str(live.value) == str(first.value)  # the first call's own refusal
+    grads = [p.main_grad for p in chunks[0].module.parameters()]
+    assert all(torch.equal(g, torch.full_like(g, float(4 * (i + 1)) / 4)) for i, g in enumerate(grads))  # untouched
+    assert chunks[0].syncs == 3
+    step(chunks, 2)  # the next good call: right numbers, and replayed again after it
+    assert tokens_replayed(chunks, torch.tensor(4))

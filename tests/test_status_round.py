@@ -218,8 +218,9 @@ def case_error_on_one_rank_with_tokens(rank: int, world: int) -> tuple[str, str,
 
 
 def case_host_syncs_per_step(rank: int, world: int) -> dict[str, int]:
-    """Device read-backs of one healthy step, of a step under a (simulated) CUDA-graph
-    capture, and the rounds each runs."""
+    """Device read-backs of one healthy step, of a replayed one
+    (:mod:`torch_impl.call.replay`), of a step under a (simulated) CUDA-graph capture, and
+    the rounds each runs."""
     from torch_impl import finalize_model_grads
 
     model = _model(rank, check_for_nan_in_grad=False)
@@ -241,17 +242,28 @@ def case_host_syncs_per_step(rank: int, world: int) -> dict[str, int]:
     try:
         finalize_model_grads(model, num_tokens=tokens.clone(), pg_collection=_dp4())
         out["healthy reads"], out["healthy rounds"] = len(reads), len(rounds)
-        import torch_impl.call.check as check_stage
-        import torch_impl.call.agree as agree_stage
+        from torch_impl.call.read import Request
+        from torch_impl.call.replay import replayed
 
-        saved = check_stage.capturing, agree_stage.capturing
-        check_stage.capturing = agree_stage.capturing = lambda: True
+        out["replayed"] = replayed(model, _dp4(), Request(num_tokens=tokens.clone())) is not None
+        del reads[:], rounds[:]
+        finalize_model_grads(model, num_tokens=tokens.clone(), pg_collection=_dp4())
+        out["replayed reads"], out["replayed rounds"] = len(reads), len(rounds)
+        import torch_impl.call.agree as agree_stage
+        import torch_impl.call.check as check_stage
+        import torch_impl.call.replay as replay
+
+        stages = (check_stage, agree_stage, replay)  # each asks whether a capture is on
+        saved = [stage.capturing for stage in stages]
+        for stage in stages:
+            stage.capturing = lambda: True
         try:
             del reads[:], rounds[:]
             finalize_model_grads(model, num_tokens=tokens.clone(), pg_collection=_dp4())
             out["capture reads"], out["capture rounds"] = len(reads), len(rounds)
         finally:
-            check_stage.capturing, agree_stage.capturing = saved
+            for stage, kept in zip(stages, saved):
+                stage.capturing = kept
     finally:
         status.read_back, status.all_reduce_status = original_read, original_reduce
     return out
@@ -375,7 +387,8 @@ def test_an_error_on_one_rank_still_raises_everywhere_before_anything_changes(wo
 
 def test_a_healthy_step_reads_the_device_back_once_and_a_capture_never(world):
     for out in _values(world, "case_host_syncs_per_step"):
-        assert out == {"healthy reads": 1, "healthy rounds": 1, "capture reads": 0, "capture rounds": 0}
+        assert out == {"healthy reads": 1, "healthy rounds": 1, "replayed reads": 1, "replayed rounds": 1,
+                       "replayed": True, "capture reads": 0, "capture rounds": 0}
 
 
 def test_a_steady_round_reuses_one_host_wire_and_carries_each_steps_count(world):

@@ -106,17 +106,25 @@ def nan_checked(spec: CheckSpec, config: FinalizeConfig) -> bool:
     return bool(config.check_for_nan_in_grad and spec.nan)
 
 
-def nothing_per_step(spec: CheckSpec, config: FinalizeConfig, record: PlanRecord | None, found: Any) -> bool:
-    """Whether :func:`check_call` for these inputs and no ``num_tokens`` has nothing to look
-    at beyond what it found once per plan, and so finds nothing, outside a CUDA graph
-    capture: its record kept for ``found``, with no inference tensor; no NaN scan; not
-    ``"every_step"``; no comparison due (the plan consistent, no kind of num_tokens
-    compared)."""
+def tokens_kind(num_tokens: Any) -> tuple[Any, ...] | None:
+    """What of ``num_tokens`` the consistency comparison compares -- it decides the token
+    collectives: (dtype, numel, device); None for no tensor."""
+    return (num_tokens.dtype, num_tokens.numel(), num_tokens.device) if isinstance(num_tokens, torch.Tensor) else None
+
+
+def nothing_per_step(spec: CheckSpec, config: FinalizeConfig, record: PlanRecord | None, found: Any,
+                     tokens: tuple[Any, ...] | None = None) -> bool:
+    """Whether :func:`check_call` for these inputs, and a ``num_tokens`` of kind ``tokens``
+    (:func:`tokens_kind`; None: none) that passes :func:`~torch_impl.call.checks.check_num_tokens`,
+    has nothing to look at beyond what it found once per plan, and so finds nothing, outside
+    a CUDA graph capture: its record kept for ``found``, with no inference tensor; no NaN
+    scan; not ``"every_step"``; no comparison due (the plan consistent, for this kind of
+    num_tokens)."""
     mode = config.consistency_check
     return (
         record is not None and record.found is found and record.inference_tensor is None
         and mode != "every_step" and not nan_checked(spec, config)
-        and (mode == "off" or record.consistent and record.tokens is None)
+        and (mode == "off" or record.consistent and record.tokens == tokens)
     )
 
 
@@ -174,10 +182,10 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
     if not round_due:
         return Findings(None, record)
     # The kind of num_tokens (a change is compared: it decides the token collectives).
-    tokens = (num_tokens.dtype, num_tokens.numel(), num_tokens.device) if isinstance(num_tokens, torch.Tensor) else None
+    tokens = tokens_kind(num_tokens)
     compare = mode != "off" and (mode == "every_step" or not record.consistent or record.tokens != tokens)
     return Findings(None, record, round_due=True, compare=compare, tokens=tokens, nonfinite=nonfinite,
                     nonfinite_tokens=bad_tokens)
 
 
-__all__ = ["CheckSpec", "Findings", "PlanRecord", "check_call", "nan_checked", "nothing_per_step"]
+__all__ = ["CheckSpec", "Findings", "PlanRecord", "check_call", "nan_checked", "nothing_per_step", "tokens_kind"]
