@@ -331,6 +331,25 @@ def _replayed_bad_tokens(rank: int, bad: int, wrong: Any) -> tuple:
     return (*outcome, unchanged and snapshot(model) == snapshot(fresh), replayed)
 
 
+def case_replayed_num_tokens_on_rank0_only(rank: int, world: int) -> tuple:
+    """After STEADY finalize calls with num_tokens and STEADY without (each kind replayed
+    from its third, each compared alone on its first), rank 0 passes num_tokens and the
+    others none: (attempt, the next good call gives a fresh call's numbers, the call
+    without num_tokens replayed before it on this rank)."""
+    groups = timed_collection(DP_TP)
+    model = setup_model(DP_TP, rank)
+    data = make_rank_inputs(DP_TP, rank)
+    for tokens in (torch.tensor(6.0), None):
+        for _ in range(STEADY):
+            load_in_place(model, DP_TP, data)
+            finalize_model_grads(model, num_tokens=tokens, pg_collection=groups)
+    load_in_place(model, DP_TP, data)
+    replayed = replay_answers(model, groups)
+    outcome = attempt_any(model, lambda m: finalize_model_grads(
+        m, num_tokens=torch.tensor(6.0) if rank == 0 else None, pg_collection=groups))
+    return (*outcome, _recovers(rank, DP_TP, groups, model, lambda: load_in_place(model, DP_TP, data)), replayed)
+
+
 for _name, (_bad, _wrong) in REPLAYED_TOKENS.items():
     globals()[_name] = lambda rank, world, _b=_bad, _w=_wrong: _replayed_bad_tokens(rank, _b, _w)
 
@@ -536,3 +555,20 @@ def test_a_bad_num_tokens_on_one_rank_after_replayed_steps_raises_on_every_rank(
              else "TypeError there, ConsistencyError naming it elsewhere")
     reliability("bad input", f"after replayed steady steps (finalize with num_tokens): {label} [4 ranks]",
                 f"{kinds}, after <= {slowest:.2f} s; nothing changed; the next call gives a fresh call's numbers")
+
+
+def test_num_tokens_on_one_rank_only_after_replayed_steps_raises_on_every_rank(world, reliability):
+    slowest = 0.0
+    for rank, (got, message, untouched, seconds, recovered, replayed) in enumerate(
+        case_values(world, "case_replayed_num_tokens_on_rank0_only")
+    ):
+        assert replayed, (rank, "the call without num_tokens was not replayed")
+        assert untouched and recovered, (rank, got, message)
+        assert seconds < TIMEOUT / 2, (rank, seconds)
+        slowest = max(slowest, seconds)
+        assert got == "ConsistencyError" and message.startswith(f"rank {rank}: "), (rank, got, message)
+        if rank in (0, 2):  # the dp group of rank 0 names the token collective it alone launches
+            assert "'dp_cp_gtp_remat'" in message and "token_scale sum num_tokens" in message, (rank, message)
+    reliability("bad input", "after replayed steady steps with num_tokens and without: num_tokens on rank 0 only "
+                "[4 ranks]", f"ConsistencyError on every rank (rank 0's group names the token collective), after <= "
+                f"{slowest:.2f} s; nothing changed; the next call gives a fresh call's numbers")

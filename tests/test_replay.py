@@ -303,3 +303,26 @@ def test_a_bad_num_tokens_on_a_replayable_call_raises_as_the_stages_do(stages: d
     assert chunks[0].syncs == 3
     step(chunks, 2)  # the next good call: right numbers, and replayed again after it
     assert tokens_replayed(chunks, torch.tensor(4))
+
+
+def test_a_finalize_call_that_switches_kind_compares_and_is_not_replayed(stages: dict[str, int],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    compared: list[bool] = []
+    real = pipeline.agree_call
+
+    def agree(findings: Any, *args: Any) -> Any:
+        compared.append(findings.compare)
+        return real(findings, *args)
+
+    monkeypatch.setattr(pipeline, "agree_call", agree)
+    chunks = model(calculate_per_token_loss=True)
+    for _ in range(3):
+        step(chunks, 4)
+    for _ in range(3):
+        checked_call(chunks, finalize, True)
+    assert compared == [True, False, False, True, False, False]  # each kind's first call, the switch
+    assert tokens_replayed(chunks, None) and not tokens_replayed(chunks, torch.tensor(4))  # a switch compares
+    step(chunks, 4)  # back to num_tokens: compared again, by the stages, with the right numbers
+    assert compared[-1] is True and stages["check_call"] == 5
+    step(chunks, 4)
+    assert compared[-1] is False and tokens_replayed(chunks, torch.tensor(4))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from torch_impl.call.check import CheckSpec, Findings, nothing_per_step, tokens_kind
+from torch_impl.call.check import CheckSpec, Findings, nothing_per_step, same_finalize, tokens_kind
 from torch_impl.call.checks import check_num_tokens
 from torch_impl.call.memo import put
 from torch_impl.call.model_state import ModelState
@@ -64,6 +64,7 @@ def replayable(replay: Replay, state: ModelState, kind: Any, source: Any, reques
         and state.plan_memo.record(last.bound) is findings.record and tokens == findings.tokens
         and nothing_per_step(replay.spec, last.inputs.config, findings.record, last.inputs.found, tokens)
         and not capturing()
+        and (not request.finalize or same_finalize(state.last_finalize, (last.bound, tokens_kind(request.num_tokens))))
         and replay.guard.holds(last, source, request)
     )
 
