@@ -56,15 +56,18 @@ def replayable(replay: Replay, state: ModelState, kind: Any, source: Any, reques
     ``num_tokens`` passing its own check: the kept call and its probes still current and
     holding, the plan's record still the one it had, with nothing to look at per step
     for this kind of ``num_tokens`` (:func:`~torch_impl.call.check.nothing_per_step`; the
-    kind compared only by a call with a round), no CUDA graph capture."""
+    kind compared only by a call with a round), no CUDA graph capture, and for finalize
+    the last finalize call on the model of the same plan and kind of ``num_tokens`` (else
+    the call compares: :func:`~torch_impl.call.check.compare_on_switch`)."""
     last, findings = replay.last, replay.findings
-    tokens = tokens_kind(request.num_tokens) if findings.round_due else None
+    given = tokens_kind(request.num_tokens)
+    tokens = given if findings.round_due else None
     return (
         state.steady.get(kind) is last and state.steady_guards.get(kind) is replay.guard
         and state.plan_memo.record(last.bound) is findings.record and tokens == findings.tokens
         and nothing_per_step(replay.spec, last.inputs.config, findings.record, last.inputs.found, tokens)
         and not capturing()
-        and (not request.finalize or same_finalize(state.last_finalize, (last.bound, tokens_kind(request.num_tokens))))
+        and (not request.finalize or same_finalize(state.last_finalize, (last.bound, given)))
         and replay.guard.holds(last, source, request)
     )
 
