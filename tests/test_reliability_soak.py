@@ -13,7 +13,7 @@ Every other step first injects a fault (the classes of :data:`FAULTS`, in a rand
 per block of steps, each on one random rank): a user method that finalize calls raising
 ``RuntimeError`` or ``KeyboardInterrupt``, a parameter's ``.data`` replaced by one of
 another shape (its gradient left), ``num_tokens`` float16 on one rank and float32 on the
-others, a NaN ``num_tokens`` under ``check_for_nan_in_grad``, a bad config value, a
+others, ``num_tokens`` on one rank only, a NaN ``num_tokens`` under ``check_for_nan_in_grad``, a bad config value, a
 DeviceMesh expert layout changed, a ``moe_router_load_balancing_type`` typo, ``SystemExit``
 or ``GeneratorExit`` raised by a user property (``chunk.config``), a complex, sparse or
 meta gradient. Every rank must raise (the expected type, naming the
@@ -61,9 +61,10 @@ BASE = Scenario(
 )
 FLAGS = ("sequence_parallel", "average_gradients_across_tp_domain")
 TOGGLES = ("calculate_per_token_loss", "average_in_collective", "moe_router_enable_expert_bias")
-#: The injected fault classes (issue 22's classes 1-5 and 8; issue 30's last three).
+#: The injected fault classes (issue 22's classes 1-5 and 8; issue 30's next three; num_tokens
+#: on one rank only, where the model's last steps passed it on every rank or on none).
 FAULTS = ("user_method", "param_shape", "tokens_dtype", "tokens_nan", "bad_config", "mesh_layout",
-          "lbt_typo", "user_property", "bad_grad")
+          "lbt_typo", "user_property", "bad_grad", "tokens_one_rank")
 #: Gradients finalize cannot reduce: (how to make one from a gradient, its error type, text).
 BAD_GRADS = (
     (lambda g: g.to(torch.complex64), "TypeError", "complex64"),
@@ -201,6 +202,8 @@ def inject(fault: Fault, rank: int, model: list[Any], config: Any, scenario: Sce
             undo.append(lambda: setattr(p, "data", old))
     elif fault.kind == "tokens_dtype":
         tokens = torch.tensor(count, dtype=torch.float16 if bad else torch.float32)
+    elif fault.kind == "tokens_one_rank":
+        tokens = torch.tensor(count) if bad else None
     elif fault.kind == "tokens_nan":
         tokens = torch.tensor(float("nan") if bad else count)
         had = "check_for_nan_in_grad" in vars(config)
@@ -357,7 +360,7 @@ def expected(fault: Fault, rank: int) -> tuple[str, str]:
         return (error, "the user's method failed") if rank == fault.bad else peer
     if fault.kind == "param_shape":
         return ("ValueError", "shape") if rank == fault.bad else peer
-    if fault.kind == "tokens_dtype":
+    if fault.kind in ("tokens_dtype", "tokens_one_rank"):
         return "ConsistencyError", f"rank {rank}: "
     if fault.kind == "tokens_nan":
         return "NonFiniteGradError", "num_tokens is nan" if rank == fault.bad else f"rank {fault.bad} has NaN or Inf"
@@ -382,6 +385,8 @@ OUTCOMES = {
                     "ValueError naming the shape there, ConsistencyError naming the rank elsewhere"),
     "tokens_dtype": ("num_tokens float16 on one random rank, float32 on the others",
                      "ConsistencyError on every rank"),
+    "tokens_one_rank": ("num_tokens on one random rank only, none on the others",
+                        "ConsistencyError on every rank"),
     "tokens_nan": ("num_tokens NaN on one random rank, check_for_nan_in_grad",
                    "NonFiniteGradError on every rank naming num_tokens there, the rank elsewhere"),
     "bad_config": ("a bad config value on one random rank (consistency_check, check_for_nan_in_grad, "
