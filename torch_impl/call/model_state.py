@@ -219,6 +219,7 @@ class ModelState:
         self.steady.clear()
         self.steady_guards.clear()
         self.replays.clear()
+        self.last_finalize = None  # (its plan is dropped with the others)
         self.plans.clear()
         self.programs.clear()
         self.plan_memo.records.clear()
