@@ -350,6 +350,36 @@ def case_replayed_num_tokens_on_rank0_only(rank: int, world: int) -> tuple:
     return (*outcome, _recovers(rank, DP_TP, groups, model, lambda: load_in_place(model, DP_TP, data)), replayed)
 
 
+def case_helper_plan_switched_on_rank0_only(rank: int, world: int) -> tuple:
+    """The non-TP seed helper, STEADY steps with ``sequence_parallel`` set on a linear
+    weight (the helper reduces it over tp) and STEADY with it cleared (each plan compared
+    alone on its first call), then the flag set on rank 0 only: (attempt, the next call with
+    the flag cleared everywhere gives a fresh model's numbers)."""
+    groups = timed_collection(DP_TP)
+    model = setup_model(DP_TP, rank)
+    data = make_rank_inputs(DP_TP, rank)
+    weight = param(model, LINEAR)
+
+    def helper(chunks: Sequence[Any]) -> None:
+        _allreduce_non_tensor_model_parallel_grads(chunks, getattr(chunks[0], "module", chunks[0]).config, groups.tp)
+
+    for flag in (True, False):
+        weight.sequence_parallel = flag
+        for _ in range(STEADY):
+            load_in_place(model, DP_TP, data)
+            helper(model)
+    load_in_place(model, DP_TP, data)
+    weight.sequence_parallel = rank == 0
+    outcome = attempt_any(model, helper)
+    weight.sequence_parallel = False
+    load_in_place(model, DP_TP, data)
+    helper(model)
+    fresh = setup_model(DP_TP, rank)
+    param(fresh, LINEAR).sequence_parallel = False
+    helper(fresh)
+    return (*outcome, snapshot(model) == snapshot(fresh))
+
+
 for _name, (_bad, _wrong) in REPLAYED_TOKENS.items():
     globals()[_name] = lambda rank, world, _b=_bad, _w=_wrong: _replayed_bad_tokens(rank, _b, _w)
 
@@ -572,3 +602,22 @@ def test_num_tokens_on_one_rank_only_after_replayed_steps_raises_on_every_rank(w
     reliability("bad input", "after replayed steady steps with num_tokens and without: num_tokens on rank 0 only "
                 "[4 ranks]", f"ConsistencyError on every rank (rank 0's group names the token collective), after <= "
                 f"{slowest:.2f} s; nothing changed; the next call gives a fresh call's numbers")
+
+
+def test_a_seed_helper_whose_plan_switches_on_one_rank_raises_on_every_rank(world, reliability):
+    slowest = 0.0
+    for rank, (got, message, untouched, seconds, recovered) in enumerate(
+        case_values(world, "case_helper_plan_switched_on_rank0_only")
+    ):
+        assert recovered and seconds < TIMEOUT / 2, (rank, got, message, seconds)
+        if rank in (0, 1):  # rank 0's tp group: its error names the reduction rank 0 alone launches
+            assert got == "ConsistencyError" and message.startswith(f"rank {rank}: "), (rank, got, message)
+            assert "'tp'" in message and "would launch different collectives" in message, (rank, message)
+            assert untouched, (rank, "gradients changed")
+            slowest = max(slowest, seconds)
+        else:  # the other tp group agrees: its helper call goes on (its round is over tp)
+            assert got == "ok", (rank, got, message)
+    reliability("bad input", "non-TP seed helper after steady steps with a weight's sequence_parallel set and "
+                "cleared: set on rank 0 only [4 ranks]", f"ConsistencyError on rank 0 and its tp peer (the group "
+                f"named), after <= {slowest:.2f} s, nothing changed there; the other tp group goes on; the next call "
+                "gives a fresh call's numbers")

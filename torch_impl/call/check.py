@@ -128,20 +128,26 @@ def nothing_per_step(spec: CheckSpec, config: FinalizeConfig, record: PlanRecord
     )
 
 
-def same_finalize(last: tuple[Any, Any] | None, mark: tuple[Any, Any]) -> bool:
-    """Whether a finalize call of plan and kind of ``num_tokens`` ``mark`` follows one of
-    the same on this model (``last``: the state's ``last_finalize``)."""
+def entry_key(steps: Any, over: Any) -> tuple[Any, Any]:
+    """Which entry point a call is, for :func:`compare_on_switch`: its steps and the groups
+    it communicates over (finalize: both empty); not its ``num_tokens``, whose presence is
+    part of what a switch changes."""
+    return steps, over
+
+
+def same_call(last: tuple[Any, Any] | None, mark: tuple[Any, Any]) -> bool:
+    """Whether a call of plan and kind of ``num_tokens`` ``mark`` follows one of the same
+    entry point with the same on this model (``last``: from the state's ``last_calls``)."""
     return last is not None and last[0] is mark[0] and last[1] == mark[1]
 
 
-def compare_on_switch(findings: Findings, last: tuple[Any, Any] | None, mark: tuple[Any, Any] | None,
-                       mode: str) -> Findings:
-    """``findings``, with a comparison due when this finalize call's plan or kind of
-    ``num_tokens`` differs from the last finalize call's on this model (each already
-    compared, alone, on earlier calls): ranks that switch between two such calls, one of
-    them only, would pass a round of flags and then launch different collectives; the
-    comparison of this call's plans stops them all before anything moves."""
-    if mark is None or not findings.round_due or findings.compare or mode == "off" or same_finalize(last, mark):
+def compare_on_switch(findings: Findings, last: tuple[Any, Any] | None, mark: tuple[Any, Any], mode: str) -> Findings:
+    """``findings``, with a comparison due when this call's plan or kind of ``num_tokens``
+    differs from the last call's of its entry point on this model (each already compared,
+    alone, on earlier calls): ranks that switch between two such calls, one of them only,
+    would pass a round of flags and then launch different collectives; the comparison of
+    this call's plans stops them all before anything moves."""
+    if not findings.round_due or findings.compare or mode == "off" or same_call(last, mark):
         return findings
     return findings._replace(compare=True)
 
@@ -206,5 +212,5 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
                     nonfinite_tokens=bad_tokens)
 
 
-__all__ = ["CheckSpec", "Findings", "PlanRecord", "check_call", "compare_on_switch", "nan_checked", "nothing_per_step",
-           "same_finalize", "tokens_kind"]
+__all__ = ["CheckSpec", "Findings", "PlanRecord", "check_call", "compare_on_switch", "entry_key", "nan_checked",
+           "nothing_per_step", "same_call", "tokens_kind"]

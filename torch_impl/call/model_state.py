@@ -100,9 +100,9 @@ class ModelState:
         self.steady: dict[Any, Any] = {}  # per kind of call, its last inputs and plan (torch_impl.call.steady)
         self.steady_guards: dict[Any, Any] = {}  # per kind of call, its steady check as probes (same module)
         self.replays: dict[Any, Any] = {}  # per kind of call, its stages' answers (torch_impl.call.replay)
-        # The plan and kind of num_tokens of the last finalize call that passed its round
-        # (torch_impl.call.pipeline: a finalize call that differs compares its plan).
-        self.last_finalize: tuple[Any, Any] | None = None
+        # Per entry point (check.entry_key), the plan and kind of num_tokens of its last call
+        # that passed its round (torch_impl.call.pipeline: a call that differs compares).
+        self.last_calls: dict[Any, tuple[Any, Any]] = {}
         # The gradient views of meshgrad's own buffers (attach_grad_buffers), by id; weak:
         # an entry goes with its view, so an id cannot be reused while it is here.
         self.own_views: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
@@ -219,7 +219,7 @@ class ModelState:
         self.steady.clear()
         self.steady_guards.clear()
         self.replays.clear()
-        self.last_finalize = None  # (its plan is dropped with the others)
+        self.last_calls.clear()  # (their plans are dropped with the others)
         self.plans.clear()
         self.programs.clear()
         self.plan_memo.records.clear()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_impl.call.agree import agree_call, share_local_error
-from torch_impl.call.check import CheckSpec, check_call, compare_on_switch, tokens_kind
+from torch_impl.call.check import CheckSpec, check_call, compare_on_switch, entry_key, tokens_kind
 from torch_impl.call.plan import build_plan, plan
 from torch_impl.call.plan_memo import BoundPlan
 from torch_impl.call.read import CallInputs, Request, read, read_layout
@@ -55,8 +55,8 @@ def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallI
             record = inputs.state.plan_memo.record(bound)
         spec = bound.checks if bound.checks is not None else CheckSpec(keys=())
         findings = check_call(spec, inputs.found, inputs.groups, inputs.config, request.num_tokens, record)
-        mark = (bound, tokens_kind(request.num_tokens)) if request.finalize else None
-        findings = compare_on_switch(findings, inputs.state.last_finalize, mark, inputs.config.consistency_check)
+        entry, mark = entry_key(request.steps, request.over), (bound, tokens_kind(request.num_tokens))
+        findings = compare_on_switch(findings, inputs.state.last_calls.get(entry), mark, inputs.config.consistency_check)
         known["shared"] = True  # from here on, the status round itself carries every error
         total = agree_call(findings, spec, bound.plan, inputs.groups, inputs.config, request.num_tokens)
     except BaseException as err:  # any type (KeyboardInterrupt too) is held for the status round
@@ -67,8 +67,7 @@ def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallI
         raise
     if findings.record is not record:  # else the kept one, updated in place
         inputs.state.plan_memo.keep_record(bound, findings.record)
-    if mark is not None:
-        inputs.state.last_finalize = mark
+    inputs.state.last_calls[entry] = mark
     if steady is not None:
         keep_replay(inputs.state, request, spec, findings)
     return bound, inputs, total
