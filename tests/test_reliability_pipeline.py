@@ -63,13 +63,25 @@ def _finalize(groups: Any) -> Callable[[Sequence[Any]], None]:
     return lambda m: finalize_model_grads(m, pg_collection=groups)
 
 
-def _recovers(rank: int, scenario: Any, groups: Any, model: list[Any], undo: Callable[[], None]) -> bool:
-    """After the failed call and ``undo()``: the next call gives a fresh call's numbers."""
+def _recovers(rank: int, scenario: Any, groups: Any, model: list[Any], undo: Callable[[], None],
+              call: Callable[[Sequence[Any]], None] | None = None) -> bool:
+    """After the failed call and ``undo()``: the next ``call`` (finalize without num_tokens
+    by default) gives a fresh model's numbers."""
+    call = call or _finalize(groups)
     undo()
-    _finalize(groups)(model)
+    call(model)
     fresh = setup_model(scenario, rank)
-    _finalize(groups)(fresh)
+    call(fresh)
     return snapshot(model) == snapshot(fresh)
+
+
+def _steady_steps(model: list[Any], scenario: Any, data: Any, call: Callable[[Sequence[Any]], None]) -> None:
+    """STEADY calls of ``call``, each on ``data`` copied into the held gradient tensors,
+    then ``data`` copied in once more for the call that follows."""
+    for _ in range(STEADY):
+        load_in_place(model, scenario, data)
+        call(model)
+    load_in_place(model, scenario, data)
 
 
 def _user_method_raises(rank: int, error: BaseException) -> tuple:
@@ -119,10 +131,7 @@ def case_replayed_call_interrupted_reading_the_config(rank: int, world: int) -> 
     for chunk in model:
         chunk.config = getattr(chunk, "module", chunk).config = config
     data = make_rank_inputs(PP_TP, rank)
-    for _ in range(STEADY):
-        load_in_place(model, PP_TP, data)
-        _finalize(groups)(model)
-    load_in_place(model, PP_TP, data)
+    _steady_steps(model, PP_TP, data, _finalize(groups))
     replayed = replay_answers(model, groups)
     if rank == 1:
         config.__class__ = _Interrupting
@@ -312,23 +321,17 @@ def _replayed_bad_tokens(rank: int, bad: int, wrong: Any) -> tuple:
     model = setup_model(DP_TP, rank)
     data = make_rank_inputs(DP_TP, rank)
 
-    def call(chunks: Sequence[Any], tokens: Any) -> None:
-        finalize_model_grads(chunks, num_tokens=tokens, pg_collection=groups)
+    def call(chunks: Sequence[Any], tokens: Any = None) -> None:
+        finalize_model_grads(chunks, num_tokens=torch.tensor(6.0) if tokens is None else tokens, pg_collection=groups)
 
-    for _ in range(STEADY):
-        load_in_place(model, DP_TP, data)
-        call(model, torch.tensor(6.0))
-    load_in_place(model, DP_TP, data)
+    _steady_steps(model, DP_TP, data, call)
     replayed = replay_answers(model, groups, torch.tensor(6.0))
     given = wrong if rank == bad else torch.tensor(6.0)
     tokens = given.clone()
     outcome = attempt_any(model, lambda m: call(m, tokens))
     unchanged = torch.equal(tokens, given)
-    load_in_place(model, DP_TP, data)
-    call(model, torch.tensor(6.0))
-    fresh = setup_model(DP_TP, rank)
-    call(fresh, torch.tensor(6.0))
-    return (*outcome, unchanged and snapshot(model) == snapshot(fresh), replayed)
+    recovered = _recovers(rank, DP_TP, groups, model, lambda: load_in_place(model, DP_TP, data), call)
+    return (*outcome, unchanged and recovered, replayed)
 
 
 def case_replayed_num_tokens_on_rank0_only(rank: int, world: int) -> tuple:
@@ -340,10 +343,7 @@ def case_replayed_num_tokens_on_rank0_only(rank: int, world: int) -> tuple:
     model = setup_model(DP_TP, rank)
     data = make_rank_inputs(DP_TP, rank)
     for tokens in (torch.tensor(6.0), None):
-        for _ in range(STEADY):
-            load_in_place(model, DP_TP, data)
-            finalize_model_grads(model, num_tokens=tokens, pg_collection=groups)
-    load_in_place(model, DP_TP, data)
+        _steady_steps(model, DP_TP, data, lambda m, n=tokens: finalize_model_grads(m, num_tokens=n, pg_collection=groups))
     replayed = replay_answers(model, groups)
     outcome = attempt_any(model, lambda m: finalize_model_grads(
         m, num_tokens=torch.tensor(6.0) if rank == 0 else None, pg_collection=groups))
@@ -365,19 +365,15 @@ def case_helper_plan_switched_on_rank0_only(rank: int, world: int) -> tuple:
 
     for flag in (True, False):
         weight.sequence_parallel = flag
-        for _ in range(STEADY):
-            load_in_place(model, DP_TP, data)
-            helper(model)
-    load_in_place(model, DP_TP, data)
+        _steady_steps(model, DP_TP, data, helper)
     weight.sequence_parallel = rank == 0
     outcome = attempt_any(model, helper)
-    weight.sequence_parallel = False
-    load_in_place(model, DP_TP, data)
-    helper(model)
-    fresh = setup_model(DP_TP, rank)
-    param(fresh, LINEAR).sequence_parallel = False
-    helper(fresh)
-    return (*outcome, snapshot(model) == snapshot(fresh))
+
+    def undo() -> None:
+        weight.sequence_parallel = False
+        load_in_place(model, DP_TP, data)
+
+    return (*outcome, _recovers(rank, DP_TP, groups, model, undo, helper))
 
 
 for _name, (_bad, _wrong) in REPLAYED_TOKENS.items():

@@ -128,32 +128,15 @@ def nothing_per_step(spec: CheckSpec, config: FinalizeConfig, record: PlanRecord
     )
 
 
-def entry_key(steps: Any, over: Any) -> tuple[Any, Any]:
-    """Which entry point a call is, for :func:`compare_on_switch`: its steps and the groups
-    it communicates over (finalize: both empty); not its ``num_tokens``, whose presence is
-    part of what a switch changes."""
-    return steps, over
-
-
-def same_call(last: tuple[Any, Any] | None, mark: tuple[Any, Any]) -> bool:
-    """Whether a call of plan and kind of ``num_tokens`` ``mark`` follows one of the same
-    entry point with the same on this model (``last``: from the state's ``last_calls``)."""
-    return last is not None and last[0] is mark[0] and last[1] == mark[1]
-
-
-def compare_on_switch(findings: Findings, last: tuple[Any, Any] | None, mark: tuple[Any, Any], mode: str) -> Findings:
-    """``findings``, with a comparison due when this call's plan or kind of ``num_tokens``
-    differs from the last call's of its entry point on this model (each already compared,
-    alone, on earlier calls): ranks that switch between two such calls, one of them only,
-    would pass a round of flags and then launch different collectives; the comparison of
-    this call's plans stops them all before anything moves."""
-    if not findings.round_due or findings.compare or mode == "off" or same_call(last, mark):
-        return findings
-    return findings._replace(compare=True)
+def same_call(last: tuple[Any, Any] | None, bound: Any, tokens: tuple[Any, ...] | None) -> bool:
+    """Whether a call of plan ``bound`` and kind of ``num_tokens`` ``tokens`` follows a call
+    of the same entry point with the same on this model (``last``: its (plan, kind) from
+    the model state's ``last_calls``, None for none)."""
+    return last is not None and last[0] is bound and last[1] == tokens
 
 
 def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: FinalizeConfig,
-               num_tokens: Any, record: PlanRecord | None) -> Findings:
+               num_tokens: Any, record: PlanRecord | None, switched: bool = False) -> Findings:
     """The check stage: the local checks of one call, the inputs' first, then the
     groups': gradients and layout once per binding (every step with ``"every_step"``),
     ``num_tokens`` every step and, with ``check_for_nan_in_grad``, NaN / Inf in the
@@ -168,6 +151,10 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
       config: the call's config.
       num_tokens: the call's num_tokens (or None).
       record: the plan's record from an earlier call (None on its first).
+      switched: this call's plan or kind of ``num_tokens`` differs from the last call's of
+        its entry point on this model (:func:`same_call`): a comparison is due even where
+        each was compared alone before -- ranks switching on one rank only would pass a
+        round of flags and then launch different collectives.
 
     Returns:
       The :class:`Findings`.
@@ -207,10 +194,10 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
         return Findings(None, record)
     # The kind of num_tokens (a change is compared: it decides the token collectives).
     tokens = tokens_kind(num_tokens)
-    compare = mode != "off" and (mode == "every_step" or not record.consistent or record.tokens != tokens)
+    compare = mode != "off" and (mode == "every_step" or switched or not record.consistent or record.tokens != tokens)
     return Findings(None, record, round_due=True, compare=compare, tokens=tokens, nonfinite=nonfinite,
                     nonfinite_tokens=bad_tokens)
 
 
-__all__ = ["CheckSpec", "Findings", "PlanRecord", "check_call", "compare_on_switch", "entry_key", "nan_checked",
-           "nothing_per_step", "same_call", "tokens_kind"]
+__all__ = ["CheckSpec", "Findings", "PlanRecord", "check_call", "nan_checked", "nothing_per_step", "same_call",
+           "tokens_kind"]

@@ -100,7 +100,7 @@ class ModelState:
         self.steady: dict[Any, Any] = {}  # per kind of call, its last inputs and plan (torch_impl.call.steady)
         self.steady_guards: dict[Any, Any] = {}  # per kind of call, its steady check as probes (same module)
         self.replays: dict[Any, Any] = {}  # per kind of call, its stages' answers (torch_impl.call.replay)
-        # Per entry point (check.entry_key), the plan and kind of num_tokens of its last call
+        # Per entry point (steady.entry_kind), the plan and kind of num_tokens of its last call
         # that passed its round (torch_impl.call.pipeline: a call that differs compares).
         self.last_calls: dict[Any, tuple[Any, Any]] = {}
         # The gradient views of meshgrad's own buffers (attach_grad_buffers), by id; weak:
@@ -115,8 +115,8 @@ class ModelState:
     @classmethod
     def of(cls, chunks: Sequence[Any]) -> "ModelState":
         """The state of this chunk list (made, or replaced when the list differs)."""
-        state = getattr(chunks[0], _STATE_ATTR, None)
-        if not isinstance(state, cls) or state.chunk_ids != tuple(map(id, chunks)):
+        state = cls.existing(chunks)
+        if state is None:
             state = cls(chunks)
             object.__setattr__(chunks[0], _STATE_ATTR, state)
         return state

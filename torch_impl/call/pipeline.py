@@ -14,12 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_impl.call.agree import agree_call, share_local_error
-from torch_impl.call.check import CheckSpec, check_call, compare_on_switch, entry_key, tokens_kind
+from torch_impl.call.check import CheckSpec, check_call, same_call, tokens_kind
 from torch_impl.call.plan import build_plan, plan
 from torch_impl.call.plan_memo import BoundPlan
 from torch_impl.call.read import CallInputs, Request, read, read_layout
 from torch_impl.call.replay import keep_replay, replayed
-from torch_impl.call.steady import keep_steady, steady_read
+from torch_impl.call.steady import entry_kind, keep_steady, steady_read
 from torch_impl.run.errors import ranked
 from torch_impl.run.execute import execute_local, finish_ddp_sync
 from torch_impl.run.grads import GradAccess
@@ -54,9 +54,9 @@ def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallI
             inputs, bound = steady
             record = inputs.state.plan_memo.record(bound)
         spec = bound.checks if bound.checks is not None else CheckSpec(keys=())
-        findings = check_call(spec, inputs.found, inputs.groups, inputs.config, request.num_tokens, record)
-        entry, mark = entry_key(request.steps, request.over), (bound, tokens_kind(request.num_tokens))
-        findings = compare_on_switch(findings, inputs.state.last_calls.get(entry), mark, inputs.config.consistency_check)
+        entry, tokens = entry_kind(request), tokens_kind(request.num_tokens)
+        switched = not same_call(inputs.state.last_calls.get(entry), bound, tokens)
+        findings = check_call(spec, inputs.found, inputs.groups, inputs.config, request.num_tokens, record, switched)
         known["shared"] = True  # from here on, the status round itself carries every error
         total = agree_call(findings, spec, bound.plan, inputs.groups, inputs.config, request.num_tokens)
     except BaseException as err:  # any type (KeyboardInterrupt too) is held for the status round
@@ -67,7 +67,7 @@ def _agreed(model: Any, source: Any, request: Request) -> tuple[BoundPlan, CallI
         raise
     if findings.record is not record:  # else the kept one, updated in place
         inputs.state.plan_memo.keep_record(bound, findings.record)
-    inputs.state.last_calls[entry] = mark
+    inputs.state.last_calls[entry] = (bound, tokens)
     if steady is not None:
         keep_replay(inputs.state, request, spec, findings)
     return bound, inputs, total

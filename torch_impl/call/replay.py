@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from torch_impl.call.check import CheckSpec, Findings, entry_key, nothing_per_step, same_call, tokens_kind
+from torch_impl.call.check import CheckSpec, Findings, nothing_per_step, same_call, tokens_kind
 from torch_impl.call.checks import check_num_tokens
 from torch_impl.call.memo import put
 from torch_impl.call.model_state import ModelState
 from torch_impl.call.plan_memo import BoundPlan
 from torch_impl.call.read import CallInputs, Request, chunks_of
-from torch_impl.call.steady import SteadyCall, SteadyGuard, call_kind
+from torch_impl.call.steady import SteadyCall, SteadyGuard, call_kind, entry_kind
 from torch_impl.run.status import capturing
 
 
@@ -58,7 +58,7 @@ def replayable(replay: Replay, state: ModelState, kind: Any, source: Any, reques
     for this kind of ``num_tokens`` (:func:`~torch_impl.call.check.nothing_per_step`; the
     kind compared only by a call with a round), no CUDA graph capture, and the last call
     of its entry point on the model of the same plan and kind of ``num_tokens`` (else the
-    call compares: :func:`~torch_impl.call.check.compare_on_switch`)."""
+    call compares: the ``switched`` of :func:`~torch_impl.call.check.check_call`)."""
     last, findings = replay.last, replay.findings
     given = tokens_kind(request.num_tokens)
     tokens = given if findings.round_due else None
@@ -67,7 +67,7 @@ def replayable(replay: Replay, state: ModelState, kind: Any, source: Any, reques
         and state.plan_memo.record(last.bound) is findings.record and tokens == findings.tokens
         and nothing_per_step(replay.spec, last.inputs.config, findings.record, last.inputs.found, tokens)
         and not capturing()
-        and same_call(state.last_calls.get(entry_key(request.steps, request.over)), (last.bound, given))
+        and same_call(state.last_calls.get(entry_kind(request)), last.bound, given)
         and replay.guard.holds(last, source, request)
     )
 

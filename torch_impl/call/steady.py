@@ -167,6 +167,14 @@ def call_kind(request: Request) -> tuple[Any, ...]:
             None if read is None else (read.role, read.required, read.has_mtp, read.pp_given))
 
 
+def entry_kind(request: Request) -> tuple[Any, ...]:
+    """Which entry point ``request`` is (finalize, or a seed helper): its steps and the
+    groups it communicates over; unlike :func:`call_kind`, not whether it has
+    ``num_tokens``, which a switch between its calls may change
+    (:func:`~torch_impl.call.check.same_call`)."""
+    return request.steps, request.over
+
+
 def _same_raw(raw: Any, kept: Any) -> bool:
     """The same config object, or an equal FinalizeConfig (immutable: a helper given one
     per call resolves the same)."""
@@ -266,6 +274,6 @@ def keep_steady(inputs: CallInputs, bound: BoundPlan, source: Any, request: Requ
 
 
 __all__ = [
-    "EMBEDDING_SLOT", "MAX_GUARD_BUILDS", "PER_CALL", "SteadyCall", "SteadyGuard", "call_kind", "keep_steady",
+    "EMBEDDING_SLOT", "MAX_GUARD_BUILDS", "PER_CALL", "SteadyCall", "SteadyGuard", "call_kind", "entry_kind", "keep_steady",
     "steady_read",
 ]
