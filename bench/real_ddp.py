@@ -40,6 +40,7 @@ gradient buffers must be bit-identical (``max_abs_diff`` 0) and not zero.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -68,6 +69,52 @@ RATIO_COLUMNS = (("torch_impl / megatron-core", "ours/mcore"), ("torch_impl / fl
 #: torch_impl / floor and torch_impl / megatron-core: the full contract (status round on)
 #: at megatron-core's speed.
 GOALS = {"floor": 1.2, "megatron-core": 1.05}
+
+
+#: The candidates ``--parts`` profiles, and the parts timed in their calls (the calling
+#: thread's CPU, outermost part only: :class:`bench.cpu_parts.CpuParts`), in print order.
+PROFILED = ("megatron-core", "torch_impl")
+PART_NAMES = ("steady check (replay lookup)", "status round", "DDP finish_grad_sync", "broadcast",
+              "all_reduce", "DDP scale_gradients", "rest", "call")
+
+
+def cpu_parts(ddp_class: Any) -> Any:
+    """The parts ``--parts`` times: torch_impl's replay lookup of a steady call and its status
+    round (the agree stage), the DDP's own sync and scale (both candidates call them), and the
+    token count's collectives megatron-core makes itself (``torch.distributed``'s; the
+    DDP's own collectives are inside its sync)."""
+    import torch.distributed as dist
+
+    from bench.cpu_parts import CpuParts
+    from torch_impl.call import pipeline
+
+    return CpuParts([
+        ("steady check (replay lookup)", pipeline, "replayed"), ("status round", pipeline, "agree_call"),
+        ("DDP finish_grad_sync", ddp_class, "finish_grad_sync"), ("DDP scale_gradients", ddp_class, "scale_gradients"),
+        ("broadcast", dist, "broadcast"), ("all_reduce", dist, "all_reduce"),
+    ])
+
+
+def _profiled(profile: Any, name: str, fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` with each call counted as a call of candidate ``name`` by ``profile``."""
+    def run(*args: Any, **kwargs: Any) -> None:
+        profile.call(name, lambda: fn(*args, **kwargs))
+
+    return run
+
+
+def _mean_parts(profile: Any, world: int) -> dict[str, dict[str, float]]:
+    """Per profiled candidate, the ranks' mean CPU seconds per call of each part
+    (:data:`PART_NAMES`; every rank sends every entry, 0 for a part its calls never ran)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = profile.per_call()
+    flat = torch.tensor([mine.get(c, {}).get(p, 0.0) for c in PROFILED for p in PART_NAMES], dtype=torch.float64)
+    dist.all_reduce(flat)
+    flat /= world
+    values = iter(flat.tolist())
+    return {c: {p: next(values) for p in PART_NAMES} for c in PROFILED}
 
 
 def megatron_missing() -> str | None:
@@ -180,7 +227,13 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
 
             return run
 
-        timed = interleaved({n: call(n) for n in names}, rounds=payload["rounds"], batch=payload["batch"])
+        profile = cpu_parts(DistributedDataParallel) if payload.get("parts") else None
+        plain = dict(finals)
+        if profile is not None:  # the two finalizes' calls counted part by part while timed
+            finals.update({n: _profiled(profile, n, plain[n]) for n in PROFILED})
+        with profile.installed() if profile is not None else contextlib.nullcontext():
+            timed = interleaved({n: call(n) for n in names}, rounds=payload["rounds"], batch=payload["batch"])
+        finals.update(plain)
         busy = torch.tensor([cpu[n][0] / cpu[n][1] for n in names], dtype=torch.float64)
         dist.all_reduce(busy)
         busy /= world
@@ -196,7 +249,9 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the largest difference of any rank
         dist.all_reduce(values, op=dist.ReduceOp.MIN)  # the smallest gradient of any rank
         seconds = {n: float(m) for n, m in zip(names, medians)}
+        parts = _mean_parts(profile, world) if profile is not None else None
         out[key] = {
+            **({"cpu parts per call": parts} if parts is not None else {}),
             "seconds per call": seconds,
             "cpu seconds per call": {n: float(b) for n, b in zip(names, busy)},
             **{f"{a} / {b}": float(r) for (a, b), r in zip(paired, pairs)},
@@ -213,19 +268,20 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
 
 def run_real_ddp(*, world: int = 4, layers: int = 8, hidden: int = 256, rounds: int = 7, batch: int = 10,
                  timeout: float = 600.0, names: tuple[str, ...] = NAMES,
-                 modes: tuple[str, ...] = tuple(MODES)) -> dict[str, Any]:
+                 modes: tuple[str, ...] = tuple(MODES), parts: bool = False) -> dict[str, Any]:
     """Run the benchmark world; its result, or ``{"error": ...}`` when the world failed.
 
     Args:
       names: the candidates timed (megatron-core and torch_impl always: the value check
         compares them).
       modes: the settings run (keys of :data:`MODES`).
+      parts: also count the CPU of the two finalizes' calls part by part (:func:`cpu_parts`).
     """
     from parity_tests.process_world import spawn_world
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     names = tuple(n for n in NAMES if n in {*names, "megatron-core", "torch_impl"})
-    payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch, names=names, modes=modes)
+    payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch, names=names, modes=modes, parts=parts)
     outcome = spawn_world(world_main, world, payload, timeout=timeout)
     fatal = next((f for f in outcome.fatal if f), None)
     if fatal or "result" not in outcome.results[0]:
@@ -266,7 +322,20 @@ def format_real_ddp(result: dict[str, Any]) -> str:
         busy = row["cpu seconds per call"]
         lines.append(f"  {'':<21}" + "".join(f"{1e3 * busy[n]:>{_width(n)}.4f}" for n in names)
                      + "  <- CPU ms of the calling thread (mean of the ranks)")
+        lines += format_parts(row.get("cpu parts per call"))
     return "\n".join(lines)
+
+
+def format_parts(parts: dict[str, dict[str, float]] | None) -> list[str]:
+    """The ``--parts`` lines of one setting: per part, the CPU us per call of each profiled
+    candidate (nothing without a profile)."""
+    if not parts:
+        return []
+    lines = [f"  {'':<21}CPU us per call, part by part (mean of the ranks):"
+             + "".join(f"{c:>{_width(c)}}" for c in PROFILED)]
+    for part in PART_NAMES:
+        lines.append(f"  {'':<23}{part:<30}" + "".join(f"{1e6 * parts[c][part]:>{_width(c)}.1f}" for c in PROFILED))
+    return lines
 
 
 def real_ddp_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -297,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--candidates", nargs="+", choices=NAMES, default=list(NAMES),
                         help="the finalizes timed (megatron-core and torch_impl always)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="the settings run")
+    parser.add_argument("--parts", action="store_true",
+                        help="also print where each finalize's CPU goes, part by part (timed with the parts wrapped)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     missing = megatron_missing()
@@ -306,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.goals import format_goals
 
     result = run_real_ddp(world=args.world, layers=args.layers, hidden=args.hidden, rounds=args.rounds,
-                          batch=args.batch, names=tuple(args.candidates), modes=tuple(args.modes))
+                          batch=args.batch, names=tuple(args.candidates), modes=tuple(args.modes), parts=args.parts)
     result["goals"] = real_ddp_goals(result)
     print(format_real_ddp(result))
     if result["goals"]:

@@ -65,12 +65,16 @@ def test_real_ddp_rows_have_numbers_and_identical_gradients(tmp_path: Path) -> N
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (its real DistributedDataParallel)")
 def test_real_ddp_two_candidates_one_setting(tmp_path: Path) -> None:
-    """``python -m bench.real_ddp --candidates ... --modes ...``: the two finalizes alone in
-    one setting (the A/B the docs quote), with their paired ratio, CPU line and value check."""
+    """``python -m bench.real_ddp --candidates ... --modes ... --parts``: the two finalizes alone
+    in one setting (the A/B the docs quote), with their paired ratio, CPU line and value
+    check, and each one's CPU part by part, every part where it belongs: torch_impl's steady
+    calls replayed and agreed in its status round, which carries the token count
+    (no token collective of its own), megatron-core's token count broadcast and all-reduced
+    by itself, the DDP's own sync and scale in both."""
     out = tmp_path / "pair.json"
     text = launch([sys.executable, "-m", "bench.real_ddp", "--layers", "2", "--hidden", "64", "--rounds", "3",
                    "--batch", "2", "--candidates", "megatron-core", "torch_impl", "--modes", "no overlap",
-                   "--json", str(out)], ROOT, 600)
+                   "--parts", "--json", str(out)], ROOT, 600)
     result = json.loads(out.read_text())
     assert result["names"] == ["megatron-core", "torch_impl"] and list(result["modes"]) == ["no overlap"]
     row = result["modes"]["no overlap"]
@@ -80,6 +84,19 @@ def test_real_ddp_two_candidates_one_setting(tmp_path: Path) -> None:
     assert "CPU ms of the calling thread" in text and "ours/floor" not in text
     assert [g["goal"].split(": ", 1)[1] for g in result["goals"]] == [
         "torch_impl / megatron-core <= 1.05", "gradients, max abs diff torch_impl vs megatron-core == 0"]
+    from bench.real_ddp import PART_NAMES
+
+    parts = row["cpu parts per call"]
+    assert set(parts) == {"megatron-core", "torch_impl"} and all(list(p) == list(PART_NAMES) for p in parts.values())
+    ours, theirs = parts["torch_impl"], parts["megatron-core"]
+    for own in (ours, theirs):
+        assert own["call"] > 0 and own["DDP finish_grad_sync"] > 0 and own["DDP scale_gradients"] > 0, own
+        assert abs(sum(v for k, v in own.items() if k != "call") - own["call"]) < 1e-9, own  # the parts and the rest
+    assert ours["steady check (replay lookup)"] > 0 and ours["status round"] > 0, ours
+    assert ours["broadcast"] == ours["all_reduce"] == 0.0, ours
+    assert theirs["broadcast"] > 0 and theirs["all_reduce"] > 0, theirs
+    assert theirs["steady check (replay lookup)"] == theirs["status round"] == 0.0, theirs
+    assert "CPU us per call, part by part" in text and "steady check (replay lookup)" in text
 
 
 def test_real_ddp_rows_skipped_with_a_reason(tmp_path: Path) -> None:

@@ -1,0 +1,98 @@
+"""The calling thread's CPU time in named parts of a call (:class:`CpuParts`), for the
+real-DDP rows' profile (``python -m bench.real_ddp --parts``): where a finalize spends its
+CPU, part by part, for each candidate alike.
+
+A part is a function looked up on an object (a module, a class) and wrapped there for the
+duration of a ``with`` block (restored afterwards, bench only). Time is counted with
+``time.thread_time`` (a thread waiting in a collective spends none) and only for the
+outermost active part, so a part inside another (an all-reduce inside a DDP's own sync) is
+the outer part's time, and the parts of one call never add up to more than the call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+#: Marks a function found on a base class (restored by deleting the wrapper).
+_INHERITED = object()
+#: A part: (its name, the object the function is looked up on, the function's attribute name).
+Part = tuple[str, Any, str]
+
+
+class CpuParts:
+    """Per candidate and part, the CPU seconds of the calling thread, and the calls counted.
+
+    Args:
+      parts: the parts to time.
+    """
+
+    def __init__(self, parts: Sequence[Part]) -> None:
+        self.parts = list(parts)
+        self.seconds: dict[str, dict[str, float]] = {}
+        self.calls: dict[str, int] = {}
+        self.current: str | None = None  # the candidate whose call runs now
+        self._depth = 0
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """Every part's function wrapped where it is looked up, restored on exit."""
+        saved = [(owner, attr, vars(owner).get(attr, _INHERITED)) for _, owner, attr in self.parts]
+        try:
+            for name, owner, attr in self.parts:
+                setattr(owner, attr, self._timed(name, getattr(owner, attr)))
+            yield
+        finally:
+            for owner, attr, original in reversed(saved):
+                if original is _INHERITED:
+                    delattr(owner, attr)
+                else:
+                    setattr(owner, attr, original)
+
+    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.thread_time
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth or self.current is None:  # inside another part, or no candidate's call
+                return fn(*args, **kwargs)
+            self._depth += 1
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                spent = self.seconds.setdefault(self.current, {})
+                spent[name] = spent.get(name, 0.0) + clock() - start
+
+        return timed
+
+    def call(self, candidate: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` as a call of ``candidate``: its whole CPU time counted as "call", and each
+        part's within it."""
+        self.current = candidate
+        start = time.thread_time()
+        try:
+            return fn()
+        finally:
+            self.current = None
+            spent = self.seconds.setdefault(candidate, {})
+            spent["call"] = spent.get("call", 0.0) + time.thread_time() - start
+            self.calls[candidate] = self.calls.get(candidate, 0) + 1
+
+    def per_call(self) -> dict[str, dict[str, float]]:
+        """Per candidate, seconds per call of each part, of the whole call ("call") and of
+        what no part covers ("rest")."""
+        out: dict[str, dict[str, float]] = {}
+        for candidate, spent in self.seconds.items():
+            calls = self.calls.get(candidate, 0)
+            if not calls:
+                continue
+            row = {name: seconds / calls for name, seconds in spent.items()}
+            row["rest"] = row.get("call", 0.0) - sum(v for k, v in row.items() if k != "call")
+            out[candidate] = row
+        return out
+
+
+__all__ = ["CpuParts", "Part"]
