@@ -32,6 +32,11 @@ row, the CPU time the calling thread spent in one finalize (``time.thread_time``
 in a collective costs none), the mean over calls and ranks: with four ranks on two cores,
 one rank's CPU before a collective keeps the others waiting.
 
+With ``--parts`` the two finalizes' calls are also counted part by part while timed
+(:func:`cpu_parts`, :mod:`bench.cpu_parts`): the calling thread's CPU per call in
+torch_impl's replay lookup and status round, the DDP's own sync and scale, megatron-core's
+token broadcast and all-reduce, and the rest.
+
 Values, not timing: before and after the timed calls, the megatron-core and torch_impl twins
 each run one step on the same per-rank input (zero, forward, backward, finalize); their
 gradient buffers must be bit-identical (``max_abs_diff`` 0) and not zero.
