@@ -39,10 +39,12 @@ class CpuParts:
     @contextmanager
     def installed(self) -> Iterator[None]:
         """Every part's function wrapped where it is looked up, restored on exit."""
-        saved = [(owner, attr, vars(owner).get(attr, _INHERITED)) for _, owner, attr in self.parts]
+        saved: list[tuple[Any, str, Any]] = []  # what was wrapped so far, to restore
         try:
             for name, owner, attr in self.parts:
+                original = vars(owner).get(attr, _INHERITED)
                 setattr(owner, attr, self._timed(name, getattr(owner, attr)))
+                saved.append((owner, attr, original))
             yield
         finally:
             for owner, attr, original in reversed(saved):

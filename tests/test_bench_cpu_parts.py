@@ -47,3 +47,16 @@ def test_wrapped_functions_restored() -> None:
         assert _Thing.__dict__["own"] is not own and "inherited" in _Thing.__dict__ and module.work is not work
     assert _Thing.__dict__["own"] is own and module.work is work
     assert "inherited" not in _Thing.__dict__ and _Thing().inherited(5) == 10  # found on the base class again
+
+
+def test_a_part_that_cannot_be_wrapped_leaves_the_others_restored() -> None:
+    """A part whose function cannot be replaced (a built-in type's method) raises on entry,
+    and the parts wrapped before it are restored."""
+    module = types.SimpleNamespace(work=len)
+    parts = CpuParts([("work", module, "work"), ("own", _Thing, "own"), ("builtin", int, "bit_length")])
+    try:
+        with parts.installed():
+            raise AssertionError("entered")  # pragma: no cover -- int cannot take the wrapper
+    except TypeError:
+        pass
+    assert module.work is len and _Thing().own(4) == 7 and _Thing.__dict__["own"].__name__ == "own"
