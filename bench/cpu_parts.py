@@ -70,18 +70,22 @@ class CpuParts:
 
         return timed
 
-    def call(self, candidate: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` as a call of ``candidate``: its whole CPU time counted as "call", and each
-        part's within it."""
-        self.current = candidate
-        start = time.thread_time()
-        try:
-            return fn()
-        finally:
-            self.current = None
-            spent = self.seconds.setdefault(candidate, {})
-            spent["call"] = spent.get("call", 0.0) + time.thread_time() - start
-            self.calls[candidate] = self.calls.get(candidate, 0) + 1
+    def counted(self, candidate: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` with each call counted as a call of ``candidate``: its whole CPU time as
+        "call", and each part's within it."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.current = candidate
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current = None
+                spent = self.seconds.setdefault(candidate, {})
+                spent["call"] = spent.get("call", 0.0) + time.thread_time() - start
+                self.calls[candidate] = self.calls.get(candidate, 0) + 1
+
+        return call
 
     def per_call(self) -> dict[str, dict[str, float]]:
         """Per candidate, seconds per call of each part, of the whole call ("call") and of

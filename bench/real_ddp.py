@@ -100,14 +100,6 @@ def cpu_parts(ddp_class: Any) -> Any:
     ])
 
 
-def _profiled(profile: Any, name: str, fn: Callable[..., None]) -> Callable[..., None]:
-    """``fn`` with each call counted as a call of candidate ``name`` by ``profile``."""
-    def run(*args: Any, **kwargs: Any) -> None:
-        profile.call(name, lambda: fn(*args, **kwargs))
-
-    return run
-
-
 def _mean_parts(profile: Any, world: int) -> dict[str, dict[str, float]]:
     """Per profiled candidate, the ranks' mean CPU seconds per call of each part
     (:data:`PART_NAMES`; every rank sends every entry, 0 for a part its calls never ran)."""
@@ -235,7 +227,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         profile = cpu_parts(DistributedDataParallel) if payload.get("parts") else None
         plain = dict(finals)
         if profile is not None:  # the two finalizes' calls counted part by part while timed
-            finals.update({n: _profiled(profile, n, plain[n]) for n in PROFILED})
+            finals.update({n: profile.counted(n, plain[n]) for n in PROFILED})
         with profile.installed() if profile is not None else contextlib.nullcontext():
             timed = interleaved({n: call(n) for n in names}, rounds=payload["rounds"], batch=payload["batch"])
         finals.update(plain)

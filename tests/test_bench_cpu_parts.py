@@ -28,8 +28,8 @@ def test_outermost_part_only_and_only_in_a_candidates_call() -> None:
         assert thing.own(10) == 46 and module.work(4) == 14  # outside a call: values as before, nothing counted
         assert parts.seconds == {}
         for _ in range(3):
-            parts.call("a", lambda: thing.own(200_000))  # "inherited" runs inside "own": own's time only
-            parts.call("b", lambda: (thing.inherited(200_000), module.work(50_000)))
+            parts.counted("a", thing.own)(200_000)  # "inherited" runs inside "own": own's time only
+            parts.counted("b", lambda: (thing.inherited(200_000), module.work(50_000)))()
     rows = parts.per_call()
     assert parts.calls == {"a": 3, "b": 3}
     assert set(rows["a"]) == {"own", "call", "rest"} and rows["a"]["own"] > 0

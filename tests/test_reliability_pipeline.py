@@ -59,8 +59,12 @@ def attempt_any(model: Sequence[Any], call: Callable[[Sequence[Any]], Any]) -> t
     return kind, message, snapshot(model) == before, time.monotonic() - start
 
 
-def _finalize(groups: Any) -> Callable[[Sequence[Any]], None]:
-    return lambda m: finalize_model_grads(m, pg_collection=groups)
+def _finalize(groups: Any, num_tokens: float | None = None) -> Callable[[Sequence[Any]], None]:
+    """Finalize over ``groups``, with a fresh ``num_tokens`` tensor of that count per call
+    (finalize writes the global count back into it), or none."""
+    if num_tokens is None:
+        return lambda m: finalize_model_grads(m, pg_collection=groups)
+    return lambda m: finalize_model_grads(m, num_tokens=torch.tensor(num_tokens), pg_collection=groups)
 
 
 def _recovers(rank: int, scenario: Any, groups: Any, model: list[Any], undo: Callable[[], None],
@@ -321,14 +325,12 @@ def _replayed_bad_tokens(rank: int, bad: int, wrong: Any) -> tuple:
     model = setup_model(DP_TP, rank)
     data = make_rank_inputs(DP_TP, rank)
 
-    def call(chunks: Sequence[Any], tokens: Any = None) -> None:
-        finalize_model_grads(chunks, num_tokens=torch.tensor(6.0) if tokens is None else tokens, pg_collection=groups)
-
+    call = _finalize(groups, 6.0)
     _steady_steps(model, DP_TP, data, call)
     replayed = replay_answers(model, groups, torch.tensor(6.0))
     given = wrong if rank == bad else torch.tensor(6.0)
     tokens = given.clone()
-    outcome = attempt_any(model, lambda m: call(m, tokens))
+    outcome = attempt_any(model, lambda m: finalize_model_grads(m, num_tokens=tokens, pg_collection=groups))
     unchanged = torch.equal(tokens, given)
     recovered = _recovers(rank, DP_TP, groups, model, lambda: load_in_place(model, DP_TP, data), call)
     return (*outcome, unchanged and recovered, replayed)
@@ -342,11 +344,10 @@ def case_replayed_num_tokens_on_rank0_only(rank: int, world: int) -> tuple:
     groups = timed_collection(DP_TP)
     model = setup_model(DP_TP, rank)
     data = make_rank_inputs(DP_TP, rank)
-    for tokens in (torch.tensor(6.0), None):
-        _steady_steps(model, DP_TP, data, lambda m, n=tokens: finalize_model_grads(m, num_tokens=n, pg_collection=groups))
+    for tokens in (6.0, None):
+        _steady_steps(model, DP_TP, data, _finalize(groups, tokens))
     replayed = replay_answers(model, groups)
-    outcome = attempt_any(model, lambda m: finalize_model_grads(
-        m, num_tokens=torch.tensor(6.0) if rank == 0 else None, pg_collection=groups))
+    outcome = attempt_any(model, _finalize(groups, 6.0 if rank == 0 else None))
     return (*outcome, _recovers(rank, DP_TP, groups, model, lambda: load_in_place(model, DP_TP, data)), replayed)
 
 

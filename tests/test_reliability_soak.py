@@ -13,10 +13,10 @@ Every other step first injects a fault (the classes of :data:`FAULTS`, in a rand
 per block of steps, each on one random rank): a user method that finalize calls raising
 ``RuntimeError`` or ``KeyboardInterrupt``, a parameter's ``.data`` replaced by one of
 another shape (its gradient left), ``num_tokens`` float16 on one rank and float32 on the
-others, ``num_tokens`` on one rank only, a NaN ``num_tokens`` under ``check_for_nan_in_grad``, a bad config value, a
-DeviceMesh expert layout changed, a ``moe_router_load_balancing_type`` typo, ``SystemExit``
-or ``GeneratorExit`` raised by a user property (``chunk.config``), a complex, sparse or
-meta gradient. Every rank must raise (the expected type, naming the
+others, ``num_tokens`` on one rank only, a NaN ``num_tokens`` under
+``check_for_nan_in_grad``, a bad config value, a DeviceMesh expert layout changed, a
+``moe_router_load_balancing_type`` typo, ``SystemExit`` or ``GeneratorExit`` raised by a
+user property (``chunk.config``), a complex, sparse or meta gradient. Every rank must raise (the expected type, naming the
 rank at fault) well within the groups' timeout with every gradient, router buffer and
 ``num_tokens`` unchanged; the fault is then undone and the step's clean call must give a
 fresh call's numbers and the reference's. The whole run must take less than 0.9 s a step

@@ -265,7 +265,8 @@ def test_num_tokens_of_another_kind_takes_the_stages_and_is_compared(stages: dic
     finalize(chunks, num_tokens=torch.tensor(4.0))
     assert all(torch.equal(p.main_grad, w) for p, w in zip(chunks[0].module.parameters(), want))
     assert stages["check_call"] == before + 1
-    record = ModelState.of(chunks).plan_memo.record(next(iter(ModelState.of(chunks).steady.values())).bound)
+    state = ModelState.of(chunks)
+    record = state.plan_memo.record(next(iter(state.steady.values())).bound)
     assert record.tokens == (torch.float32, 1, torch.device("cpu"))  # compared in the round, then kept
     assert not tokens_replayed(chunks, torch.tensor(4))  # the int64 kind is compared again
     finalize(chunks, num_tokens=torch.tensor(4.0))
