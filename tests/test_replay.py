@@ -306,6 +306,21 @@ def test_a_bad_num_tokens_on_a_replayable_call_raises_as_the_stages_do(stages: d
     assert tokens_replayed(chunks, torch.tensor(4))
 
 
+def test_a_ddp_chunk_that_loses_scale_gradients_is_refused_on_a_replayable_call(
+        stages: dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    chunks = model(calculate_per_token_loss=True)
+    for _ in range(3):
+        step(chunks, 4)
+    assert tokens_replayed(chunks, torch.tensor(4))
+    monkeypatch.delattr(DDP, "scale_gradients")  # the class, which no probe reads: the replay's own check
+    assert not tokens_replayed(chunks, torch.tensor(4))
+    with pytest.raises(TypeError, match="has finish_grad_sync but no scale_gradients"):
+        finalize(chunks, num_tokens=torch.tensor(4))
+    assert stages["check_call"] == 3 and chunks[0].syncs == 3  # the stages refused; no sync ran
+    grads = [p.main_grad for p in chunks[0].module.parameters()]
+    assert all(torch.equal(g, torch.full_like(g, float(4 * (i + 1)) / 4)) for i, g in enumerate(grads))  # untouched
+
+
 def test_a_finalize_call_that_switches_kind_compares_and_is_not_replayed(stages: dict[str, int],
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     compared: list[bool] = []

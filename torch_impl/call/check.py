@@ -18,7 +18,7 @@ from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey
 from torch_impl.call.checks import (
     check_gradients, check_inference_mode, check_num_tokens, first_inference_tensor, nonfinite_message,
-    nonfinite_tokens, scan_spans, uses_nccl,
+    nonfinite_tokens, scan_spans, tokens_kind, uses_nccl,
 )
 from torch_impl.call.group_checks import check_layout
 from torch_impl.run.grads import read_grads
@@ -106,24 +106,24 @@ def nan_checked(spec: CheckSpec, config: FinalizeConfig) -> bool:
     return bool(config.check_for_nan_in_grad and spec.nan)
 
 
-def tokens_kind(num_tokens: Any) -> tuple[Any, ...] | None:
-    """What of ``num_tokens`` the consistency comparison compares -- it decides the token
-    collectives: (dtype, numel, device); None for no tensor."""
-    return (num_tokens.dtype, num_tokens.numel(), num_tokens.device) if isinstance(num_tokens, torch.Tensor) else None
-
-
 def nothing_per_step(spec: CheckSpec, config: FinalizeConfig, record: PlanRecord | None, found: Any,
                      tokens: tuple[Any, ...] | None = None) -> bool:
     """Whether :func:`check_call` for these inputs, and a ``num_tokens`` of kind ``tokens``
-    (:func:`tokens_kind`; None: none) that passes :func:`~torch_impl.call.checks.check_num_tokens`,
+    (:func:`~torch_impl.call.checks.tokens_kind`; None: none) that passes :func:`~torch_impl.call.checks.check_num_tokens`,
     has nothing to look at beyond what it found once per plan, and so finds nothing, outside
-    a CUDA graph capture: its record kept for ``found``, with no inference tensor; no NaN
-    scan; not ``"every_step"``; no comparison due (the plan consistent, for this kind of
-    num_tokens)."""
-    mode = config.consistency_check
+    a CUDA graph capture: no NaN scan; not ``"every_step"``; and the record's part
+    (:func:`record_quiet`)."""
+    return config.consistency_check != "every_step" and not nan_checked(spec, config) and record_quiet(
+        record, found, config.consistency_check, tokens)
+
+
+def record_quiet(record: PlanRecord | None, found: Any, mode: str, tokens: tuple[Any, ...] | None) -> bool:
+    """The part of :func:`nothing_per_step` that reads the plan's record, which a fresh check
+    or a comparison updates in place (the rest is fixed for one plan and config): the
+    record kept for ``found``, with no inference tensor, and no comparison due under
+    consistency mode ``mode`` (the plan consistent, for this kind of num_tokens)."""
     return (
         record is not None and record.found is found and record.inference_tensor is None
-        and mode != "every_step" and not nan_checked(spec, config)
         and (mode == "off" or record.consistent and record.tokens == tokens)
     )
 
@@ -199,5 +199,5 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
                     nonfinite_tokens=bad_tokens)
 
 
-__all__ = ["CheckSpec", "Findings", "PlanRecord", "check_call", "nan_checked", "nothing_per_step", "same_call",
-           "tokens_kind"]
+__all__ = ["CheckSpec", "Findings", "PlanRecord", "check_call", "nan_checked", "nothing_per_step", "record_quiet",
+           "same_call"]

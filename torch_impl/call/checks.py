@@ -198,6 +198,12 @@ def check_inference_mode(inference_tensor: str, rank: int) -> None:
         )
 
 
+def tokens_kind(num_tokens: Any) -> tuple[Any, ...] | None:
+    """What of ``num_tokens`` the consistency comparison compares -- it decides the token
+    collectives -- and :func:`tokens_error` checks: (dtype, numel, device); None for no tensor."""
+    return (num_tokens.dtype, num_tokens.numel(), num_tokens.device) if isinstance(num_tokens, torch.Tensor) else None
+
+
 def check_num_tokens(
     num_tokens: Any,
     device: torch.device | None,
@@ -215,25 +221,45 @@ def check_num_tokens(
     """
     if num_tokens is None:
         return
+    if not isinstance(num_tokens, torch.Tensor):
+        raise FinalizeTypeError(f"rank {groups.rank}: num_tokens must be a one-element tensor, got {type(num_tokens).__name__}")
+    error = tokens_error(num_tokens, tokens_kind(num_tokens), device, groups, ddp, nccl)
+    if error is not None:
+        raise error
+
+
+def tokens_error(
+    num_tokens: torch.Tensor,
+    kind: tuple[Any, ...],
+    device: torch.device | None,
+    groups: TorchGroups,
+    ddp: Sequence[Any] = (),
+    nccl: bool | None = None,
+) -> Exception | None:
+    """The error :func:`check_num_tokens` raises for the tensor ``num_tokens``, judged by its
+    ``kind`` (:func:`tokens_kind`, read once by the caller), or None when it passes. Args as
+    :func:`check_num_tokens`'s."""
+    dtype, numel, here = kind
     rank = groups.rank
-    if not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
-        shape = tuple(num_tokens.shape) if isinstance(num_tokens, torch.Tensor) else ""
-        raise FinalizeTypeError(f"rank {rank}: num_tokens must be a one-element tensor, got {type(num_tokens).__name__}{shape}")
-    if num_tokens.is_complex() or num_tokens.dtype == torch.bool:
-        raise FinalizeTypeError(f"rank {rank}: num_tokens must be an integer or floating tensor, got {num_tokens.dtype}")
-    here = num_tokens.device
+    if numel != 1:
+        return FinalizeTypeError(
+            f"rank {rank}: num_tokens must be a one-element tensor, got {type(num_tokens).__name__}{tuple(num_tokens.shape)}"
+        )
+    if dtype.is_complex or dtype == torch.bool:
+        return FinalizeTypeError(f"rank {rank}: num_tokens must be an integer or floating tensor, got {dtype}")
     if here.type == "meta":
-        raise FinalizeInputError(f"rank {rank}: num_tokens is on the meta device (it holds no data)")
+        return FinalizeInputError(f"rank {rank}: num_tokens is on the meta device (it holds no data)")
     if device is not None and here != device:
-        raise FinalizeInputError(f"rank {rank}: num_tokens is on {here}, the gradients on {device}")
+        return FinalizeInputError(f"rank {rank}: num_tokens is on {here}, the gradients on {device}")
     if (uses_nccl(groups) if nccl is None else nccl) and here.type != "cuda":
-        raise FinalizeInputError(f"rank {rank}: num_tokens is on {here}, but the NCCL process groups need CUDA tensors")
+        return FinalizeInputError(f"rank {rank}: num_tokens is on {here}, but the NCCL process groups need CUDA tensors")
     for obj in ddp:
         if not callable(getattr(obj, "scale_gradients", None)):
-            raise FinalizeTypeError(
+            return FinalizeTypeError(
                 f"rank {rank}: {type(obj).__name__} has finish_grad_sync but no scale_gradients(); "
                 "cannot scale its gradients by num_tokens"
             )
+    return None
 
 
 def nonfinite(reads: Sequence[GradRead]) -> list[ParamKey]:
@@ -340,6 +366,8 @@ __all__ = [
     "check_gradients",
     "check_modes",
     "check_num_tokens",
+    "tokens_error",
+    "tokens_kind",
     "nonfinite",
     "nonfinite_message",
     "nonfinite_tokens",

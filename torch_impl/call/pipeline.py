@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_impl.call.agree import agree_call, share_local_error
-from torch_impl.call.check import CheckSpec, check_call, same_call, tokens_kind
+from torch_impl.call.check import CheckSpec, check_call, same_call
+from torch_impl.call.checks import tokens_kind
 from torch_impl.call.plan import build_plan, plan
 from torch_impl.call.plan_memo import BoundPlan
 from torch_impl.call.read import CallInputs, Request, read, read_layout
@@ -94,9 +95,10 @@ def call(model: Any, source: Any, request: Request = Request(), fence: Callable[
         or a failed collective.
     """
     bound, inputs, total = _agreed(model, source, request)
-    if not request.finalize and not bound.plan.actions:
+    finalize = request.finalize
+    if not finalize and not bound.plan.actions:
         return
-    if request.finalize:
+    if finalize:
         inputs.state.stats.calls += 1
         fence = (fence or gtp_fence()) if inputs.requested.gtp_active else None
         if fence is not None:

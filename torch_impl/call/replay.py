@@ -8,12 +8,13 @@ per plan and the call's ``num_tokens`` -- no NaN check, ``consistency_check`` no
 ``"every_step"``, the plan's record kept for this very discovery, consistent, with no
 inference tensor and, for its round, the same kind of ``num_tokens`` compared -- it finds
 nothing else on the next call either: its findings are a function of those inputs, and
-:func:`replayable` reads each of them again (the guard's probes, the record's fields, a
-CUDA graph capture, the kind of ``num_tokens``), and :func:`replayed` checks the call's
-``num_tokens`` as the check stage does (a failure: the stages run, and raise it as on the
-full path). :func:`replayed` then hands the agree stage that call's plan, inputs and
-findings without the read and check stages' layers of calls (each a few microseconds with
-cold caches inside a step).
+:func:`replayed` reads each of them again (the guard's probes, the record's fields, a
+CUDA graph capture, the kind of ``num_tokens``) and checks the call's ``num_tokens`` as
+the check stage does, from the kind it read (a failure: the stages run, and raise it as
+on the full path). It then hands the agree stage that call's plan, inputs and findings
+without the read and check stages' layers of calls (each a few microseconds with cold
+caches inside a step). It is one function on purpose: each call it makes is one more
+function that comes back cold from memory on every step.
 
 Nothing of the agreement is skipped: the agree stage runs as on every call, the same
 status round over the same groups (carrying ``num_tokens``), before anything changes, so
@@ -25,8 +26,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from torch_impl.call.check import CheckSpec, Findings, nothing_per_step, same_call, tokens_kind
-from torch_impl.call.checks import check_num_tokens
+from torch_impl.call.check import CheckSpec, Findings, nothing_per_step, record_quiet, same_call
+from torch_impl.call.checks import tokens_error, tokens_kind
 from torch_impl.call.memo import put
 from torch_impl.call.model_state import ModelState
 from torch_impl.call.plan_memo import BoundPlan
@@ -43,40 +44,32 @@ class Replay(NamedTuple):
       guard: its steady check as probes, which must hold for the next call.
       spec: what the plan's calls check.
       findings: what the check stage found: nothing (the plan's record, a round due or not).
+      entry: its entry point (:func:`~torch_impl.call.steady.entry_kind`; the kind of call
+        decides it).
     """
 
     last: SteadyCall
     guard: SteadyGuard
     spec: CheckSpec
     findings: Findings
-
-
-def replayable(replay: Replay, state: ModelState, kind: Any, source: Any, request: Request) -> bool:
-    """Whether the check stage would find for this call what it found for ``replay``'s, its
-    ``num_tokens`` passing its own check: the kept call and its probes still current and
-    holding, the plan's record still the one it had, with nothing to look at per step
-    for this kind of ``num_tokens`` (:func:`~torch_impl.call.check.nothing_per_step`; the
-    kind compared only by a call with a round), no CUDA graph capture, and the last call
-    of its entry point on the model of the same plan and kind of ``num_tokens`` (else the
-    call compares: the ``switched`` of :func:`~torch_impl.call.check.check_call`)."""
-    last, findings = replay.last, replay.findings
-    given = tokens_kind(request.num_tokens)
-    tokens = given if findings.round_due else None
-    return (
-        state.steady.get(kind) is last and state.steady_guards.get(kind) is replay.guard
-        and state.plan_memo.record(last.bound) is findings.record and tokens == findings.tokens
-        and nothing_per_step(replay.spec, last.inputs.config, findings.record, last.inputs.found, tokens)
-        and not capturing()
-        and same_call(state.last_calls.get(entry_kind(request)), last.bound, given)
-        and replay.guard.holds(last, source, request)
-    )
+    entry: tuple[Any, ...]
 
 
 def replayed(model: Any, source: Any, request: Request) -> tuple[Replay, BoundPlan, CallInputs] | None:
     """The replay of the last call of this kind (module doc), with its plan and inputs, when
-    this call is one; else None (an exception, the check of ``num_tokens`` among them, is
-    the stages' to read again and report). An embedding helper's call is never one
-    (:func:`keep_replay`)."""
+    this call is one; else None (an exception, a bad ``num_tokens`` among them, is the
+    stages' to read again and report). An embedding helper's call is never one
+    (:func:`keep_replay`).
+
+    It is one when the check stage would find for this call what it found for the kept
+    one, its ``num_tokens`` passing its own check: the kept call and its probes still
+    current and holding, the plan's record still the one it had, with nothing to look at
+    per step for this kind of ``num_tokens`` (:func:`~torch_impl.call.check.nothing_per_step`,
+    of which its record's part is read again, :func:`~torch_impl.call.check.record_quiet`:
+    the rest is a function of the kept call's fixed plan and config; the kind compared
+    only by a call with a round), no CUDA graph capture, and the last
+    call of its entry point on the model of the same plan and kind of ``num_tokens`` (else
+    the call compares: the ``switched`` of :func:`~torch_impl.call.check.check_call`)."""
     if request.embedding is not None:
         return None
     try:
@@ -86,14 +79,26 @@ def replayed(model: Any, source: Any, request: Request) -> tuple[Replay, BoundPl
             return None
         kind = call_kind(request)
         replay = state.replays.get(kind)
-        if replay is None or not replayable(replay, state, kind, source, request):
+        if replay is None:
             return None
-        if request.num_tokens is not None:
-            record, inputs = replay.findings.record, replay.last.inputs
-            check_num_tokens(request.num_tokens, record.device, inputs.groups, replay.spec.ddp, record.nccl)
+        last, guard, spec, findings, entry = replay
+        num_tokens, record, inputs = request.num_tokens, findings.record, last.inputs
+        given = tokens_kind(num_tokens)
+        if not (
+            state.steady.get(kind) is last and state.steady_guards.get(kind) is guard
+            and state.plan_memo.record(last.bound) is record
+            and (given if findings.round_due else None) == findings.tokens
+            and record_quiet(record, inputs.found, inputs.config.consistency_check, findings.tokens)
+            and not capturing()
+            and same_call(state.last_calls.get(entry), last.bound, given)
+            and guard.holds(last, source, request)
+            and (num_tokens is None or given is not None and tokens_error(
+                num_tokens, given, record.device, inputs.groups, spec.ddp, record.nccl) is None)
+        ):
+            return None
     except Exception:  # noqa: BLE001 -- a read that raises: the stages read it and report
         return None
-    return replay, replay.last.bound, replay.last.inputs
+    return replay, last.bound, inputs
 
 
 def keep_replay(state: ModelState, request: Request, spec: CheckSpec, findings: Findings) -> None:
@@ -112,9 +117,9 @@ def keep_replay(state: ModelState, request: Request, spec: CheckSpec, findings: 
         and findings.round_due == (last.inputs.config.consistency_check != "off")  # not under a capture
     )
     if quiet:
-        put(state.replays, kind, Replay(last, guard, spec, findings))
+        put(state.replays, kind, Replay(last, guard, spec, findings, entry_kind(request)))
     else:
         state.replays.pop(kind, None)
 
 
-__all__ = ["Replay", "keep_replay", "replayable", "replayed"]
+__all__ = ["Replay", "keep_replay", "replayed"]
