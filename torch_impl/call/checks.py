@@ -222,7 +222,9 @@ def check_num_tokens(
     if num_tokens is None:
         return
     if not isinstance(num_tokens, torch.Tensor):
-        raise FinalizeTypeError(f"rank {groups.rank}: num_tokens must be a one-element tensor, got {type(num_tokens).__name__}")
+        raise FinalizeTypeError(
+            f"rank {groups.rank}: num_tokens must be a one-element tensor, got {type(num_tokens).__name__}"
+        )
     error = tokens_error(num_tokens, tokens_kind(num_tokens), device, groups, ddp, nccl)
     if error is not None:
         raise error
