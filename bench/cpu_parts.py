@@ -65,8 +65,7 @@ class CpuParts:
                 return fn(*args, **kwargs)
             finally:
                 self._depth -= 1
-                spent = self.seconds.setdefault(self.current, {})
-                spent[name] = spent.get(name, 0.0) + clock() - start
+                self._add(self.current, name, clock() - start)
 
         return timed
 
@@ -81,11 +80,15 @@ class CpuParts:
                 return fn(*args, **kwargs)
             finally:
                 self.current = None
-                spent = self.seconds.setdefault(candidate, {})
-                spent["call"] = spent.get("call", 0.0) + time.thread_time() - start
+                self._add(candidate, "call", time.thread_time() - start)
                 self.calls[candidate] = self.calls.get(candidate, 0) + 1
 
         return call
+
+    def _add(self, candidate: str, name: str, seconds: float) -> None:
+        """Count ``seconds`` for ``candidate``'s part ``name``."""
+        spent = self.seconds.setdefault(candidate, {})
+        spent[name] = spent.get(name, 0.0) + seconds
 
     def per_call(self) -> dict[str, dict[str, float]]:
         """Per candidate, seconds per call of each part, of the whole call ("call") and of

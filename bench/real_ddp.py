@@ -53,6 +53,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from bench.cpu_parts import CpuParts
 from bench.goals import goal
 
 NAMES = ("megatron-core", "torch_impl", "torch_impl no round", "floor")
@@ -83,14 +84,13 @@ PART_NAMES = ("steady check (replay lookup)", "status round", "DDP finish_grad_s
               "all_reduce", "DDP scale_gradients", "rest", "call")
 
 
-def cpu_parts(ddp_class: Any) -> Any:
+def cpu_parts(ddp_class: Any) -> CpuParts:
     """The parts ``--parts`` times: torch_impl's replay lookup of a steady call and its status
     round (the agree stage), the DDP's own sync and scale (both candidates call them), and the
     token count's collectives megatron-core makes itself (``torch.distributed``'s; the
     DDP's own collectives are inside its sync)."""
     import torch.distributed as dist
 
-    from bench.cpu_parts import CpuParts
     from torch_impl.call import pipeline
 
     return CpuParts([
@@ -100,7 +100,7 @@ def cpu_parts(ddp_class: Any) -> Any:
     ])
 
 
-def _mean_parts(profile: Any, world: int) -> dict[str, dict[str, float]]:
+def _mean_parts(profile: CpuParts, world: int) -> dict[str, dict[str, float]]:
     """Per profiled candidate, the ranks' mean CPU seconds per call of each part
     (:data:`PART_NAMES`; every rank sends every entry, 0 for a part its calls never ran)."""
     import torch
@@ -210,7 +210,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
 
         cpu = {n: [0.0, 0] for n in names}  # this thread's CPU seconds in the finalize calls, and their count
 
-        def call(name: str) -> Callable[[], None]:
+        def call(name: str, final: Callable[..., None]) -> Callable[[], None]:
             spent = cpu[name]
 
             def run() -> None:
@@ -218,19 +218,19 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
                     backward(name)
                 tokens = one.clone()
                 start = time.thread_time()
-                finals[name]([models[name]], num_tokens=tokens)
+                final([models[name]], num_tokens=tokens)
                 spent[0] += time.thread_time() - start
                 spent[1] += 1
 
             return run
 
         profile = cpu_parts(DistributedDataParallel) if payload.get("parts") else None
-        plain = dict(finals)
+        timed_finals = dict(finals)
         if profile is not None:  # the two finalizes' calls counted part by part while timed
-            finals.update({n: profile.counted(n, plain[n]) for n in PROFILED})
+            timed_finals.update({n: profile.counted(n, finals[n]) for n in PROFILED})
         with profile.installed() if profile is not None else contextlib.nullcontext():
-            timed = interleaved({n: call(n) for n in names}, rounds=payload["rounds"], batch=payload["batch"])
-        finals.update(plain)
+            timed = interleaved({n: call(n, timed_finals[n]) for n in names}, rounds=payload["rounds"],
+                                batch=payload["batch"])
         busy = torch.tensor([cpu[n][0] / cpu[n][1] for n in names], dtype=torch.float64)
         dist.all_reduce(busy)
         busy /= world

@@ -16,11 +16,11 @@ another shape (its gradient left), ``num_tokens`` float16 on one rank and float3
 others, ``num_tokens`` on one rank only, a NaN ``num_tokens`` under
 ``check_for_nan_in_grad``, a bad config value, a DeviceMesh expert layout changed, a
 ``moe_router_load_balancing_type`` typo, ``SystemExit`` or ``GeneratorExit`` raised by a
-user property (``chunk.config``), a complex, sparse or meta gradient. Every rank must raise (the expected type, naming the
-rank at fault) well within the groups' timeout with every gradient, router buffer and
-``num_tokens`` unchanged; the fault is then undone and the step's clean call must give a
-fresh call's numbers and the reference's. The whole run must take less than 0.9 s a step
-(1,000 steps in 15 minutes) after the world's start.
+user property (``chunk.config``), a complex, sparse or meta gradient. Every rank must
+raise (the expected type, naming the rank at fault) well within the groups' timeout with
+every gradient, router buffer and ``num_tokens`` unchanged; the fault is then undone and
+the step's clean call must give a fresh call's numbers and the reference's. The whole run
+must take less than 0.9 s a step (1,000 steps in 15 minutes) after the world's start.
 
     MESHGRAD_SOAK=1 MESHGRAD_SOAK_STEPS=24 .venv/bin/python -m pytest -q tests/test_reliability_soak.py
 """

@@ -237,6 +237,12 @@ def tokens_replayed(chunks: list[DDP], num_tokens: Any) -> bool:
     return replay.replayed(chunks, None, Request(num_tokens=num_tokens)) is not None
 
 
+def as_left_by_step(chunks: list[DDP], n: int) -> bool:
+    """Whether the gradients hold what :func:`step` with ``n`` left them (each filled value / n)."""
+    grads = [p.main_grad for p in chunks[0].module.parameters()]
+    return all(torch.equal(g, torch.full_like(g, float(4 * (i + 1)) / n)) for i, g in enumerate(grads))
+
+
 def test_a_call_with_num_tokens_is_replayed_and_scaled(stages: dict[str, int]) -> None:
     chunks = model(calculate_per_token_loss=True)
     for _ in range(2):
@@ -299,8 +305,7 @@ def test_a_bad_num_tokens_on_a_replayable_call_raises_as_the_stages_do(stages: d
     with pytest.raises(error) as first:
         finalize(fresh, num_tokens=value)
     assert str(live.value) == str(first.value)  # the first call's own refusal
-    grads = [p.main_grad for p in chunks[0].module.parameters()]
-    assert all(torch.equal(g, torch.full_like(g, float(4 * (i + 1)) / 4)) for i, g in enumerate(grads))  # untouched
+    assert as_left_by_step(chunks, 4)  # untouched
     assert chunks[0].syncs == 3
     step(chunks, 2)  # the next good call: right numbers, and replayed again after it
     assert tokens_replayed(chunks, torch.tensor(4))
@@ -317,8 +322,7 @@ def test_a_ddp_chunk_that_loses_scale_gradients_is_refused_on_a_replayable_call(
     with pytest.raises(TypeError, match="has finish_grad_sync but no scale_gradients"):
         finalize(chunks, num_tokens=torch.tensor(4))
     assert stages["check_call"] == 3 and chunks[0].syncs == 3  # the stages refused; no sync ran
-    grads = [p.main_grad for p in chunks[0].module.parameters()]
-    assert all(torch.equal(g, torch.full_like(g, float(4 * (i + 1)) / 4)) for i, g in enumerate(grads))  # untouched
+    assert as_left_by_step(chunks, 4)  # untouched
 
 
 def test_a_finalize_call_that_switches_kind_compares_and_is_not_replayed(stages: dict[str, int],
