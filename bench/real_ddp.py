@@ -35,7 +35,8 @@ one rank's CPU before a collective keeps the others waiting.
 With ``--parts`` the two finalizes' calls are also counted part by part while timed
 (:func:`cpu_parts`, :mod:`bench.cpu_parts`): the calling thread's CPU per call in
 torch_impl's replay lookup and status round, the DDP's own sync and scale, megatron-core's
-token broadcast and all-reduce, and the rest.
+token broadcast and all-reduce, and the rest; then the Python functions one more steady call
+of each enters (:func:`~bench.cpu_parts.functions_entered`: this rank's, exact).
 
 Values, not timing: before and after the timed calls, the megatron-core and torch_impl twins
 each run one step on the same per-rank input (zero, forward, backward, finalize); their
@@ -53,7 +54,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from bench.cpu_parts import CpuParts
+from bench.cpu_parts import CpuParts, functions_entered
 from bench.goals import goal
 
 NAMES = ("megatron-core", "torch_impl", "torch_impl no round", "floor")
@@ -98,20 +99,6 @@ def cpu_parts(ddp_class: Any) -> CpuParts:
         ("DDP finish_grad_sync", ddp_class, "finish_grad_sync"), ("DDP scale_gradients", ddp_class, "scale_gradients"),
         ("broadcast", dist, "broadcast"), ("all_reduce", dist, "all_reduce"),
     ])
-
-
-def _mean_parts(profile: CpuParts, world: int) -> dict[str, dict[str, float]]:
-    """Per profiled candidate, the ranks' mean CPU seconds per call of each part
-    (:data:`PART_NAMES`; every rank sends every entry, 0 for a part its calls never ran)."""
-    import torch
-    import torch.distributed as dist
-
-    mine = profile.per_call()
-    flat = torch.tensor([mine.get(c, {}).get(p, 0.0) for c in PROFILED for p in PART_NAMES], dtype=torch.float64)
-    dist.all_reduce(flat)
-    flat /= world
-    values = iter(flat.tolist())
-    return {c: {p: next(values) for p in PART_NAMES} for c in PROFILED}
 
 
 def megatron_missing() -> str | None:
@@ -231,6 +218,16 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         with profile.installed() if profile is not None else contextlib.nullcontext():
             timed = interleaved({n: call(n, timed_finals[n]) for n in names}, rounds=payload["rounds"],
                                 batch=payload["batch"])
+        def entered(name: str) -> list[int]:  # the Python functions a steady call enters
+            counts = []
+            for _ in range(2):  # the first call after the parts' wrappers left is not steady
+                if overlap:
+                    backward(name)
+                tokens = one.clone()
+                counts = list(functions_entered(lambda: finals[name]([models[name]], num_tokens=tokens)))
+            return counts
+
+        functions = {n: entered(n) for n in PROFILED} if profile is not None else None
         busy = torch.tensor([cpu[n][0] / cpu[n][1] for n in names], dtype=torch.float64)
         dist.all_reduce(busy)
         busy /= world
@@ -246,9 +243,9 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the largest difference of any rank
         dist.all_reduce(values, op=dist.ReduceOp.MIN)  # the smallest gradient of any rank
         seconds = {n: float(m) for n, m in zip(names, medians)}
-        parts = _mean_parts(profile, world) if profile is not None else None
+        parts = profile.ranks_mean(PROFILED, PART_NAMES, world) if profile is not None else None
         out[key] = {
-            **({"cpu parts per call": parts} if parts is not None else {}),
+            **({"cpu parts per call": parts, "python functions per call": functions} if parts is not None else {}),
             "seconds per call": seconds,
             "cpu seconds per call": {n: float(b) for n, b in zip(names, busy)},
             **{f"{a} / {b}": float(r) for (a, b), r in zip(paired, pairs)},
@@ -319,19 +316,22 @@ def format_real_ddp(result: dict[str, Any]) -> str:
         busy = row["cpu seconds per call"]
         lines.append(f"  {'':<21}" + "".join(f"{1e3 * busy[n]:>{_width(n)}.4f}" for n in names)
                      + "  <- CPU ms of the calling thread (mean of the ranks)")
-        lines += format_parts(row.get("cpu parts per call"))
+        lines += format_parts(row.get("cpu parts per call"), row.get("python functions per call"))
     return "\n".join(lines)
 
 
-def format_parts(parts: dict[str, dict[str, float]] | None) -> list[str]:
+def format_parts(parts: dict[str, dict[str, float]] | None, functions: dict[str, list[int]] | None = None) -> list[str]:
     """The ``--parts`` lines of one setting: per part, the CPU us per call of each profiled
-    candidate (nothing without a profile)."""
+    candidate, then the Python functions one steady call enters (nothing without a profile)."""
     if not parts:
         return []
     lines = [f"  {'':<21}CPU us per call, part by part (mean of the ranks):"
              + "".join(f"{c:>{_width(c)}}" for c in PROFILED)]
     for part in PART_NAMES:
         lines.append(f"  {'':<23}{part:<30}" + "".join(f"{1e6 * parts[c][part]:>{_width(c)}.1f}" for c in PROFILED))
+    if functions:
+        lines.append(f"  {'':<23}{'Python functions (distinct/calls)':<30}"
+                     + "".join(f"{'%d / %d' % tuple(functions[c]):>{_width(c)}}" for c in PROFILED))
     return lines
 
 

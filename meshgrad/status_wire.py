@@ -45,10 +45,11 @@ def token_limit(reached: int) -> int:
     return (1 << (TOKEN_SHIFT - 1)) // reached
 
 
-def token_bits(count: int, reached: int) -> int:
+def token_bits(count: int, limit: int) -> int:
     """What an int64 token ``count`` adds to a short word: the count from
-    :data:`TOKEN_SHIFT` up, or :data:`TOO_LARGE` when it is too large for the word."""
-    limit = token_limit(reached)
+    :data:`TOKEN_SHIFT` up, or :data:`TOO_LARGE` when it is too large for the word
+    (``limit``: :func:`token_limit` of the ranks the round reaches, worked out once per
+    route by its caller)."""
     return count << TOKEN_SHIFT if -limit < count < limit else TOO_LARGE
 
 

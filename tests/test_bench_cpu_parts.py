@@ -5,6 +5,8 @@ how long anything took."""
 
 from __future__ import annotations
 
+import functools
+import sys
 import types
 
 from bench.cpu_parts import CpuParts
@@ -60,3 +62,26 @@ def test_a_part_that_cannot_be_wrapped_leaves_the_others_restored() -> None:
     except TypeError:
         pass
     assert module.work is len and _Thing().own(4) == 7 and _Thing.__dict__["own"].__name__ == "own"
+
+
+def _leaf(n: int) -> int:
+    return n + 1
+
+
+def _twice(n: int) -> int:
+    return _leaf(_leaf(n)) + len(str(n))  # len and str are C functions: no frame
+
+
+def test_functions_entered_counts_distinct_python_functions_and_calls() -> None:
+    """Each Python function by its code (two calls of one: one function, two calls), C
+    functions not at all, the function given not itself; the profile that was set is
+    set again afterwards."""
+    from bench.cpu_parts import functions_entered
+
+    results: list[int] = []
+    assert functions_entered(lambda: results.append(_twice(3))) == (2, 3)  # _twice, and _leaf twice
+    assert results == [6]
+    # a partial has no code of its own to leave out: the function it calls counts
+    assert functions_entered(functools.partial(_twice, 3)) == (2, 3)
+
+    assert sys.getprofile() is None

@@ -97,6 +97,12 @@ def test_real_ddp_two_candidates_one_setting(tmp_path: Path) -> None:
     assert theirs["broadcast"] > 0 and theirs["all_reduce"] > 0, theirs
     assert theirs["steady check (replay lookup)"] == theirs["status round"] == 0.0, theirs
     assert "CPU us per call, part by part" in text and "steady check (replay lookup)" in text
+    functions = row["python functions per call"]  # one more steady call of each, counted exactly
+    assert set(functions) == {"megatron-core", "torch_impl"}, functions
+    assert all(calls >= distinct > 10 for distinct, calls in functions.values()), functions
+    printed = re.search(r"Python functions \(distinct/calls\)\s+(\d+) / (\d+)\s+(\d+) / (\d+)", text)
+    assert printed is not None, text
+    assert [int(n) for n in printed.groups()] == [*functions["megatron-core"], *functions["torch_impl"]], text
 
 
 def test_real_ddp_rows_skipped_with_a_reason(tmp_path: Path) -> None:

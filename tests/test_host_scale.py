@@ -8,7 +8,7 @@ import torch
 
 from meshgrad.axes import Group
 from meshgrad.plan import TokenScale
-from torch_impl.run.scaling import HostFactor, global_token_scale, host_scale
+from torch_impl.run.scaling import HostFactor, global_token_scale, host_scale, scale_by_tokens
 
 
 #: The plan's token-scale action (the device path only reads its group when it reduces).
@@ -117,3 +117,39 @@ def test_a_factor_made_under_inference_mode_is_kept_and_reused_in_either_mode() 
     assert host_scale(torch.zeros((), dtype=torch.int64), 12, kept) is made
     with torch.inference_mode():
         assert host_scale(torch.zeros((), dtype=torch.int64), 12, kept) is made
+
+
+class _ScaledDDP:
+    """Stands in for a Megatron DDP chunk: records the factors its ``scale_gradients`` gets."""
+
+    def __init__(self) -> None:
+        self.factors: list[torch.Tensor] = []
+
+    def scale_gradients(self, factor: torch.Tensor) -> None:
+        self.factors.append(factor)
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["normal", "inference"])
+@pytest.mark.parametrize("dtype, total", [(torch.int64, 12), (torch.int64, 1 << 40), (torch.int16, 3)])
+def test_scale_by_tokens_with_the_rounds_count_scales_as_the_device_path(
+    dtype: torch.dtype, total: int, inference: bool
+) -> None:
+    """The run stage's scale given the count the status round read back: the host factor
+    where it is exact, else the device path (no collective either way); every DDP and the
+    gradients meshgrad scales get that factor, bit for bit the device path's, and
+    ``num_tokens`` holds the count afterwards -- one made under ``torch.inference_mode()``
+    too, updated from a call outside it."""
+    if inference:
+        with torch.inference_mode():
+            mine = torch.zeros((), dtype=dtype)
+    else:
+        mine = torch.zeros((), dtype=dtype)
+    ddp, applied = _ScaledDDP(), []
+    scale_by_tokens(mine, ACTION, None, [ddp], applied.append, total, HostFactor())
+    expected, written = device_path(torch.zeros((), dtype=dtype), total)
+    assert len(ddp.factors) == 1 and applied == ddp.factors
+    assert bits(ddp.factors[0]) == bits(expected) and bits(mine) == bits(written)
+    # no gradient of meshgrad's own to scale (a plan whose DDP scales them all): apply is None
+    alone = _ScaledDDP()
+    scale_by_tokens(torch.zeros((), dtype=dtype), ACTION, None, [alone], None, total)
+    assert bits(alone.factors[0]) == bits(expected)

@@ -115,7 +115,8 @@ def _run(request: Request, bound: BoundPlan, inputs: CallInputs, total: Any) -> 
         finish_ddp_sync(bound.ddp, bound.ddp_force_kwarg, request.force_all_reduce, groups)
     program = state.program(bound, found, groups, config)
     if program is not None:
-        program.run()
+        if program.ops:  # none bound where the DDP does the whole step: no call to make
+            program.run()
     else:  # DTensor gradients: each action bound as it runs
         execute_local(bound.plan.actions, GradAccess(found.tensors, config.use_megatron_fsdp),
                       found.router_modules, groups, stats=state.stats)

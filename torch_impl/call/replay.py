@@ -83,7 +83,7 @@ def replayed(model: Any, source: Any, request: Request) -> tuple[Replay, BoundPl
             return None
         last, guard, spec, findings, entry = replay
         num_tokens, record, inputs = request.num_tokens, findings.record, last.inputs
-        given = tokens_kind(num_tokens)
+        given = tokens_kind(num_tokens) if num_tokens is not None else None
         if not (
             state.steady.get(kind) is last and state.steady_guards.get(kind) is guard
             and state.plan_memo.record(last.bound) is record

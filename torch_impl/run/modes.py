@@ -1,5 +1,5 @@
 """The inference mode meshgrad makes its kept tensors in (:func:`outside_inference_mode`) and
-updates the caller's tensors in (:func:`writing_into`)."""
+updates the caller's tensors in (:func:`writing_into`, :func:`fill_into`)."""
 
 from __future__ import annotations
 
@@ -32,4 +32,15 @@ def writing_into(tensor: torch.Tensor) -> ContextManager[Any]:
     return contextlib.nullcontext()
 
 
-__all__ = ["outside_inference_mode", "writing_into"]
+def fill_into(tensor: torch.Tensor, value: int) -> None:
+    """``tensor.fill_(value)`` in the context :func:`writing_into` gives, with no context
+    entered on the usual path (a normal tensor: one call where the context manager makes
+    four, each cold inside a step)."""
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        with torch.inference_mode():
+            tensor.fill_(value)
+        return
+    tensor.fill_(value)
+
+
+__all__ = ["fill_into", "outside_inference_mode", "writing_into"]

@@ -31,7 +31,7 @@ class Program:
       routers: router modules by key.
       groups: this rank's process groups.
       stats: counters (copied bytes).
-      scale_keys: the gradients :meth:`scale` multiplies.
+      scale_keys: the gradients :attr:`scale` multiplies.
     """
 
     def __init__(
@@ -44,7 +44,11 @@ class Program:
         scale_keys: Sequence[ParamKey] = (),
     ) -> None:
         self.ops = [(a, bind_action(a, grads, routers, groups, stats)) for a in actions]
-        self._scale = bind_scale([grads[k] for k in scale_keys]) if scale_keys else None
+        #: Multiplies the bound gradients by the 0-d float32 num_tokens factor (call it with
+        #: grad mode off, as the run stage does); None when no gradient is bound to it.
+        self.scale: Callable[[torch.Tensor], None] | None = (
+            bind_scale([grads[k] for k in scale_keys]) if scale_keys else None
+        )
         stats.programs_bound += 1
 
     def run(self, on_step: Callable[[Action], None] | None = None) -> None:
@@ -52,12 +56,6 @@ class Program:
         when none is bound: a plan whose DDP does the whole step)."""
         if self.ops:
             without_grad(execute_ops, self.ops, on_step)
-
-    def scale(self, factor: torch.Tensor) -> None:
-        """Multiply the bound gradients by the 0-d float32 ``factor`` (num_tokens scale),
-        under ``torch.no_grad()`` (nothing when no gradient is bound to it)."""
-        if self._scale is not None:
-            without_grad(self._scale, factor)
 
 
 #: What ``torch.set_grad_enabled(mode)`` calls to switch grad mode (its own Python

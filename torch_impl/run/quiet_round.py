@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from meshgrad.status_wire import ELEMENTS, carried_count, nothing_flagged, token_bits, wire_format
+from meshgrad.status_wire import ELEMENTS, carried_count, nothing_flagged, token_bits, token_limit, wire_format
 from torch_impl.run import rounds
 from torch_impl.run.rounds import Hop
 
@@ -30,12 +30,13 @@ class QuietRound:
       route: the round's route (every hop on the CPU).
     """
 
-    __slots__ = ("route", "wire", "hops", "reached", "fmt", "options")
+    __slots__ = ("route", "wire", "hops", "reached", "fmt", "limit", "options")
 
     def __init__(self, route: Sequence[Hop]) -> None:
         self.route = route
         self.reached = n = rounds.reached(route)
         self.fmt = fmt = wire_format(n)
+        self.limit = token_limit(n)  # a short word's bound on one rank's count
         self.wire = rounds.HostWire(ELEMENTS[fmt])
         self.hops = [(name, pg) for name, pg, _, _ in route]
         # the options of the round's all-reduces, made once (torch only reads them)
@@ -55,7 +56,7 @@ class QuietRound:
         words = self.wire.words
         if tokens is not None:
             if self.fmt == "short":
-                words[0] = token_bits(tokens, self.reached)  # the count, or the too-large flag
+                words[0] = token_bits(tokens, self.limit)  # the count, or the too-large flag
             else:
                 words[-1] = tokens
         for name, pg in self.hops:

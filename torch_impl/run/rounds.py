@@ -74,7 +74,7 @@ def wire_words(status: Sequence[int], reached: int, tokens: int | None = None) -
         words = [sum(int(status[f]) << (bits * i) for i, f in enumerate(FLAGS))] + [0] * (ELEMENTS[fmt] - 1)
     if tokens is not None:
         if fmt == "short":
-            words[0] += token_bits(tokens, reached)
+            words[0] += token_bits(tokens, token_limit(reached))
         else:
             words[-1] = tokens
     return words

@@ -14,7 +14,7 @@ from meshgrad.plan import ReduceOp, TokenScale
 from torch_impl.run.collectives import all_reduce
 from torch_impl.run.errors import collective_guard
 from torch_impl.run.groups import TorchGroups
-from torch_impl.run.modes import outside_inference_mode, writing_into
+from torch_impl.run.modes import fill_into, outside_inference_mode, writing_into
 
 
 def global_token_scale(
@@ -107,8 +107,7 @@ def host_scale(num_tokens: torch.Tensor, total: int, kept: HostFactor | None = N
         return None
     if dtype not in (torch.float32, torch.float64) or num_tokens.device.type != "cpu":
         return None
-    with writing_into(num_tokens):
-        num_tokens.fill_(total)  # an integer tensor: it cannot require grad
+    fill_into(num_tokens, total)  # an integer tensor: it cannot require grad
     return (kept if kept is not None else HostFactor()).get(total, num_tokens.shape, dtype)
 
 
@@ -117,7 +116,7 @@ def scale_by_tokens(
     action: TokenScale,
     groups: TorchGroups,
     ddp: Sequence[Any],
-    apply: Callable[[torch.Tensor], None],
+    apply: Callable[[torch.Tensor], None] | None,
     reduced: int | torch.Tensor | None = None,
     kept: HostFactor | None = None,
 ) -> None:
@@ -130,20 +129,21 @@ def scale_by_tokens(
       action: the plan's TokenScale.
       groups: this rank's groups.
       ddp: the Megatron DDP objects of the chunks they sync.
-      apply: multiplies the gradients meshgrad scales by the factor.
+      apply: multiplies the gradients meshgrad scales by the factor (None: none to scale).
       reduced: the global count when the status round carried it (no collective here;
         an int when known on the host).
       kept: the model's last host factor (:class:`HostFactor`), or None.
     """
-    if isinstance(reduced, int):  # the status round's count, known on the host: no collective here
-        scale = global_token_scale(num_tokens, action, groups, reduced, kept)
-    else:
+    # The status round's count, known on the host: no collective, and most often no device path.
+    scale = host_scale(num_tokens, reduced, kept) if isinstance(reduced, int) else None
+    if scale is None:
         what = f"token_scale: num_tokens broadcast over 'pp' and sum over {action.group.value!r}"
         with collective_guard(what, groups):
             scale = global_token_scale(num_tokens, action, groups, reduced)
     for obj in ddp:
         obj.scale_gradients(scale)
-    apply(scale)
+    if apply is not None:
+        apply(scale)
 
 
 def scale_grads(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
