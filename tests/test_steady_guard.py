@@ -216,6 +216,9 @@ def restore(monkeypatch: pytest.MonkeyPatch) -> None:
     yield
     if "check_for_nan_in_grad" in vars(Config):
         del Config.check_for_nan_in_grad
+    # the stub a change loaded goes (monkeypatch then puts back the module it removed, if
+    # any): left in sys.modules, it would break a later import of megatron-core itself
+    sys.modules.pop(PARALLEL_STATE, None)
 
 
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))

@@ -230,30 +230,33 @@ class GradWatch:
 
     def same(self) -> bool:
         """True when nothing a bound program or the plan depends on has changed (at once
-        for a watch of no parameters: a Megatron DDP chunk without flagged ones)."""
-        return not self.params or (
-            self._params_same()
+        for a watch of no parameters: a Megatron DDP chunk without flagged ones). The
+        armed guards are asked here, each in one C++ call: a steady step's answer without
+        a function more (:meth:`_params_same` / :meth:`_grad_layouts_same` where one is
+        not armed or does not pass)."""
+        params, tensors = self.params, self.tensors
+        guard, grad_guard = self.param_check.guard, self.grad_check.guard
+        return not params or (
+            (guard is not None and guard.check(*params) or self._params_same())
             and self.attributes.same()
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
-            and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
-            and (not self.tensors or self._grad_layouts_same())
+            and list(map(torch.Tensor.data_ptr, tensors)) == self.ptrs
+            and (not tensors or grad_guard is not None and grad_guard.check(*tensors) or self._grad_layouts_same())
             and list(map(torch.Tensor.data_ptr, self.plain_params)) == self.param_ptrs
         )
 
     def _params_same(self) -> bool:
-        """The parameters' requires_grad, shapes and dtypes (one guard call once armed,
-        asked here first: the steady step's answer without a call more)."""
-        guard = self.param_check.guard
-        return (guard is not None and guard.check(*self.params)) or self.param_check.same(self.params, lambda: (
+        """The parameters' requires_grad, shapes and dtypes, attribute by attribute (the
+        guard, asked by :meth:`same`, was not armed or did not pass; re-armed here)."""
+        return self.param_check.same(self.params, lambda: (
             list(map(_REQUIRES_GRAD, self.params)) == self.requires and _sizes_same(self.params, self.param_sizes)
             and all(map(operator.is_, map(_DTYPE, self.params), self.param_dtypes))
         ), asked=True)
 
     def _grad_layouts_same(self) -> bool:
-        """The plain gradient tensors' shapes, strides and dtypes (one guard call once
-        armed, asked here first)."""
-        guard = self.grad_check.guard
-        return (guard is not None and guard.check(*self.tensors)) or self.grad_check.same(
+        """The plain gradient tensors' shapes, strides and dtypes, attribute by attribute
+        (as :meth:`_params_same`)."""
+        return self.grad_check.same(
             self.tensors, lambda: _layouts_same(self.tensors, self.sizes, self.strides, self.dtypes), asked=True
         )
 
