@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             rows,
             rounds=args.rounds or (7 if quick else 15),
             target_s=0.005 if quick else 0.01,
-            repeats=2 if quick else 3,
+            repeats=3,  # the median of three first calls: one outlier (a collection, page faults) does not move it
             with_megatron=not args.no_megatron,
         )
         print(format_scale(report["scale"]), flush=True)
