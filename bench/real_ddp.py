@@ -218,8 +218,9 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         with profile.installed() if profile is not None else contextlib.nullcontext():
             timed = interleaved({n: call(n, timed_finals[n]) for n in names}, rounds=payload["rounds"],
                                 batch=payload["batch"])
+
         def entered(name: str) -> list[int]:  # the Python functions a steady call enters
-            counts = []
+            counts: list[int] = []
             for _ in range(2):  # the first call after the parts' wrappers left is not steady
                 if overlap:
                     backward(name)

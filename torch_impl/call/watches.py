@@ -237,11 +237,11 @@ class GradWatch:
         params, tensors = self.params, self.tensors
         guard, grad_guard = self.param_check.guard, self.grad_check.guard
         return not params or (
-            (guard is not None and guard.check(*params) or self._params_same())
+            ((guard is not None and guard.check(*params)) or self._params_same())
             and self.attributes.same()
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
             and list(map(torch.Tensor.data_ptr, tensors)) == self.ptrs
-            and (not tensors or grad_guard is not None and grad_guard.check(*tensors) or self._grad_layouts_same())
+            and (not tensors or (grad_guard is not None and grad_guard.check(*tensors)) or self._grad_layouts_same())
             and list(map(torch.Tensor.data_ptr, self.plain_params)) == self.param_ptrs
         )
 

@@ -134,7 +134,8 @@ def scale_by_tokens(
         an int when known on the host).
       kept: the model's last host factor (:class:`HostFactor`), or None.
     """
-    # The status round's count, known on the host: no collective, and most often no device path.
+    # The status round's count known on the host (an int): no collective, and the host factor
+    # where it is exact; else the device path (which reduces the count itself when not carried).
     scale = host_scale(num_tokens, reduced, kept) if isinstance(reduced, int) else None
     if scale is None:
         what = f"token_scale: num_tokens broadcast over 'pp' and sum over {action.group.value!r}"
