@@ -109,10 +109,10 @@ def nan_checked(spec: CheckSpec, config: FinalizeConfig) -> bool:
 def nothing_per_step(spec: CheckSpec, config: FinalizeConfig, record: PlanRecord | None, found: Any,
                      tokens: tuple[Any, ...] | None = None) -> bool:
     """Whether :func:`check_call` for these inputs, and a ``num_tokens`` of kind ``tokens``
-    (:func:`~torch_impl.call.checks.tokens_kind`; None: none) that passes :func:`~torch_impl.call.checks.check_num_tokens`,
-    has nothing to look at beyond what it found once per plan, and so finds nothing, outside
-    a CUDA graph capture: no NaN scan; not ``"every_step"``; and the record's part
-    (:func:`record_quiet`)."""
+    (:func:`~torch_impl.call.checks.tokens_kind`; None: none) that passes
+    :func:`~torch_impl.call.checks.check_num_tokens`, has nothing to look at beyond what it
+    found once per plan, and so finds nothing, outside a CUDA graph capture: no NaN scan;
+    not ``"every_step"``; and the record's part (:func:`record_quiet`)."""
     return config.consistency_check != "every_step" and not nan_checked(spec, config) and record_quiet(
         record, found, config.consistency_check, tokens)
 

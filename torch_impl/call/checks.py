@@ -244,9 +244,8 @@ def tokens_error(
     dtype, numel, here = kind
     rank = groups.rank
     if numel != 1:
-        return FinalizeTypeError(
-            f"rank {rank}: num_tokens must be a one-element tensor, got {type(num_tokens).__name__}{tuple(num_tokens.shape)}"
-        )
+        got = f"{type(num_tokens).__name__}{tuple(num_tokens.shape)}"
+        return FinalizeTypeError(f"rank {rank}: num_tokens must be a one-element tensor, got {got}")
     if dtype.is_complex or dtype == torch.bool:
         return FinalizeTypeError(f"rank {rank}: num_tokens must be an integer or floating tensor, got {dtype}")
     if here.type == "meta":

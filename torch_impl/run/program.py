@@ -52,10 +52,9 @@ class Program:
         stats.programs_bound += 1
 
     def run(self, on_step: Callable[[Action], None] | None = None) -> None:
-        """Run every bound action in order, under ``torch.no_grad()`` (nothing to enter
-        when none is bound: a plan whose DDP does the whole step)."""
-        if self.ops:
-            without_grad(execute_ops, self.ops, on_step)
+        """Run every bound action in order, under ``torch.no_grad()`` (the run stage calls
+        it only when one is bound: a plan whose DDP does the whole step binds none)."""
+        without_grad(execute_ops, self.ops, on_step)
 
 
 #: What ``torch.set_grad_enabled(mode)`` calls to switch grad mode (its own Python

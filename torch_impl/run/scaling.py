@@ -19,13 +19,13 @@ from torch_impl.run.modes import fill_into, outside_inference_mode, writing_into
 
 def global_token_scale(
     num_tokens: torch.Tensor, action: TokenScale, groups: TorchGroups, reduced: int | torch.Tensor | None = None,
-    kept: HostFactor | None = None,
 ) -> torch.Tensor:
     """Per-token scaling: broadcast num_tokens from the last pp stage, SUM it over the
     planned group, and return the factor that divides every gradient (no host sync).
     ``reduced``: the SUM already computed by the call's status round
     (:func:`torch_impl.run.status.fused_tokens`), used instead of the collectives (an int:
-    known on the host, :func:`host_scale`, reusing ``kept``'s factor where it can).
+    known on the host; :func:`scale_by_tokens` asks :func:`host_scale` for it first, and
+    comes here where the host cannot be exact).
 
     The count is reduced in int64 (float64 for floating input), so int8..int32 counts do
     not overflow, and written back into ``num_tokens``, which holds the global count
@@ -34,9 +34,6 @@ def global_token_scale(
     float dtype (float32) for integer counts, with ``num_tokens``' shape.
     """
     if isinstance(reduced, int):
-        factor = host_scale(num_tokens, reduced, kept)
-        if factor is not None:
-            return factor
         reduced = torch.tensor(reduced, dtype=torch.int64, device=num_tokens.device)
     wide = torch.float64 if num_tokens.is_floating_point() else torch.int64
     if reduced is not None:
