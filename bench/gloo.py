@@ -147,11 +147,13 @@ def world_main(rank: int, world: int, payload: Any, sink: Any) -> None:
 
 def run_gloo(lay: Layout, *, rounds: int, batch: int, timeout: float = 900.0, megatron: bool = True) -> dict[str, Any]:
     """Spawn a gloo world of ``lay.world`` ranks and return rank 0's measurements."""
+    from parity_tests.megatron_state import preload_megatron_core
     from parity_tests.process_world import spawn_world
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     outcome = spawn_world(
-        world_main, lay.world, {"layout": lay, "rounds": rounds, "batch": batch, "megatron": megatron}, timeout
+        world_main, lay.world, {"layout": lay, "rounds": rounds, "batch": batch, "megatron": megatron}, timeout,
+        prepare=preload_megatron_core if megatron else None,
     )
     fatal = next((f for f in outcome.fatal if f), None)
     if fatal or outcome.timed_out or "result" not in outcome.results[0]:

@@ -272,12 +272,13 @@ def run_real_ddp(*, world: int = 4, layers: int = 8, hidden: int = 256, rounds: 
       modes: the settings run (keys of :data:`MODES`).
       parts: also count the CPU of the two finalizes' calls part by part (:func:`cpu_parts`).
     """
+    from parity_tests.megatron_state import import_megatron_core
     from parity_tests.process_world import spawn_world
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     names = tuple(n for n in NAMES if n in {*names, "megatron-core", "torch_impl"})
     payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch, names=names, modes=modes, parts=parts)
-    outcome = spawn_world(world_main, world, payload, timeout=timeout)
+    outcome = spawn_world(world_main, world, payload, timeout=timeout, prepare=import_megatron_core)
     fatal = next((f for f in outcome.fatal if f), None)
     if fatal or "result" not in outcome.results[0]:
         return {"error": "timed out" if outcome.timed_out else str(fatal)}

@@ -28,6 +28,7 @@ sides' calls are compared on.
 
 from __future__ import annotations
 
+import compileall
 import dataclasses
 import os
 import shutil
@@ -97,6 +98,11 @@ def fetch(timeout: float = 240.0, verbose: bool = False) -> Path | None:
                 shutil.rmtree(target)
             os.replace(tmp, target)
             os.makedirs(tmp)  # TemporaryDirectory removes its (now moved) folder on exit
+        # bytecode written once: every world imports these sources, and with
+        # PYTHONDONTWRITEBYTECODE set an import would compile them again each time
+        with warnings.catch_warnings():  # their docstrings' invalid escapes, say
+            warnings.simplefilter("ignore")
+            compileall.compile_dir(str(target), quiet=1)
     except Exception as err:  # offline or no pip: the oracle tests skip
         if verbose:
             print(f"megatron-core {VERSION} not fetched: {type(err).__name__}: {err}", file=sys.stderr)
@@ -120,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
 def import_megatron(src: str) -> types.ModuleType:
     """Import megatron-core from ``src`` (first on sys.path, triton-importing module stubbed,
     GTP fence replaced by a counter); returns its finalize_model_grads module."""
-    if "megatron" in sys.modules and not str(getattr(sys.modules["megatron"], "__file__", "")).startswith(src):
+    # ``megatron`` is a namespace package (no ``__file__``): where it came from is
+    # ``megatron.core``'s file; a world's zygote imported it already for every rank
+    core_file = getattr(sys.modules.get("megatron.core"), "__file__", None) or ""
+    if "megatron" in sys.modules and not core_file.startswith(src):
         for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
             del sys.modules[name]
     if src not in sys.path:

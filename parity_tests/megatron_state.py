@@ -29,6 +29,16 @@ def import_megatron_core() -> None:
         import megatron.core.transformer.transformer_config  # noqa: F401
 
 
+def preload_megatron_core() -> None:
+    """:func:`import_megatron_core` where it succeeds, else nothing: the ``prepare`` of a
+    world whose ranks import megatron-core themselves and handle its absence or failure
+    (then each rank's own import meets the same error as it would have)."""
+    try:
+        import_megatron_core()
+    except Exception:  # noqa: BLE001 -- an optimization only: the ranks' own imports decide
+        pass
+
+
 def initialize_parallel_state(ps: Any, layout: Any, **extra: Any) -> None:
     """``ps.initialize_model_parallel`` for ``layout`` (its tp, pp, cp, ep, etp sizes and,
     where set, the pp stages of the embedding groups), Megatron's warnings silenced.

@@ -26,6 +26,7 @@ from meshgrad.config import FinalizeConfig
 from meshgrad.explain import Explanation, Layout, explain, model_stages
 from meshgrad.params import Role
 from meshgrad.presets import PRESETS
+from parity_tests.megatron_state import preload_megatron_core
 from parity_tests.world_cases import case_values, run_cases
 
 WORLD = 8
@@ -226,7 +227,7 @@ _WORLD: dict[str, Any] = {}
 @pytest.fixture(scope="module")
 def world() -> dict[str, Any]:
     if "v" not in _WORLD:
-        _WORLD["v"] = run_cases(__name__, CASES, WORLD, timeout=240)
+        _WORLD["v"] = run_cases(__name__, CASES, WORLD, timeout=240, prepare=preload_megatron_core)
     return _WORLD["v"]
 
 

@@ -28,6 +28,7 @@ import torch_impl  # noqa: E402
 from parity_tests.scenarios import RankData, Scenario, gpt_params, make_rank_inputs, moe_routers  # noqa: E402
 from test_reliability_inputs import kind_of  # noqa: E402
 from parity_tests.torch_world import build_model, collection, load_inputs, read_outputs  # noqa: E402
+from parity_tests.megatron_state import preload_megatron_core  # noqa: E402
 from parity_tests.world_cases import local_cases, run_cases  # noqa: E402
 
 #: Parameter names, in order, of every function of the seed API page (megatron-core).
@@ -314,7 +315,7 @@ CASES = local_cases(globals())
 
 @pytest.fixture(scope="module")
 def world() -> dict[str, list[Any]]:
-    got = run_cases(__name__, CASES, WORLD, timeout=300)
+    got = run_cases(__name__, CASES, WORLD, timeout=300, prepare=preload_megatron_core)
     out = {}
     for name, per_rank in got.items():
         problems = [f"rank {r}: {s}: {v}" for r, (s, v) in enumerate(per_rank) if s != "ok"]
