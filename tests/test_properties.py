@@ -38,15 +38,12 @@ import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
 torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from jax_impl.finalize import finalize_stacked  # noqa: E402
 from meshgrad import FinalizeConfig, Group, ParallelDims, ResetTemporaries, plan_finalize  # noqa: E402
 from parity_tests.compare import compare_ranks  # noqa: E402
-from parity_tests.jax_world import _outputs, stack_inputs  # noqa: E402
 from parity_tests.specs import scenario_dims, scenario_specs  # noqa: E402
 from parity_tests.reference import reference_finalize  # noqa: E402
 from parity_tests.scenarios import RankData, Scenario, gpt_params, make_rank_inputs, moe_routers, to_dtype  # noqa: E402
@@ -200,8 +197,20 @@ def draw_examples(strategy: Any, n: int) -> list[Any]:
 # =========================================================================== backends and invariants
 
 
+def _jax_side() -> tuple[Any, Any, Any, Any]:
+    """(jax, finalize_stacked, stack_inputs, outputs), imported at their first use: the
+    torch property's ranks import this module (its examples are pickled) and need no jax,
+    which costs each of them 0.6 s of CPU."""
+    import jax
+    from jax_impl.finalize import finalize_stacked
+    from parity_tests.jax_world import _outputs, stack_inputs
+
+    return jax, finalize_stacked, stack_inputs, _outputs
+
+
 def run_jax(scenario: Scenario, inputs: list[RankData]) -> list[RankData]:
     """jax_impl on stacked inputs (raises what finalize_stacked raises)."""
+    jax, finalize_stacked, stack_inputs, outputs = _jax_side()
     dims = scenario_dims(scenario)
     params, routers = scenario_specs(scenario)
     config = FinalizeConfig.from_mapping(dict(scenario.config))
@@ -212,7 +221,7 @@ def run_jax(scenario: Scenario, inputs: list[RankData]) -> list[RankData]:
         grads, rstate, tokens, params=params, routers=routers, config=config, dims=dims,
         devices=jax.devices("cpu")[: dims.world_size], force_all_reduce=scenario.force_all_reduce,
     )
-    return _outputs(inputs, out[0], out[1], aux)
+    return outputs(inputs, out[0], out[1], aux)
 
 
 def without_tokens(inputs: Sequence[RankData]) -> list[RankData]:
@@ -312,6 +321,7 @@ def jax_agrees_with_reference_and_keeps_invariants(scenario):
 
 
 def test_jax_agrees_with_reference_and_keeps_invariants(reliability):
+    pytest.importorskip("jax")
     start = time.monotonic()
     jax_agrees_with_reference_and_keeps_invariants()
     reliability("property", f"{EXAMPLES} random valid configs: jax vs reference ({time.monotonic() - start:.0f} s)",
@@ -332,6 +342,7 @@ def jax_nan_propagates_like_the_reference_or_is_reported(example):
 
 
 def test_jax_nan_propagates_like_the_reference_or_is_reported(reliability):
+    pytest.importorskip("jax")
     jax_nan_propagates_like_the_reference_or_is_reported()
     reliability("property", f"{max(EXAMPLES // 2, 5)} random NaN / Inf injections: jax vs reference",
                 "check off: propagate exactly as the reference; on: ValueError naming rank and parameter")
@@ -487,6 +498,7 @@ _SMALL = Scenario("invalid-jax", dp=2, tp=2, params=gpt_params(), config=dict(se
     st.integers(0, 3),
 )
 def invalid_jax_inputs_raise_documented_errors(kind, rank):
+    jax, finalize_stacked, stack_inputs, _ = _jax_side()
     scenario = _SMALL
     if kind == "nan_checked":
         scenario = dataclasses.replace(_SMALL, config={**_SMALL.config, "check_for_nan_in_grad": True})
@@ -569,6 +581,7 @@ def invalid_torch_inputs_raise_before_touching_anything(kind, dtype, length, pic
 
 
 def test_random_invalid_inputs_raise_documented_errors(reliability):
+    pytest.importorskip("jax")
     invalid_parallel_dims_raise_value_error()
     invalid_config_values_raise_type_or_value_error_naming_the_field()
     invalid_jax_inputs_raise_documented_errors()
