@@ -108,8 +108,8 @@ class CpuParts:
             out[candidate] = row
         return out
 
-    def ranks_mean(self, candidates: Sequence[str], names: Sequence[str], world: int) -> dict[str, dict[str, float]]:
-        """Per candidate, the mean over the ``world`` ranks of :meth:`per_call` for each part
+    def ranks_mean(self, candidates: Sequence[str], names: Sequence[str]) -> dict[str, dict[str, float]]:
+        """Per candidate, the mean over the world's ranks of :meth:`per_call` for each part
         of ``names`` (one all-reduce: every rank sends every entry, 0 for a part its calls
         never ran)."""
         import torch
@@ -118,7 +118,7 @@ class CpuParts:
         mine = self.per_call()
         flat = torch.tensor([mine.get(c, {}).get(p, 0.0) for c in candidates for p in names], dtype=torch.float64)
         dist.all_reduce(flat)
-        flat /= world
+        flat /= dist.get_world_size()
         values = iter(flat.tolist())
         return {c: {p: next(values) for p in names} for c in candidates}
 

@@ -244,7 +244,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the largest difference of any rank
         dist.all_reduce(values, op=dist.ReduceOp.MIN)  # the smallest gradient of any rank
         seconds = {n: float(m) for n, m in zip(names, medians)}
-        parts = profile.ranks_mean(PROFILED, PART_NAMES, world) if profile is not None else None
+        parts = profile.ranks_mean(PROFILED, PART_NAMES) if profile is not None else None
         out[key] = {
             **({"cpu parts per call": parts, "python functions per call": functions} if parts is not None else {}),
             "seconds per call": seconds,

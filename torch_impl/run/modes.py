@@ -34,13 +34,13 @@ def writing_into(tensor: torch.Tensor) -> ContextManager[Any]:
 
 def fill_into(tensor: torch.Tensor, value: int) -> None:
     """``tensor.fill_(value)`` in the context :func:`writing_into` gives, with no context
-    entered on the usual path (a normal tensor: one call where the context manager makes
-    four, each cold inside a step)."""
-    if tensor.is_inference() and not torch.is_inference_mode_enabled():
-        with torch.inference_mode():
-            tensor.fill_(value)
+    entered for a normal tensor (one call where the context manager makes four, each cold
+    inside a step: only an inference tensor can need one)."""
+    if not tensor.is_inference():
+        tensor.fill_(value)
         return
-    tensor.fill_(value)
+    with writing_into(tensor):
+        tensor.fill_(value)
 
 
 __all__ = ["fill_into", "outside_inference_mode", "writing_into"]
