@@ -9,7 +9,9 @@ itself (probes that hold while the full check fails would be a bug).
 
 from __future__ import annotations
 
+import functools
 import importlib
+import operator
 import random
 import sys
 import types
@@ -295,6 +297,30 @@ def test_probes_compare_by_identity_by_value_and_live_containers() -> None:
     checked.check(lambda: 1 / 0)
     box[0] = 0
     assert not checked.hold()  # a check that raises: a change
+
+
+def test_partial_probes_replay_the_same_call_without_the_partial() -> None:
+    one, box = torch.ones(1), {"x": 1}
+    tensor_box = {"t": one}
+    probes = Probes()
+    probes.same(functools.partial(dict.get, tensor_box, "t"), one)  # kept as (dict.get, tensor_box, "t")
+    probes.equal(functools.partial(dict.get, box, "x", 0), 1)
+    probes.equal(functools.partial(int, "11", base=2), 3)  # keywords: the partial itself is called
+    probes.same(lambda: box.get("x"), 1)
+    assert probes.same_probes[0] == (dict.get, tensor_box, "t") and probes.equal_probes[0] == (dict.get, box, "x", 0)
+    assert len(probes.equal_probes[1]) == 1 and probes.hold() and len(probes) == 4
+    tensor_box["t"] = torch.ones(1)  # equal, another object: a change for a same probe
+    assert not probes.hold()
+    tensor_box["t"] = one
+    box["x"] = 2
+    assert not probes.hold()
+    box["x"] = 1
+    assert probes.hold()
+    del tensor_box["t"]  # dict.get gives None: a change
+    assert not probes.hold()
+    raising = Probes()
+    raising.equal(functools.partial(operator.truediv, 1, 0), 0)  # a call that raises: a change
+    assert not raising.hold()
 
 
 def test_absent_names_are_probed_on_the_instance_and_every_class() -> None:

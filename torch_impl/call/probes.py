@@ -5,7 +5,9 @@ same check can be written down once as probes: zero-argument callables (``partia
 C function, of ``getattr``, of a dict's ``get``) each with the value it gave when the
 check passed. Replaying them is a few C-level loops over fixed lists, with no Python
 frame per check: see :mod:`torch_impl.call.steady` for why that is what a step inside
-a distributed world pays for.
+a distributed world pays for. A ``partial`` probe is kept as its function and arguments
+and called as ``function(*arguments)``: the same call, without the ``partial`` object
+between (half the time of a probe, and one object less to bring back into the cache).
 
 Four kinds of entries, each at least as strict as the check it stands for:
 
@@ -27,10 +29,14 @@ from __future__ import annotations
 import operator
 import types
 from collections.abc import Callable
+from functools import partial
+from itertools import starmap
 from typing import Any
 
-#: ``f()`` for each probe ``f``, in C (``operator.call`` is Python 3.11+).
+#: ``f()`` for each check ``f``, in C.
 _CALL = operator.methodcaller("__call__")
+#: ``f(*args)``, in C where Python has it (``operator.call``: 3.11+).
+_APPLY: Callable[..., Any] = getattr(operator, "call", lambda function, *args: function(*args))
 #: What an attribute read makes anew each time: a method bound to the object read from.
 _BOUND = (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)
 
@@ -41,9 +47,9 @@ class Probes:
     __slots__ = ("same_probes", "same_values", "equal_probes", "equal_values", "lives", "copies", "checks")
 
     def __init__(self) -> None:
-        self.same_probes: list[Callable[[], Any]] = []
+        self.same_probes: list[tuple[Any, ...]] = []  # each (function, *arguments): :func:`_call_of`
         self.same_values: list[Any] = []
-        self.equal_probes: list[Callable[[], Any]] = []
+        self.equal_probes: list[tuple[Any, ...]] = []
         self.equal_values: list[Any] = []
         self.lives: list[Any] = []
         self.copies: list[Any] = []
@@ -51,12 +57,12 @@ class Probes:
 
     def same(self, probe: Callable[[], Any], value: Any) -> None:
         """``probe()`` must give ``value`` itself."""
-        self.same_probes.append(probe)
+        self.same_probes.append(_call_of(probe))
         self.same_values.append(value)
 
     def equal(self, probe: Callable[[], Any], value: Any) -> None:
         """``probe()`` must give a value equal to ``value``."""
-        self.equal_probes.append(probe)
+        self.equal_probes.append(_call_of(probe))
         self.equal_values.append(value)
 
     def read(self, probe: Callable[[], Any], value: Any) -> None:
@@ -78,8 +84,8 @@ class Probes:
         """Whether every probe gives what it gave (False when one raises)."""
         try:
             return (
-                all(map(operator.is_, map(_CALL, self.same_probes), self.same_values))
-                and list(map(_CALL, self.equal_probes)) == self.equal_values
+                all(map(operator.is_, starmap(_APPLY, self.same_probes), self.same_values))
+                and list(starmap(_APPLY, self.equal_probes)) == self.equal_values
                 and self.lives == self.copies
                 and all(map(_CALL, self.checks))
             )
@@ -88,6 +94,14 @@ class Probes:
 
     def __len__(self) -> int:
         return len(self.same_probes) + len(self.equal_probes) + len(self.lives) + len(self.checks)
+
+
+def _call_of(probe: Callable[[], Any]) -> tuple[Any, ...]:
+    """``probe`` as (function, *arguments), the call it makes: a ``partial`` without
+    keywords by its function and arguments, any other callable alone."""
+    if type(probe) is partial and not probe.keywords:
+        return (probe.func, *probe.args)
+    return (probe,)
 
 
 __all__ = ["Probes"]
