@@ -49,7 +49,7 @@ class Probes:
     def __init__(self) -> None:
         self.same_probes: list[tuple[Any, ...]] = []  # each (function, *arguments): :func:`_call_of`
         self.same_values: list[Any] = []
-        self.equal_probes: list[tuple[Any, ...]] = []
+        self.equal_probes: list[tuple[Any, ...]] = []  # each (function, *arguments), as same_probes
         self.equal_values: list[Any] = []
         self.lives: list[Any] = []
         self.copies: list[Any] = []
