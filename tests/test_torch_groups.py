@@ -234,6 +234,80 @@ def case_one_collective_per_action(rank: int, world: int) -> tuple[int, int, int
     return first, len(calls) - first, expected
 
 
+def case_bound_all_reduce_paths(rank: int, world: int) -> dict[str, Any]:
+    """bind_all_reduce over this rank's group of four, on each of its paths: the process
+    group called directly (torch's own ``all_reduce`` in place, a plain tensor), and
+    ``torch.distributed.all_reduce`` itself (a wrapper installed over it, a tensor subclass,
+    an active torch function mode). Per call: the values, and the ``torch.distributed``
+    Python functions it entered."""
+    import sys
+
+    import torch.distributed as dist
+    from torch.overrides import TorchFunctionMode
+
+    from meshgrad.plan import ReduceOp
+    from torch_impl.run.collectives import bind_all_reduce
+
+    halves = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]
+    group = halves[rank // 4]
+
+    class Tagged(torch.Tensor):
+        """A tensor subclass: torch.distributed.all_reduce honours its __torch_function__."""
+
+    class Recording(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    def entered(run: Any) -> list[str]:
+        names: list[str] = []
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and "torch/distributed" in frame.f_code.co_filename.replace("\\", "/"):
+                names.append(frame.f_code.co_name)
+
+        sys.setprofile(profile)
+        try:
+            run()
+        finally:
+            sys.setprofile(None)
+        return names
+
+    out: dict[str, Any] = {}
+    for op in (ReduceOp.SUM, ReduceOp.AVG):
+        reduce = bind_all_reduce(group, op, 4)
+        for path in ("direct", "wrapped", "subclass", "mode"):
+            tensor = torch.arange(5, dtype=torch.float32) + 10 * rank
+            if path == "subclass":
+                tensor = tensor.as_subclass(Tagged)
+            spied: list[int] = []
+            original, mode = dist.all_reduce, Recording()
+            if path == "wrapped":
+                def spy(t: Any, *args: Any, **kwargs: Any) -> Any:
+                    spied.append(t.numel())
+                    return original(t, *args, **kwargs)
+
+                dist.all_reduce = spy
+            try:
+                if path == "mode":
+                    with mode:
+                        functions = entered(lambda: reduce(tensor))
+                else:
+                    functions = entered(lambda: reduce(tensor))
+            finally:
+                dist.all_reduce = original
+            out[f"{op.value}-{path}"] = dict(values=tensor.as_subclass(torch.Tensor).tolist(), spied=spied,
+                                             mode=mode.seen, all_reduce="all_reduce" in functions)
+    untouched = torch.arange(3, dtype=torch.float32)
+    bind_all_reduce(None, ReduceOp.SUM, 1)(untouched)
+    out["no group"] = untouched.tolist()
+    return out
+
+
 CASES = local_cases(globals())
 
 
@@ -320,6 +394,22 @@ def test_validation_errors_name_rank_and_group_and_mutate_nothing(world):
 def test_one_collective_per_planned_reduction_and_cached_plan(world):
     for rank, (first, second, expected) in enumerate(_ok(world, "case_one_collective_per_action")):
         assert first == second == expected > 0, rank
+
+
+def test_bound_all_reduce_calls_the_group_unless_torch_distributed_is_wrapped(world):
+    """Values on both paths; the process group is called directly only where
+    ``torch.distributed.all_reduce`` would do nothing else (it is torch's own, the tensor is
+    plain, no torch function mode is active): a wrapper, a subclass and a mode see the call."""
+    for rank, got in enumerate(_ok(world, "case_bound_all_reduce_paths")):
+        members = range(4 * (rank // 4), 4 * (rank // 4) + 4)
+        total = [float(sum(i + 10 * r for r in members)) for i in range(5)]
+        assert got.pop("no group") == [0.0, 1.0, 2.0]
+        for name, call in got.items():
+            op, path = name.split("-")
+            assert call["values"] == (total if op == "sum" else [t / 4 for t in total]), (rank, name)
+            assert call["all_reduce"] == (path != "direct"), (rank, name)  # torch's own Python layer entered
+            assert call["spied"] == ([5] if path == "wrapped" else []), (rank, name)
+            assert ("all_reduce" in call["mode"]) == (path == "mode"), (rank, name, call["mode"])
 
 
 def test_group_of_other_ranks_is_rejected(world):

@@ -3,10 +3,13 @@ distributed-optimizer reduce-scatter over one torch.distributed group."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from torch.overrides import has_torch_function_unary
 
 from meshgrad.plan import ReduceOp, scatter_shard
 
@@ -21,16 +24,63 @@ def _native_avg(group: Any) -> bool:
         return False
 
 
-def all_reduce(tensor: torch.Tensor, group: Any, op: ReduceOp, size: int) -> None:
-    """In-place SUM or AVG of ``tensor`` over ``group`` (nothing when ``group`` is None)."""
+#: torch's own ``all_reduce``, as torch defines it: a bound all-reduce calls the process
+#: group directly only while ``torch.distributed.all_reduce`` is still this function.
+_TORCH_ALL_REDUCE = c10d.all_reduce
+
+
+def _data_options(op: Any) -> Any:
+    """The options ``torch.distributed.all_reduce`` gives a blocking call with ``op``
+    (``asyncOp`` off where torch has it: on NCCL the collective runs on the current stream)."""
+    options = dist.AllreduceOptions()
+    options.reduceOp = op
+    if hasattr(options, "asyncOp"):
+        options.asyncOp = False
+    return options
+
+
+def bind_all_reduce(group: Any, op: ReduceOp, size: int) -> Callable[[torch.Tensor], None]:
+    """In-place SUM or AVG over ``group`` of the tensor it is given (nothing when ``group``
+    is None), with what does not change between calls worked out once: the backend's
+    native AVG, the reduce op and the collective's options.
+
+    The call is ``torch.distributed.all_reduce``'s: the process group's ``allreduce`` with
+    the same options, then a wait. It skips that function's Python layer (a few
+    microseconds a collective) only where the layer would do nothing else: while
+    ``torch.distributed.all_reduce`` is torch's own (a wrapper installed over it -- a
+    counter, a fault injector, a tracer -- is called instead, as before) and the tensor
+    has no ``__torch_function__`` to honour (a subclass, an active mode).
+
+    Returns:
+      A function of the tensor to reduce in place.
+    """
     if group is None:
-        return
-    if op is ReduceOp.AVG and _native_avg(group):
-        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
-        return
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    if op is ReduceOp.AVG:
-        tensor.div_(size)
+        return _nothing
+    native = op is ReduceOp.AVG and _native_avg(group)
+    torch_op = dist.ReduceOp.AVG if native else dist.ReduceOp.SUM
+    divide = op is ReduceOp.AVG and not native
+    options = _data_options(torch_op)
+    direct = isinstance(group, dist.ProcessGroup)
+
+    def reduce(tensor: torch.Tensor) -> None:
+        if direct and dist.all_reduce is _TORCH_ALL_REDUCE and not has_torch_function_unary(tensor):
+            group.allreduce([tensor], options).wait()
+        else:
+            dist.all_reduce(tensor, op=torch_op, group=group)
+        if divide:
+            tensor.div_(size)
+
+    return reduce
+
+
+def _nothing(tensor: torch.Tensor) -> None:
+    """The reduction over no group."""
+
+
+def all_reduce(tensor: torch.Tensor, group: Any, op: ReduceOp, size: int) -> None:
+    """In-place SUM or AVG of ``tensor`` over ``group`` (nothing when ``group`` is None), once
+    (:func:`bind_all_reduce` for a reduction that runs every step)."""
+    bind_all_reduce(group, op, size)(tensor)
 
 
 def reduce_scatter_into(flat: torch.Tensor, group: Any, op: ReduceOp, size: int, rank: int) -> int:

@@ -38,7 +38,7 @@ from meshgrad.plan import (
     StageReduction,
     TokenScale,
 )
-from torch_impl.run.collectives import TORCH_DTYPES, all_reduce, reduce_scatter_into
+from torch_impl.run.collectives import TORCH_DTYPES, all_reduce, bind_all_reduce, reduce_scatter_into
 from torch_impl.run.errors import action_failed, collective_error, collective_failure
 from torch_impl.run.stats import ExecStats
 from torch_impl.run.grads import GradAccess, get_grad, grad_attr, is_dtensor
@@ -97,6 +97,7 @@ def apply_reduction(
     copied = 2 * nbytes(tensors) if staging else 0
     persistent = staging and sum(sizes) * work.itemsize <= PERSISTENT_STAGING_BYTES
     stage = _Staging(tensors, sizes, work, keep=persistent) if staging else None
+    reduce = bind_all_reduce(group, op, size)
 
     def run() -> None:
         for tensor, other in pairs:
@@ -111,7 +112,7 @@ def apply_reduction(
         if scatter:
             extra = reduce_scatter_into(buffer, group, op, size, rank)
         else:
-            all_reduce(buffer, group, op, size)
+            reduce(buffer)
         if staged is not None:
             stage.copy_out(staged)
         stats.bytes_copied += copied + extra
@@ -134,21 +135,22 @@ def apply_stage_reduction(
     if key is None or group is None:
         return None
     tensor = grads[key]
+    reduce = bind_all_reduce(group, action.op, size)
     param = grads.params[key] if isinstance(grads, GradAccess) and grads.local_shards else None
     if param is not None and is_dtensor(get_grad(param)):
         # Megatron-FSDP: as Megatron, the reduced local shard becomes the gradient (a plain tensor).
         def run_fsdp() -> None:
-            all_reduce(tensor, group, action.op, size)
+            reduce(tensor)
             setattr(param, grad_attr(param), tensor)
 
         return run_fsdp
     if tensor.is_contiguous():
-        return lambda: all_reduce(tensor, group, action.op, size)
+        return lambda: reduce(tensor)
     copied = 2 * nbytes([tensor])
 
     def run() -> None:
         flat = tensor.contiguous()
-        all_reduce(flat, group, action.op, size)
+        reduce(flat)
         tensor.copy_(flat)
         stats.bytes_copied += copied
 
