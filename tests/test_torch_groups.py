@@ -130,15 +130,40 @@ def case_reduce_scatter_layouts(rank: int, world: int) -> dict[str, list[float]]
     import torch.distributed as dist
 
     from meshgrad.plan import ReduceOp
-    from torch_impl.run.collectives import reduce_scatter_into
+    from torch_impl.run.collectives import bind_reduce_scatter, reduce_scatter_into
 
-    out = {}
+    out: dict[str, Any] = {}
+    queries: list[str] = []
+    originals = {name: getattr(dist, name) for name in ("get_group_rank", "get_process_group_ranks")}
+
+    def counted(name: str) -> Any:
+        def query(*args: Any, **kwargs: Any) -> Any:
+            queries.append(name)
+            return originals[name](*args, **kwargs)
+
+        return query
+
     for name, ranks, sort in (("sorted", list(range(8)), True), ("unsorted", list(range(7, -1, -1)), False)):
         group = dist.new_group(ranks, sort_ranks=sort)
         for op in (ReduceOp.SUM, ReduceOp.AVG):
             flat = torch.arange(11, dtype=torch.float32) + 100 * rank
             reduce_scatter_into(flat, group, op, 8, rank)
             out[f"{name}-{op}"] = flat.tolist()
+            # bound once, run twice: the same values each time, and no question to the group
+            bound = bind_reduce_scatter(group, op, 8, rank, 11)
+            for name_ in originals:
+                setattr(dist, name_, counted(name_))
+            try:
+                runs = []
+                for _ in range(2):
+                    flat = torch.arange(11, dtype=torch.float32) + 100 * rank
+                    bound(flat)
+                    runs.append(flat.tolist())
+            finally:
+                for name_, original in originals.items():
+                    setattr(dist, name_, original)
+            out[f"{name}-{op}-bound"] = runs
+    out["queries while bound"] = queries
     return out
 
 
@@ -421,14 +446,18 @@ def test_group_of_other_ranks_is_rejected(world):
 
 
 def test_reduce_scatter_keeps_own_shard(world):
+    """Each rank's shard holds the reduction, the rest its own values; bound once, a
+    reduce-scatter gives the same on every call and asks the group nothing per call."""
     for rank, got in enumerate(_ok(world, "case_reduce_scatter_layouts")):
         start, stop = min(2 * rank, 11), min(2 * rank + 2, 11)
+        assert got["queries while bound"] == [], rank
         for name in ("sorted", "unsorted"):
             for op, n in (("sum", 1), ("avg", 8)):
                 want = [float(i + 100 * rank) for i in range(11)]
                 for i in range(start, stop):
                     want[i] = (8 * i + 100 * 28) / n
                 assert got[f"{name}-{op}"] == want, (rank, name, op)
+                assert got[f"{name}-{op}-bound"] == [want, want], (rank, name, op)
 
 
 def test_a_group_size_warning_points_at_the_users_line():

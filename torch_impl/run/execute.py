@@ -38,7 +38,7 @@ from meshgrad.plan import (
     StageReduction,
     TokenScale,
 )
-from torch_impl.run.collectives import TORCH_DTYPES, all_reduce, bind_all_reduce, reduce_scatter_into
+from torch_impl.run.collectives import TORCH_DTYPES, all_reduce, bind_all_reduce, bind_reduce_scatter
 from torch_impl.run.errors import action_failed, collective_error, collective_failure
 from torch_impl.run.stats import ExecStats
 from torch_impl.run.grads import GradAccess, get_grad, grad_attr, is_dtensor
@@ -98,6 +98,8 @@ def apply_reduction(
     persistent = staging and sum(sizes) * work.itemsize <= PERSISTENT_STAGING_BYTES
     stage = _Staging(tensors, sizes, work, keep=persistent) if staging else None
     reduce = bind_all_reduce(group, op, size)
+    numel = flat.numel() if flat is not None else sum(sizes)
+    scatter_into = bind_reduce_scatter(group, op, size, rank, numel) if scatter else None
 
     def run() -> None:
         for tensor, other in pairs:
@@ -109,8 +111,8 @@ def apply_reduction(
         if pre_scale != 1.0:
             buffer.mul_(pre_scale)
         extra = 0
-        if scatter:
-            extra = reduce_scatter_into(buffer, group, op, size, rank)
+        if scatter_into is not None:
+            extra = scatter_into(buffer)
         else:
             reduce(buffer)
         if staged is not None:
