@@ -7,21 +7,23 @@ collectives of an eager call.
 ``torch.cuda.is_current_stream_capturing`` returns True (and ``torch.cuda.is_available`` and
 ``torch.cuda.is_initialized``, which guard it). One gloo world of 4 ranks runs every case;
 per case and rank, on fresh inputs each time: call 1 eager (plans and runs the first-call
-checks), call 2 eager (the steady state, what a replay must repeat), call 3 "captured".
-Recorded during calls 2 and 3:
+checks), call 2 eager (the steady state, what a replay must repeat), call 3 "captured",
+and call 4 "captured" with no ``torch.distributed`` function wrapped (so the bound
+collectives call their process groups directly, as they do in training). Recorded during
+calls 2 to 4:
 
 * host reads of a tensor: ``aten._local_scalar_dense`` / ``is_nonzero`` / ``equal`` (what
   ``.item()``, ``bool(tensor)``, ``int()`` / ``float()`` and ``torch.equal`` dispatch to)
   counted with a ``TorchDispatchMode``, and ``Tensor.tolist`` / ``.cpu`` / ``.numpy`` /
   ``.item`` counted with wrapped methods (on CPU every tensor is on the gradients' device);
-* every ``torch.distributed`` collective called: name, op, dtype, element count, group
-  ranks.
+* every ``torch.distributed`` collective called, in calls 2 and 3: name, op, dtype, element
+  count, group ranks.
 
-Checked: call 3 makes no host read; its collectives equal call 2's, one for one (with
+Checked: calls 3 and 4 make no host read; its collectives equal call 2's, one for one (with
 ``check_for_nan_in_grad`` on, call 2 also runs the NaN check's host read and status round,
 which capture skips: then call 3's collectives equal call 2's on gradient data); and the
-gradients, router buffers and ``num_tokens`` after call 3 equal those after call 2, bit for
-bit (integer-valued data), and the numpy reference's.
+gradients, router buffers and ``num_tokens`` after calls 3 and 4 equal those after call 2,
+bit for bit (integer-valued data), and the numpy reference's.
 """
 
 from __future__ import annotations
@@ -64,9 +66,12 @@ HOST_READ_METHODS = ("tolist", "cpu", "numpy", "item")
 class _Recorder:
     """Counts host reads and records collectives while active."""
 
-    def __init__(self) -> None:
+    def __init__(self, record_collectives: bool = True) -> None:
         self.reads: list[str] = []
         self.collectives: list[tuple[Any, ...]] = []
+        # Off: torch.distributed's functions stay torch's own, so the bound collectives call
+        # their process groups directly (torch_impl.run.collectives.bind_all_reduce).
+        self.record_collectives = record_collectives
 
     def __enter__(self) -> "_Recorder":
         import torch
@@ -84,7 +89,7 @@ class _Recorder:
         self._saved: list[tuple[Any, str, Any]] = []
         for name in HOST_READ_METHODS:
             self._patch(torch.Tensor, name, self._read_method(name))
-        for name in COLLECTIVES:
+        for name in COLLECTIVES if self.record_collectives else ():
             if hasattr(dist, name):
                 self._patch(dist, name, self._collective(name))
         self._mode = Reads()
@@ -163,19 +168,19 @@ def _run(scenario: Scenario, rank: int, cache: dict[Any, Any]) -> dict[str, Any]
     data = make_rank_inputs(scenario, rank)
     out: dict[str, Any] = {"inputs": data}
 
-    def call(capture: bool | None) -> tuple[Any, ...]:
+    def call(capture: bool | None, record_collectives: bool = True) -> tuple[Any, ...]:
         """Load fresh inputs, finalize (recorded unless ``capture`` is None), read the outputs."""
         load_inputs(model, scenario, data)
         n = None if data.num_tokens is None else torch.tensor(int(data.num_tokens))
-        with _Recorder() as rec:
+        with _Recorder(record_collectives) as rec:
             with _Capturing() if capture else contextlib.nullcontext():
                 torch_impl.finalize_model_grads(model, num_tokens=n, pg_collection=mesh)
         state = (read_outputs(model, scenario, data), None if n is None else int(n))
         return state, list(rec.reads), list(rec.collectives)
 
     call(None)  # 1: eager, first call (plans, first-call checks)
-    for name, capture in (("eager", False), ("captured", True)):
-        state, reads, collectives = call(capture)
+    for name, capture, record in (("eager", False, True), ("captured", True, True), ("captured direct", True, False)):
+        state, reads, collectives = call(capture, record)
         out[name] = {"state": state, "reads": reads, "collectives": collectives}
     return out
 
@@ -204,7 +209,8 @@ def _data_collectives(calls: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_captured_call_makes_no_host_read(name: str) -> None:
     for rank, result in enumerate(_results()):
-        assert result[name]["captured"]["reads"] == [], f"rank {rank}: {result[name]['captured']['reads'][:10]}"
+        for call in ("captured", "captured direct"):
+            assert result[name][call]["reads"] == [], f"rank {rank}, {call}: {result[name][call]['reads'][:10]}"
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -221,18 +227,20 @@ def test_captured_call_launches_the_eager_collectives(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_captured_call_gives_the_eager_numbers(name: str) -> None:
-    """After call 3 every gradient, router buffer and num_tokens equals call 2's, bit for
-    bit, and the numpy reference's."""
+    """After calls 3 and 4 every gradient, router buffer and num_tokens equals call 2's, bit
+    for bit, and the numpy reference's."""
     from parity_tests.compare import compare_ranks
     from parity_tests.reference import reference_finalize
 
     scenario = SCENARIOS[name]
     results = _results()
     for rank, result in enumerate(results):
-        (eager, n_eager), (captured, n_captured) = result[name]["eager"]["state"], result[name]["captured"]["state"]
-        assert n_eager == n_captured
-        same = compare_ranks(dataclasses.replace(scenario, mode="exact"), [captured], [eager])
-        assert not same.failures and same.max_abs_diff == 0.0, f"rank {rank}: {same.failures[:5]}"
+        eager, n_eager = result[name]["eager"]["state"]
+        for call in ("captured", "captured direct"):  # collectives through torch.distributed / on the groups
+            captured, n_captured = result[name][call]["state"]
+            assert n_eager == n_captured
+            same = compare_ranks(dataclasses.replace(scenario, mode="exact"), [captured], [eager])
+            assert not same.failures and same.max_abs_diff == 0.0, f"rank {rank}, {call}: {same.failures[:5]}"
     want = reference_finalize(scenario, [r[name]["inputs"] for r in results]).outputs
     got = compare_ranks(scenario, [r[name]["captured"]["state"][0] for r in results], want)
     assert not got.failures, got.failures[:5]
