@@ -49,7 +49,11 @@ def bind_all_reduce(group: Any, op: ReduceOp, size: int) -> Callable[[torch.Tens
     microseconds a collective) only where the layer would do nothing else: while
     ``torch.distributed.all_reduce`` is torch's own (a wrapper installed over it -- a
     counter, a fault injector, a tracer -- is called instead, as before) and the tensor
-    has no ``__torch_function__`` to honour (a subclass, an active mode).
+    has no ``__torch_function__`` to honour (a subclass, an active mode). A group that is
+    not a ``ProcessGroup`` (torch's marker for a rank outside it) also goes through that
+    function. No tensor meshgrad reduces is complex, the one case the layer converts: the
+    checks refuse complex gradients, and router and token counts are reduced in real
+    dtypes they are converted to first.
 
     Returns:
       A function of the tensor to reduce in place.
