@@ -259,14 +259,30 @@ def case_one_collective_per_action(rank: int, world: int) -> tuple[int, int, int
     return first, len(calls) - first, expected
 
 
+def _distributed_frames(run: Any) -> list[str]:
+    """The ``torch.distributed`` Python functions ``run()`` enters, in order."""
+    import sys
+
+    names: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "torch/distributed" in frame.f_code.co_filename.replace("\\", "/"):
+            names.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return names
+
+
 def case_bound_all_reduce_paths(rank: int, world: int) -> dict[str, Any]:
     """bind_all_reduce over this rank's group of four, on each of its paths: the process
     group called directly (torch's own ``all_reduce`` in place, a plain tensor), and
     ``torch.distributed.all_reduce`` itself (a wrapper installed over it, a tensor subclass,
     an active torch function mode). Per call: the values, and the ``torch.distributed``
     Python functions it entered."""
-    import sys
-
     import torch.distributed as dist
     from torch.overrides import TorchFunctionMode
 
@@ -288,20 +304,6 @@ def case_bound_all_reduce_paths(rank: int, world: int) -> dict[str, Any]:
             self.seen.append(getattr(func, "__name__", str(func)))
             return func(*args, **(kwargs or {}))
 
-    def entered(run: Any) -> list[str]:
-        names: list[str] = []
-
-        def profile(frame: Any, event: str, arg: Any) -> None:
-            if event == "call" and "torch/distributed" in frame.f_code.co_filename.replace("\\", "/"):
-                names.append(frame.f_code.co_name)
-
-        sys.setprofile(profile)
-        try:
-            run()
-        finally:
-            sys.setprofile(None)
-        return names
-
     out: dict[str, Any] = {}
     for op in (ReduceOp.SUM, ReduceOp.AVG):
         reduce = bind_all_reduce(group, op, 4)
@@ -320,9 +322,9 @@ def case_bound_all_reduce_paths(rank: int, world: int) -> dict[str, Any]:
             try:
                 if path == "mode":
                     with mode:
-                        functions = entered(lambda: reduce(tensor))
+                        functions = _distributed_frames(lambda: reduce(tensor))
                 else:
-                    functions = entered(lambda: reduce(tensor))
+                    functions = _distributed_frames(lambda: reduce(tensor))
             finally:
                 dist.all_reduce = original
             out[f"{op.value}-{path}"] = dict(values=tensor.as_subclass(torch.Tensor).tolist(), spied=spied,
@@ -330,6 +332,45 @@ def case_bound_all_reduce_paths(rank: int, world: int) -> dict[str, Any]:
     untouched = torch.arange(3, dtype=torch.float32)
     bind_all_reduce(None, ReduceOp.SUM, 1)(untouched)
     out["no group"] = untouched.tolist()
+    return out
+
+
+def case_broadcast_paths(rank: int, world: int) -> dict[str, Any]:
+    """collectives.broadcast from a global rank over a group whose ranks run against the
+    global order (group rank 0 is global rank 7), on its paths: the group called directly,
+    and ``torch.distributed.broadcast`` (a wrapper installed over it, a tensor subclass).
+    Per source and path: the values, whether torch's Python layer was entered, what the
+    wrapper saw."""
+    import torch.distributed as dist
+
+    from torch_impl.run.collectives import broadcast
+
+    group = dist.new_group(list(range(7, -1, -1)), sort_ranks=False)
+
+    class Tagged(torch.Tensor):
+        """A tensor subclass: torch.distributed.broadcast honours its __torch_function__."""
+
+    out: dict[str, Any] = {"group rank of 7": dist.get_group_rank(group, 7)}
+    for src in (7, 2):
+        for path in ("direct", "wrapped", "subclass"):
+            tensor = torch.full((3,), 10.0 * rank + 1, dtype=torch.float64)
+            if path == "subclass":
+                tensor = tensor.as_subclass(Tagged)
+            spied: list[int] = []
+            original = dist.broadcast
+
+            def spy(t: Any, *args: Any, **kwargs: Any) -> Any:
+                spied.append(kwargs.get("src", args[0] if args else None))
+                return original(t, *args, **kwargs)
+
+            if path == "wrapped":
+                dist.broadcast = spy
+            try:
+                entered = _distributed_frames(lambda: broadcast(tensor, src, group))
+            finally:
+                dist.broadcast = original
+            out[f"{src}-{path}"] = dict(values=tensor.as_subclass(torch.Tensor).tolist(), spied=spied,
+                                        entered="broadcast" in entered)
     return out
 
 
@@ -435,6 +476,19 @@ def test_bound_all_reduce_calls_the_group_unless_torch_distributed_is_wrapped(wo
             assert call["all_reduce"] == (path != "direct"), (rank, name)  # torch's own Python layer entered
             assert call["spied"] == ([5] if path == "wrapped" else []), (rank, name)
             assert ("all_reduce" in call["mode"]) == (path == "mode"), (rank, name, call["mode"])
+
+
+def test_broadcast_calls_the_group_unless_torch_distributed_is_wrapped(world):
+    """The source's values on every rank, the source given as a global rank and translated
+    to its group rank; the group called directly only where ``torch.distributed.broadcast``
+    would do nothing else."""
+    for rank, got in enumerate(_ok(world, "case_broadcast_paths")):
+        assert got.pop("group rank of 7") == 0
+        for name, call in got.items():
+            src, path = name.split("-")
+            assert call["values"] == [10.0 * int(src) + 1] * 3, (rank, name)
+            assert call["entered"] == (path != "direct"), (rank, name)
+            assert call["spied"] == ([int(src)] if path == "wrapped" else []), (rank, name)
 
 
 def test_group_of_other_ranks_is_rejected(world):

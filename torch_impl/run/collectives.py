@@ -24,9 +24,10 @@ def _native_avg(group: Any) -> bool:
         return False
 
 
-#: torch's own ``all_reduce``, as torch defines it: a bound all-reduce calls the process
-#: group directly only while ``torch.distributed.all_reduce`` is still this function.
+#: torch's own ``all_reduce`` and ``broadcast``, as torch defines them: meshgrad calls a
+#: process group directly only while the ``torch.distributed`` function is still torch's.
 _TORCH_ALL_REDUCE = c10d.all_reduce
+_TORCH_BROADCAST = c10d.broadcast
 
 
 def _data_options(op: Any) -> Any:
@@ -85,6 +86,23 @@ def all_reduce(tensor: torch.Tensor, group: Any, op: ReduceOp, size: int) -> Non
     """In-place SUM or AVG of ``tensor`` over ``group`` (nothing when ``group`` is None), once
     (:func:`bind_all_reduce` for a reduction that runs every step)."""
     bind_all_reduce(group, op, size)(tensor)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any) -> None:
+    """``torch.distributed.broadcast(tensor, src, group)`` (``src`` a global rank), with the
+    group called directly under :func:`bind_all_reduce`'s rule: while
+    ``torch.distributed.broadcast`` is torch's own, ``group`` a ``ProcessGroup`` and
+    ``tensor`` without ``__torch_function__``. The one tensor meshgrad broadcasts is the
+    token count, in int64 or float64: none of the dtypes that function converts (complex,
+    float8)."""
+    if isinstance(group, dist.ProcessGroup) and dist.broadcast is _TORCH_BROADCAST and not has_torch_function_unary(tensor):
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = dist.get_group_rank(group, src), 0
+        if hasattr(options, "asyncOp"):
+            options.asyncOp = False
+        group.broadcast([tensor], options).wait()
+    else:
+        dist.broadcast(tensor, src=src, group=group)
 
 
 def bind_reduce_scatter(group: Any, op: ReduceOp, size: int, rank: int, numel: int) -> Callable[[torch.Tensor], int]:

@@ -7,11 +7,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from meshgrad.axes import Group
 from meshgrad.plan import ReduceOp, TokenScale
-from torch_impl.run.collectives import all_reduce
+from torch_impl.run.collectives import all_reduce, broadcast
 from torch_impl.run.errors import collective_guard
 from torch_impl.run.groups import TorchGroups
 from torch_impl.run.modes import fill_into, outside_inference_mode, writing_into
@@ -45,9 +44,9 @@ def global_token_scale(
     pp = groups.group(Group.PP)
     if groups.token_broadcast is not None:
         group, source = groups.token_broadcast
-        dist.broadcast(total, src=source, group=group)
+        broadcast(total, source, group)
     elif pp is not None:
-        dist.broadcast(total, src=groups.pp_last_rank, group=pp)
+        broadcast(total, groups.pp_last_rank, pp)
     all_reduce(total, groups.group(action.group), ReduceOp.SUM, groups.size(action.group))
     with writing_into(num_tokens):
         num_tokens.detach().copy_(total)
