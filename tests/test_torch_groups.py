@@ -277,12 +277,41 @@ def _distributed_frames(run: Any) -> list[str]:
     return names
 
 
+class _Tagged(torch.Tensor):
+    """A tensor subclass: torch.distributed's functions honour its __torch_function__."""
+
+
+def _on_path(name: str, path: str, run: Any, note: Any) -> tuple[list[str], list[Any]]:
+    """``run()`` with ``torch.distributed.<name>`` wrapped when ``path`` is "wrapped" (the
+    wrapper appends ``note(*args, **kwargs)`` and calls torch's function).
+
+    Returns:
+      The ``torch.distributed`` Python functions ``run()`` entered, and what the wrapper noted.
+    """
+    import torch.distributed as dist
+
+    original, noted = getattr(dist, name), []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        noted.append(note(*args, **kwargs))
+        return original(*args, **kwargs)
+
+    if path == "wrapped":
+        setattr(dist, name, spy)
+    try:
+        return _distributed_frames(run), noted
+    finally:
+        setattr(dist, name, original)
+
+
 def case_bound_all_reduce_paths(rank: int, world: int) -> dict[str, Any]:
     """bind_all_reduce over this rank's group of four, on each of its paths: the process
     group called directly (torch's own ``all_reduce`` in place, a plain tensor), and
     ``torch.distributed.all_reduce`` itself (a wrapper installed over it, a tensor subclass,
     an active torch function mode). Per call: the values, and the ``torch.distributed``
     Python functions it entered."""
+    import contextlib
+
     import torch.distributed as dist
     from torch.overrides import TorchFunctionMode
 
@@ -291,9 +320,6 @@ def case_bound_all_reduce_paths(rank: int, world: int) -> dict[str, Any]:
 
     halves = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]
     group = halves[rank // 4]
-
-    class Tagged(torch.Tensor):
-        """A tensor subclass: torch.distributed.all_reduce honours its __torch_function__."""
 
     class Recording(TorchFunctionMode):
         def __init__(self) -> None:
@@ -310,23 +336,14 @@ def case_bound_all_reduce_paths(rank: int, world: int) -> dict[str, Any]:
         for path in ("direct", "wrapped", "subclass", "mode"):
             tensor = torch.arange(5, dtype=torch.float32) + 10 * rank
             if path == "subclass":
-                tensor = tensor.as_subclass(Tagged)
-            spied: list[int] = []
-            original, mode = dist.all_reduce, Recording()
-            if path == "wrapped":
-                def spy(t: Any, *args: Any, **kwargs: Any) -> Any:
-                    spied.append(t.numel())
-                    return original(t, *args, **kwargs)
+                tensor = tensor.as_subclass(_Tagged)
+            mode = Recording()
 
-                dist.all_reduce = spy
-            try:
-                if path == "mode":
-                    with mode:
-                        functions = _distributed_frames(lambda: reduce(tensor))
-                else:
-                    functions = _distributed_frames(lambda: reduce(tensor))
-            finally:
-                dist.all_reduce = original
+            def run() -> None:
+                with mode if path == "mode" else contextlib.nullcontext():
+                    reduce(tensor)
+
+            functions, spied = _on_path("all_reduce", path, run, lambda t, *args, **kwargs: t.numel())
             out[f"{op.value}-{path}"] = dict(values=tensor.as_subclass(torch.Tensor).tolist(), spied=spied,
                                              mode=mode.seen, all_reduce="all_reduce" in functions)
     untouched = torch.arange(3, dtype=torch.float32)
@@ -346,33 +363,17 @@ def case_broadcast_paths(rank: int, world: int) -> dict[str, Any]:
     from torch_impl.run.collectives import broadcast
 
     group = dist.new_group(list(range(7, -1, -1)), sort_ranks=False)
-
-    class Tagged(torch.Tensor):
-        """A tensor subclass: torch.distributed.broadcast honours its __torch_function__."""
-
     out: dict[str, Any] = {"group rank of 7": dist.get_group_rank(group, 7)}
     for src in (7, 2):
         for path in ("direct", "wrapped", "subclass"):
             tensor = torch.full((3,), 10.0 * rank + 1, dtype=torch.float64)
             if path == "subclass":
-                tensor = tensor.as_subclass(Tagged)
-            spied: list[int] = []
-            original = dist.broadcast
-
-            def spy(t: Any, *args: Any, **kwargs: Any) -> Any:
-                spied.append(kwargs.get("src", args[0] if args else None))
-                return original(t, *args, **kwargs)
-
-            if path == "wrapped":
-                dist.broadcast = spy
-            try:
-                entered = _distributed_frames(lambda: broadcast(tensor, src, group))
-            finally:
-                dist.broadcast = original
+                tensor = tensor.as_subclass(_Tagged)
+            entered, spied = _on_path("broadcast", path, lambda: broadcast(tensor, src, group),
+                                      lambda t, *args, **kwargs: kwargs.get("src", args[0] if args else None))
             out[f"{src}-{path}"] = dict(values=tensor.as_subclass(torch.Tensor).tolist(), spied=spied,
                                         entered="broadcast" in entered)
     return out
-
 
 CASES = local_cases(globals())
 

@@ -12,16 +12,19 @@ from torch.distributed import distributed_c10d as c10d
 from torch.overrides import has_torch_function_unary
 
 from meshgrad.plan import ReduceOp, scatter_shard
+from torch_impl.run.rounds import reduce_options
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def _native_avg(group: Any) -> bool:
-    """NCCL has ReduceOp.AVG; for other backends AVG is SUM followed by a division."""
+def _torch_op(group: Any, op: ReduceOp) -> tuple[Any, bool]:
+    """torch's reduce op for ``op`` over ``group``, and whether a division by the group's
+    size follows: NCCL has ReduceOp.AVG; on other backends AVG is SUM, then a division."""
     try:
-        return dist.get_backend(group) == "nccl"
+        native = op is ReduceOp.AVG and dist.get_backend(group) == "nccl"
     except (RuntimeError, ValueError):  # pragma: no cover
-        return False
+        native = False
+    return (dist.ReduceOp.AVG if native else dist.ReduceOp.SUM), op is ReduceOp.AVG and not native
 
 
 #: torch's own ``all_reduce`` and ``broadcast``, as torch defines them: meshgrad calls a
@@ -30,11 +33,9 @@ _TORCH_ALL_REDUCE = c10d.all_reduce
 _TORCH_BROADCAST = c10d.broadcast
 
 
-def _data_options(op: Any) -> Any:
-    """The options ``torch.distributed.all_reduce`` gives a blocking call with ``op``
-    (``asyncOp`` off where torch has it: on NCCL the collective runs on the current stream)."""
-    options = dist.AllreduceOptions()
-    options.reduceOp = op
+def _blocking(options: Any) -> Any:
+    """``options`` as ``torch.distributed``'s blocking calls set them: ``asyncOp`` off where
+    torch has it (on NCCL the collective then runs on the current stream)."""
     if hasattr(options, "asyncOp"):
         options.asyncOp = False
     return options
@@ -61,10 +62,8 @@ def bind_all_reduce(group: Any, op: ReduceOp, size: int) -> Callable[[torch.Tens
     """
     if group is None:
         return _nothing
-    native = op is ReduceOp.AVG and _native_avg(group)
-    torch_op = dist.ReduceOp.AVG if native else dist.ReduceOp.SUM
-    divide = op is ReduceOp.AVG and not native
-    options = _data_options(torch_op)
+    torch_op, divide = _torch_op(group, op)
+    options = _blocking(reduce_options(torch_op))
     direct = isinstance(group, dist.ProcessGroup)
 
     def reduce(tensor: torch.Tensor) -> None:
@@ -96,10 +95,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any) -> None:
     token count, in int64 or float64: none of the dtypes that function converts (complex,
     float8)."""
     if isinstance(group, dist.ProcessGroup) and dist.broadcast is _TORCH_BROADCAST and not has_torch_function_unary(tensor):
-        options = dist.BroadcastOptions()
+        options = _blocking(dist.BroadcastOptions())
         options.rootRank, options.rootTensor = dist.get_group_rank(group, src), 0
-        if hasattr(options, "asyncOp"):
-            options.asyncOp = False
         group.broadcast([tensor], options).wait()
     else:
         dist.broadcast(tensor, src=src, group=group)
@@ -123,8 +120,7 @@ def bind_reduce_scatter(group: Any, op: ReduceOp, size: int, rank: int, numel: i
     start, stop = scatter_shard(numel, size, index)
     shard = -(-numel // size)
     ordered = members == sorted(members) and [dist.get_group_rank(group, r) for r in members] == list(range(size))
-    native = op is ReduceOp.AVG and _native_avg(group)
-    torch_op, divide = (dist.ReduceOp.AVG if native else dist.ReduceOp.SUM), op is ReduceOp.AVG and not native
+    torch_op, divide = _torch_op(group, op)
     reduce = None if ordered else bind_all_reduce(group, op, size)
 
     def scatter_into(flat: torch.Tensor) -> int:

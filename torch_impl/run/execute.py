@@ -97,9 +97,8 @@ def apply_reduction(
     copied = 2 * nbytes(tensors) if staging else 0
     persistent = staging and sum(sizes) * work.itemsize <= PERSISTENT_STAGING_BYTES
     stage = _Staging(tensors, sizes, work, keep=persistent) if staging else None
-    reduce = bind_all_reduce(group, op, size)
-    numel = flat.numel() if flat is not None else sum(sizes)
-    scatter_into = bind_reduce_scatter(group, op, size, rank, numel) if scatter else None
+    # the reduce-scatter gives the bytes it copied; the all-reduce copies none (None)
+    collective = bind_reduce_scatter(group, op, size, rank, sum(sizes)) if scatter else bind_all_reduce(group, op, size)
 
     def run() -> None:
         for tensor, other in pairs:
@@ -110,11 +109,7 @@ def apply_reduction(
             buffer = staged[0]
         if pre_scale != 1.0:
             buffer.mul_(pre_scale)
-        extra = 0
-        if scatter_into is not None:
-            extra = scatter_into(buffer)
-        else:
-            reduce(buffer)
+        extra = collective(buffer) or 0
         if staged is not None:
             stage.copy_out(staged)
         stats.bytes_copied += copied + extra

@@ -183,10 +183,11 @@ def world_route() -> list[Hop]:
 
 
 def reduce_options(op: Any) -> Any:
-    """The options of a rounds' all-reduce with ``op`` (a ``ReduceOp``), the process
-    group's default timeout. The rounds call the process group itself: they stay apart from
-    the ``torch.distributed`` calls that move data (which tests and benchmarks count) and
-    skip their Python layer (a few microseconds a step)."""
+    """The options of an all-reduce with ``op`` (a ``ReduceOp``), the process group's
+    default timeout, for a call of the process group itself. The rounds call it so: they
+    stay apart from the ``torch.distributed`` calls that move data (which tests and
+    benchmarks count) and skip their Python layer (a few microseconds a step). The data
+    collectives start from them too (:func:`torch_impl.run.collectives.bind_all_reduce`)."""
     options = dist.AllreduceOptions()
     options.reduceOp = op
     return options
