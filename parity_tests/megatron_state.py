@@ -68,9 +68,13 @@ def initialize_parallel_state(ps: Any, layout: Any, **extra: Any) -> None:
 
 def fake_ddp(module: Any, ddp_config: Any, dp_cp: Any, expt_dp: Any) -> Any:
     """A Megatron-DDP-like chunk around ``module``: ``finish_grad_sync`` does the `dp_sync`
-    step of docs/semantics.md as an all-reduce per gradient over ``dp_cp`` / ``expt_dp``
-    (with the DDP config's pre-scale and average), ``scale_gradients`` multiplies; both
-    record their calls in ``.calls``.
+    step of docs/semantics.md over ``dp_cp`` / ``expt_dp`` (with the DDP config's pre-scale
+    and average), ``scale_gradients`` multiplies; both record their calls in ``.calls``.
+
+    The sync is one all-reduce per (group, dtype) of the gradients laid end to end, as a
+    DDP's buffer is, rather than one per gradient: elementwise the same products, sums and
+    quotients, and far fewer collectives (each one waits for every rank of an
+    oversubscribed test world).
 
     Args:
       module: the model chunk (with ``config``).
@@ -78,6 +82,7 @@ def fake_ddp(module: Any, ddp_config: Any, dp_cp: Any, expt_dp: Any) -> Any:
       dp_cp: the dense data-parallel group.
       expt_dp: the expert data-parallel group.
     """
+    import torch
     import torch.distributed as dist
     from torch import nn
 
@@ -102,7 +107,10 @@ def fake_ddp(module: Any, ddp_config: Any, dp_cp: Any, expt_dp: Any) -> Any:
             self.calls.append(("finish", bool(force_all_reduce)))
             cfg = self.module.config
             dp_size, edp_size = dist.get_world_size(dp_cp), dist.get_world_size(expt_dp)
+            buckets: dict[tuple[bool, Any], list[Any]] = {}
             for expert, g in self._grads():
+                buckets.setdefault((expert, g.dtype), []).append(g)
+            for (expert, _), grads in buckets.items():
                 group = expt_dp if expert else dp_cp
                 if cfg.calculate_per_token_loss:
                     scale, avg = 1.0, False
@@ -110,10 +118,12 @@ def fake_ddp(module: Any, ddp_config: Any, dp_cp: Any, expt_dp: Any) -> Any:
                     scale, avg = (edp_size / dp_size if expert else 1.0), True
                 else:
                     scale, avg = 1.0 / dp_size, False
-                g.mul_(scale)
-                dist.all_reduce(g, group=group)
+                flat = torch.cat([g.reshape(-1) for g in grads]).mul_(scale)
+                dist.all_reduce(flat, group=group)
                 if avg:
-                    g.div_(dist.get_world_size(group))
+                    flat.div_(dist.get_world_size(group))
+                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(part.view_as(g))
 
         def scale_gradients(self, scale: Any) -> None:
             self.calls.append(("scale", str(getattr(scale, "dtype", type(scale).__name__)), float(scale)))

@@ -241,11 +241,11 @@ def collection(scenario: Scenario, cache: dict[Any, Any]) -> Any:
     key = ("pgc", dims, embd, pos)
     if key in cache:
         return cache[key]
-    cache[key] = groups_of(dims, embd, pos)
+    cache[key] = groups_of(dims, embd, pos, cache)
     return cache[key]
 
 
-def groups_of(dims: Any, embd: Any, pos: Any) -> types.SimpleNamespace:
+def groups_of(dims: Any, embd: Any, pos: Any, made: dict[Any, Any] | None = None) -> types.SimpleNamespace:
     """Every named group of ``dims`` as a ProcessGroupCollection-like namespace: this rank's
     process group per field (None where the group has one rank), ``dist.new_group`` called
     for every instance on every rank, in the same order everywhere.
@@ -253,11 +253,15 @@ def groups_of(dims: Any, embd: Any, pos: Any) -> types.SimpleNamespace:
     Args:
       dims: the ParallelDims.
       embd: the embedding stage set; pos: the position-embedding stage set.
+      made: process groups made before, by (field, ranks), reused (and added to): layouts
+        of one world share most of their groups, and each ``new_group`` is a rendezvous of
+        every rank. Two fields with the same ranks still get two groups, as in Megatron.
     """
     import torch.distributed as dist
 
     from meshgrad.axes import Group
 
+    made = {} if made is None else made
     rank = dist.get_rank()
     fields: dict[str, Any] = {}
     for group in Group:
@@ -265,8 +269,10 @@ def groups_of(dims: Any, embd: Any, pos: Any) -> types.SimpleNamespace:
         mine = None
         for ranks in dims.all_groups(group, stages):
             if len(ranks) > 1:
-                pg = dist.new_group(ranks)
-                mine = pg if rank in ranks else mine
+                key = ("group", group.value, tuple(ranks))
+                if key not in made:
+                    made[key] = dist.new_group(ranks)
+                mine = made[key] if rank in ranks else mine
         fields[group.value] = mine
     return types.SimpleNamespace(**fields)
 
