@@ -13,6 +13,8 @@ with megatron-core's own ``TransformerConfig``, ``DistributedDataParallelConfig`
 dtype, tensor type), every router buffer and ``num_tokens`` must be bit-identical. Where
 megatron-core raises, torch_impl must raise too (catchable as ``AssertionError`` where
 megatron-core asserts) and leave every gradient and buffer unchanged.
+A case whose subject does not depend on the layout (``LAYOUT_FREE``: a config field's type
+or default, the count's dtype, a local reset) runs on the first layout of each world only.
 
 megatron-core 0.19.2's ``_allreduce_replicated_grads_over_gtp_remat_group(model,
 calculate_per_token_loss)`` takes its groups from ``parallel_state``; torch_impl's (the
@@ -77,12 +79,23 @@ def _namespace_without(*names: str) -> Callable[[Any], Any]:
     return make
 
 
+#: Cases whose subject does not depend on the layout (a config field's type or default, the
+#: count's dtype, a local reset): run on the first layout of each world only. Their
+#: reductions run on every layout in the case they vary ("qb", "router-grads", "fin", ...).
+LAYOUT_FREE = frozenset({
+    "router-grads-flextron", "qb-config-without-ema", "reset", "reset-list", "reset-qb",
+    "fin-tokens-int32", "fin-tokens-float32", "fin-type-list-qb", "fin-type-list-aux",
+})
+
+
 def cases(layout: Layout) -> dict[str, Case]:
     """Every comparison on ``layout``, by name (the same on every rank)."""
     out: dict[str, Case] = {}
+    first = layout == LAYOUTS[layout.world][0]
 
     def add(name: str, call: Callable[..., Any], **kw: Any) -> None:
-        out[name] = Case(call=call, **kw)
+        if first or name not in LAYOUT_FREE:
+            out[name] = Case(call=call, **kw)
 
     # ---- 2.4 non-tensor-parallel grads
     add("nontp", lambda impl, m, cfg, env, n: impl._allreduce_non_tensor_model_parallel_grads(m, cfg, env.mpu.tp),

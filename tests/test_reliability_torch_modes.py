@@ -221,22 +221,39 @@ def _step(model: list[Any], groups: Any, data: Any, helper: bool, mode: str) -> 
     return kind, message, tokens.item()
 
 
+def _twin_steps(layout: str, storage: str, helper: bool, rank: int, groups: Any) -> list[tuple[Any, Any]]:
+    """The normal-mode twin of a cell, step by step: (snapshot, count) after each of its
+    :data:`STEPS` calls. It depends on the cell's layout, storage and helper only, not on
+    the sequence of modes: one twin serves every sequence of its kind."""
+    twin = _model(layout, storage, rank, groups)
+    out = []
+    for step in range(STEPS):
+        scenario = _at(layout, step)
+        data = make_rank_inputs(scenario, rank)
+        load_in_place(twin, scenario, data)
+        count = _step(twin, groups, data, helper, "normal")[2]
+        out.append((snapshot(twin), count))
+    return out
+
+
 def case_modes(rank: int, world: int) -> list[list[tuple]]:
     """Per cell, per step: (outcome, message, bit-identical to the normal-mode twin, the
     outputs for the reference)."""
     out = []
+    twins: dict[tuple[str, str, bool], list[tuple[Any, Any]]] = {}
     for layout, storage, helper, sequence in CELLS:
         groups = timed_collection(LAYOUTS[layout])
-        live, twin = (_model(layout, storage, rank, groups) for _ in range(2))
+        if (layout, storage, helper) not in twins:
+            twins[layout, storage, helper] = _twin_steps(layout, storage, helper, rank, groups)
+        live = _model(layout, storage, rank, groups)
         steps = []
         for step, mode in enumerate(EVERY_SEQUENCE[sequence]):
             scenario = _at(layout, step)
             data = make_rank_inputs(scenario, rank)
-            for model in (live, twin):
-                load_in_place(model, scenario, data)
+            load_in_place(live, scenario, data)
             kind, message, count = _step(live, groups, data, helper, mode)
-            twin_count = _step(twin, groups, data, helper, "normal")[2]
-            same = snapshot(live) == snapshot(twin) and count == twin_count
+            twin_state, twin_count = twins[layout, storage, helper][step]
+            same = snapshot(live) == twin_state and count == twin_count
             steps.append((kind, message, same, read_outputs(live, scenario, data)))
         out.append(steps)
     return out
