@@ -226,6 +226,17 @@ class Env:
         self.groups = [g for g in list(vars(self.mpu).values()) + list(made.values()) if g is not None]
         #: The config every case's routers are built from (one object, as in Megatron).
         self.router_config = _router_config()
+        self._inputs: dict[str, Any] = {}
+
+    def rank_inputs(self, scen: Any) -> Any:
+        """``make_rank_inputs(scen, rank)``, made once per scenario of this layout (most
+        cases, and both builds of a case, share theirs; :func:`load_inputs` copies them)."""
+        from parity_tests.scenarios import make_rank_inputs
+
+        key = repr(scen)
+        if key not in self._inputs:
+            self._inputs[key] = make_rank_inputs(scen, self.rank)
+        return self._inputs[key]
 
     def close(self) -> None:
         self.ps.destroy_model_parallel()
@@ -353,11 +364,11 @@ def build(env: Env, scen: Any, cfg: Any, routers: tuple[RouterSpec, ...]) -> lis
     plus real TopKRouters (gate weight/bias gradients, buffers)."""
     import torch
 
-    from parity_tests.scenarios import make_rank_inputs
     from parity_tests.torch_world import _child, build_model, load_inputs
 
-    base = build_model(dataclasses.replace(scen, routers=()), env.rank, cfg)
-    load_inputs(base, scen, make_rank_inputs(dataclasses.replace(scen, routers=()), env.rank))
+    plain = dataclasses.replace(scen, routers=())
+    base = build_model(plain, env.rank, cfg)
+    load_inputs(base, scen, env.rank_inputs(plain))
     rcfg = env.router_config
     dtype = getattr(torch, scen.dtype)
     for index, chunk in enumerate(base):
