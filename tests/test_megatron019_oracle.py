@@ -339,6 +339,12 @@ def test_oracle019_world8(name: str) -> None:
     _compare(_per_rank(8, name), KNOWN_DIFFERENCES.get(name.split(":")[-1]), name.split(":")[-1] in CURRENT_RAISES)
 
 
+def test_layout_free_cases_run_on_the_first_layout_of_each_world_only() -> None:
+    for layouts in LAYOUTS.values():
+        assert LAYOUT_FREE <= set(cases(layouts[0]))
+        assert all(not LAYOUT_FREE & set(cases(layout)) for layout in layouts[1:])
+
+
 def test_oracle019_cases_are_not_vacuous() -> None:
     """Each case exercises something: on some rank of some layout megatron-core changed a
     value, or raised where it must."""

@@ -563,6 +563,12 @@ def test_oracle_world8(name: str) -> None:
     _compare(name, [r[name] for r in _world(8)])
 
 
+def test_layout_free_cases_run_on_the_first_layout_of_each_world_only() -> None:
+    for layouts in LAYOUTS.values():
+        assert LAYOUT_FREE <= set(subcases(layouts[0]))
+        assert all(not LAYOUT_FREE & set(subcases(layout)) for layout in layouts[1:])
+
+
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_oracle_cases_are_not_vacuous(world: int) -> None:
     """Each comparison exercises something: megatron-core changed a value (on some rank of
