@@ -121,7 +121,7 @@ def fake_ddp(module: Any, ddp_config: Any, dp_cp: Any, expt_dp: Any) -> Any:
                 flat = torch.cat([g.reshape(-1) for g in grads]).mul_(scale)
                 dist.all_reduce(flat, group=group)
                 if avg:
-                    flat.div_(dist.get_world_size(group))
+                    flat.div_(edp_size if expert else dp_size)
                 for g, part in zip(grads, flat.split([g.numel() for g in grads])):
                     g.copy_(part.view_as(g))
 

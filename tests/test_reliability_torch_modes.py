@@ -243,8 +243,9 @@ def case_modes(rank: int, world: int) -> list[list[tuple]]:
     twins: dict[tuple[str, str, bool], list[tuple[Any, Any]]] = {}
     for layout, storage, helper, sequence in CELLS:
         groups = timed_collection(LAYOUTS[layout])
-        if (layout, storage, helper) not in twins:
-            twins[layout, storage, helper] = _twin_steps(layout, storage, helper, rank, groups)
+        twin_of = (layout, storage, helper)
+        if twin_of not in twins:
+            twins[twin_of] = _twin_steps(*twin_of, rank, groups)
         live = _model(layout, storage, rank, groups)
         steps = []
         for step, mode in enumerate(EVERY_SEQUENCE[sequence]):
@@ -252,7 +253,7 @@ def case_modes(rank: int, world: int) -> list[list[tuple]]:
             data = make_rank_inputs(scenario, rank)
             load_in_place(live, scenario, data)
             kind, message, count = _step(live, groups, data, helper, mode)
-            twin_state, twin_count = twins[layout, storage, helper][step]
+            twin_state, twin_count = twins[twin_of][step]
             same = snapshot(live) == twin_state and count == twin_count
             steps.append((kind, message, same, read_outputs(live, scenario, data)))
         out.append(steps)

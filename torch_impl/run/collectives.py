@@ -33,6 +33,14 @@ _TORCH_ALL_REDUCE = c10d.all_reduce
 _TORCH_BROADCAST = c10d.broadcast
 
 
+def _layer_idle(current: Any, own: Any, tensor: torch.Tensor) -> bool:
+    """Whether a ``torch.distributed`` collective's Python layer would only call the process
+    group: ``current`` (the function ``torch.distributed`` holds now) is still torch's
+    ``own`` (no wrapper installed over it) and ``tensor`` has no ``__torch_function__`` to
+    honour (a subclass, an active mode)."""
+    return current is own and not has_torch_function_unary(tensor)
+
+
 def _blocking(options: Any) -> Any:
     """``options`` as ``torch.distributed``'s blocking calls set them: ``asyncOp`` off where
     torch has it (on NCCL the collective then runs on the current stream)."""
@@ -67,7 +75,7 @@ def bind_all_reduce(group: Any, op: ReduceOp, size: int) -> Callable[[torch.Tens
     direct = isinstance(group, dist.ProcessGroup)
 
     def reduce(tensor: torch.Tensor) -> None:
-        if direct and dist.all_reduce is _TORCH_ALL_REDUCE and not has_torch_function_unary(tensor):
+        if direct and _layer_idle(dist.all_reduce, _TORCH_ALL_REDUCE, tensor):
             group.allreduce([tensor], options).wait()
         else:
             dist.all_reduce(tensor, op=torch_op, group=group)
@@ -94,7 +102,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any) -> None:
     ``tensor`` without ``__torch_function__``. The one tensor meshgrad broadcasts is the
     token count, in int64 or float64: none of the dtypes that function converts (complex,
     float8)."""
-    if isinstance(group, dist.ProcessGroup) and dist.broadcast is _TORCH_BROADCAST and not has_torch_function_unary(tensor):
+    if isinstance(group, dist.ProcessGroup) and _layer_idle(dist.broadcast, _TORCH_BROADCAST, tensor):
         options = _blocking(dist.BroadcastOptions())
         options.rootRank, options.rootTensor = dist.get_group_rank(group, src), 0
         group.broadcast([tensor], options).wait()
