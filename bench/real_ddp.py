@@ -8,7 +8,7 @@ finalize-facing surface (see bench/README.md for which rows and why). This scrip
 what the real DDP runs: an MLP of ``--layers`` x ``--hidden`` in megatron-core's DDP on every
 rank of a gloo world with Megatron's ``parallel_state`` (dp = world), per-token loss,
 in four settings: ``overlap_grad_reduce`` off and on, the distributed optimizer (the DDP
-reduce-scatters), and bfloat16 parameters with ``grad_reduce_in_fp32``. Four twin DDPs per
+reduce-scatters), and bfloat16 parameters with ``grad_reduce_in_fp32``. Five twin DDPs per
 setting (same seed):
 
 * ``megatron-core``: ``megatron.core.distributed.finalize_model_grads([ddp], num_tokens=n)``;
@@ -18,7 +18,10 @@ setting (same seed):
   (no status round: the one small collective a call adds before data moves; shown, no goal);
 * ``floor``: what any finalize must do here, and nothing else: the DDP's
   ``finish_grad_sync()``, the all-reduce of the token count over dp and the DDP's
-  ``scale_gradients(1 / n)``.
+  ``scale_gradients(1 / n)``;
+* ``megatron-core again``: a third twin finalized by megatron-core, the control (shown, no
+  goal): its ratio to ``megatron-core`` is how far two identical finalizes read apart in
+  the same run, the spread of the measurement itself on this machine.
 
 With ``overlap_grad_reduce`` each call first runs ``zero_grad_buffer()``, forward and
 backward (the DDP's hooks start the reduction during backward), for all alike.
@@ -57,7 +60,7 @@ from typing import Any
 from bench.cpu_parts import CpuParts, functions_entered
 from bench.goals import goal
 
-NAMES = ("megatron-core", "torch_impl", "torch_impl no round", "floor")
+NAMES = ("megatron-core", "torch_impl", "torch_impl no round", "floor", "megatron-core again")
 #: Each setting: the DDP config's fields set, and whether the model is in bfloat16.
 MODES: dict[str, dict[str, bool]] = {
     "no overlap": {},
@@ -69,10 +72,11 @@ MODES: dict[str, dict[str, bool]] = {
 #: same round (``bench.timing.paired_ratio``: a slow phase of the machine cancels out),
 #: averaged over the ranks.
 PAIRS = (("torch_impl", "megatron-core"), ("torch_impl", "floor"), ("megatron-core", "floor"),
-         ("torch_impl no round", "megatron-core"))
+         ("torch_impl no round", "megatron-core"), ("megatron-core again", "megatron-core"))
 #: The ratio columns printed, with their headers.
 RATIO_COLUMNS = (("torch_impl / megatron-core", "ours/mcore"), ("torch_impl / floor", "ours/floor"),
-                 ("megatron-core / floor", "mcore/floor"), ("torch_impl no round / megatron-core", "no round/mcore"))
+                 ("megatron-core / floor", "mcore/floor"), ("torch_impl no round / megatron-core", "no round/mcore"),
+                 ("megatron-core again / megatron-core", "mcore A/A"))
 #: torch_impl / floor and torch_impl / megatron-core: the full contract (status round on)
 #: at megatron-core's speed.
 GOALS = {"floor": 1.2, "megatron-core": 1.05}
@@ -167,6 +171,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
     finals: dict[str, Callable[..., None]] = {
         "megatron-core": megatron_finalize, "torch_impl": torch_impl.finalize_model_grads,
         "torch_impl no round": torch_impl.finalize_model_grads, "floor": floor_finalize,
+        "megatron-core again": megatron_finalize,
     }
     x32 = torch.randn(4, hidden, generator=torch.Generator().manual_seed(rank))
     one = torch.tensor(1)

@@ -11,9 +11,9 @@
 3. A gloo world of 4 processes: end-to-end finalize time against the floor (the same
    collectives on pre-flattened buffers).
 4. megatron-core's real ``DistributedDataParallel`` in a gloo world of 4 (``bench.real_ddp``):
-   megatron-core's finalize, torch_impl's (with and without its status round) and the floor
-   on twin DDPs, ``overlap_grad_reduce`` off and on, and the two finalizes' gradients
-   compared bit for bit.
+   megatron-core's finalize, torch_impl's (with and without its status round), the floor and
+   megatron-core's again (the control) on twin DDPs, in four settings, and the two
+   finalizes' gradients compared bit for bit.
 
 Prints a table and writes JSON (``--json PATH``, default ``bench/results/latest.json``).
 A benchmark, never a timed test: it reports what it measures and checks the goals.

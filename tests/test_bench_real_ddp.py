@@ -49,9 +49,10 @@ def test_real_ddp_rows_have_numbers_and_identical_gradients(tmp_path: Path) -> N
         assert values["identical"] is True and values["max_abs_diff"] == 0.0, (mode, values)
         assert values["steps compared"] == 2 and values["grad_abs_max"] > 0, (mode, values)  # not vacuous
         assert all(row["seconds per call"][n] > 0 for n in ("megatron-core", "torch_impl", "torch_impl no round",
-                                                            "floor")), row
+                                                            "floor", "megatron-core again")), row
+        assert row["megatron-core again / megatron-core"] > 0, row  # the control: two identical finalizes
         line = next(x for x in text.splitlines() if x.strip().startswith(mode))
-        assert len(re.findall(NUMBER, line.split("bit-identical")[0])) >= 8, line  # 4 times, 4 ratios
+        assert len(re.findall(NUMBER, line.split("bit-identical")[0])) >= 10, line  # 5 times, 5 ratios
         assert "bit-identical (max abs diff 0," in line, line
         for g in (f"{mode}: torch_impl finalize / floor <= {GOALS['floor']:g}",
                   f"{mode}: torch_impl / megatron-core <= {GOALS['megatron-core']:g}",
