@@ -19,7 +19,7 @@ setting (same seed):
 * ``floor``: what any finalize must do here, and nothing else: the DDP's
   ``finish_grad_sync()``, the all-reduce of the token count over dp and the DDP's
   ``scale_gradients(1 / n)``;
-* ``megatron-core again``: a third twin finalized by megatron-core, the control (shown, no
+* ``megatron-core again``: a second twin finalized by megatron-core, the control (shown, no
   goal): its ratio to ``megatron-core`` is how far two identical finalizes read apart in
   the same run, the spread of the measurement itself on this machine.
 
