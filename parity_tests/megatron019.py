@@ -230,7 +230,8 @@ class Env:
 
     def rank_inputs(self, scen: Any) -> Any:
         """``make_rank_inputs(scen, rank)``, made once per scenario of this layout (most
-        cases, and both builds of a case, share theirs; :func:`load_inputs` copies them)."""
+        cases, and both builds of a case, share theirs; :func:`load_inputs` copies them).
+        Kept by the scenario's ``repr``: its ``config`` is a dict, so it has no hash."""
         from parity_tests.scenarios import make_rank_inputs
 
         key = repr(scen)
