@@ -14,6 +14,7 @@ from torch_impl.run.collectives import all_reduce, broadcast
 from torch_impl.run.errors import collective_guard
 from torch_impl.run.groups import TorchGroups
 from torch_impl.run.modes import fill_into, outside_inference_mode, writing_into
+from torch_impl.run.token_count import host_count, token_scale_text
 
 
 def global_token_scale(
@@ -127,15 +128,24 @@ def scale_by_tokens(
       ddp: the Megatron DDP objects of the chunks they sync.
       apply: multiplies the gradients meshgrad scales by the factor (None: none to scale).
       reduced: the global count when the status round carried it (no collective here;
-        an int when known on the host).
+        an int when known on the host); None: reduced here, on a host word
+        (:func:`~torch_impl.run.token_count.host_count`) for a CPU integer count.
       kept: the model's last host factor (:class:`HostFactor`), or None.
     """
-    # The status round's count known on the host (an int): no collective, and the host factor
-    # where it is exact; else the device path (which reduces the count itself when not carried).
+    # A count on the host that no round carried: its collectives on a host word (the same
+    # ones the device path runs). A count known on the host (an int): the host factor where it
+    # is exact; else the device path (which reduces the count itself when still not reduced).
+    if reduced is None:
+        count = host_count(action, groups, num_tokens)
+        if count is not None:
+            try:
+                reduced = count.total(num_tokens, groups)
+            except BaseException:
+                groups.host_counts.pop(action.group, None)
+                raise
     scale = host_scale(num_tokens, reduced, kept) if isinstance(reduced, int) else None
     if scale is None:
-        what = f"token_scale: num_tokens broadcast over 'pp' and sum over {action.group.value!r}"
-        with collective_guard(what, groups):
+        with collective_guard(token_scale_text(action), groups):
             scale = global_token_scale(num_tokens, action, groups, reduced)
     for obj in ddp:
         obj.scale_gradients(scale)
