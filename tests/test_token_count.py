@@ -1,7 +1,7 @@
-"""The token count reduced on a host word (``torch_impl.run.token_count.HostCount``: calls
-whose status round does not carry it) against the device path of
+"""The token count's collectives bound once (``torch_impl.run.token_count.TokenCount``), on
+a host word (calls whose status round does not carry the count) against the device path of
 ``torch_impl.run.scaling.global_token_scale``, bit for bit, in one 4-rank gloo world, and
-against the count worked out by hand; a failed collective on that path."""
+against the count worked out by hand; a failed collective on the host word."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from meshgrad.plan import TokenScale  # noqa: E402
 from parity_tests.world_cases import case_values, run_cases  # noqa: E402
 from torch_impl.run.groups import TorchGroups  # noqa: E402
 from torch_impl.run.scaling import HostFactor, global_token_scale, scale_by_tokens  # noqa: E402
-from torch_impl.run.token_count import host_count  # noqa: E402
+from torch_impl.run.token_count import on_host, token_count  # noqa: E402
 
 WORLD = 4
 ACTION = TokenScale(keys=(), group=Group.DP_CP)
@@ -84,7 +84,7 @@ def case_host_and_device_paths(rank: int, world_size: int) -> list[tuple[Any, ..
                     tokens, ddp = torch.tensor(mine).to(dtype), _Scaled()
                     scale_by_tokens(tokens, ACTION, groups, [ddp], None, None, kept)
                     host.append((_bits(ddp.factors[0]), _bits(tokens)))
-                reused = host_count(ACTION, groups, device) is groups.host_counts[Group.DP_CP]
+                reused = token_count(ACTION, groups) is groups.token_counts[Group.DP_CP]
                 out.append((name, str(dtype), base, host, (_bits(factor), _bits(device)), int(device), reused))
     return out
 
@@ -123,14 +123,14 @@ def test_the_host_path_gives_the_device_paths_factor_and_count_bit_for_bit(world
 
 
 def test_a_failed_count_collective_is_named_and_its_word_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A collective of the host path that fails raises the device path's CollectiveError
+    """A collective of the host word that fails raises the device path's CollectiveError
     (this rank, what the count's collectives do), leaves ``num_tokens`` and the DDP
     untouched, and drops the bound collectives (the failed one may still hold the word):
     the next call binds them anew."""
     groups = TorchGroups(0, {}, {}, (0,), {})  # no group of size > 1: the count is this rank's own
     tokens, ddp = torch.tensor(6), _Scaled()
-    count = host_count(ACTION, groups, tokens)
-    assert count is not None and count.total(tokens, groups) == 6
+    count = token_count(ACTION, groups)
+    assert on_host(tokens) and count.total(tokens, groups) == 6
 
     def fails(tensor: Any) -> None:
         raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
@@ -141,22 +141,22 @@ def test_a_failed_count_collective_is_named_and_its_word_dropped(monkeypatch: py
     text = str(caught.value)
     assert text.startswith("rank 0: token_scale: num_tokens broadcast over 'pp' and sum over 'dp_cp' failed: "
                            "RuntimeError: Connection closed by peer"), text
-    assert int(tokens) == 6 and not ddp.factors and Group.DP_CP not in groups.host_counts
+    assert int(tokens) == 6 and not ddp.factors and Group.DP_CP not in groups.token_counts
     scale_by_tokens(tokens, ACTION, groups, [ddp], None)
     assert int(tokens) == 6 and float(ddp.factors[0]) == float(torch.tensor(6).reciprocal())
+    assert token_count(ACTION, groups) is not count
 
 
 @pytest.mark.parametrize("tokens", [torch.tensor(6.0), torch.tensor(6, dtype=torch.uint64), torch.tensor(6.0).to("meta")],
                          ids=["float", "uint64", "meta"])
 def test_floating_uint64_and_device_counts_take_the_device_path(tokens: Any) -> None:
-    assert host_count(ACTION, TorchGroups(0, {}, {}, (0,), {}), tokens) is None
+    assert not on_host(tokens)
 
 
 def test_a_cuda_graph_capture_takes_the_device_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a capture nothing is read back on the host: the count takes the device path
     (``tests/test_cuda_graph_path.py`` checks the captured calls' host reads)."""
-    groups = TorchGroups(0, {}, {}, (0,), {})
-    assert host_count(ACTION, groups, torch.tensor(6)) is not None
+    assert on_host(torch.tensor(6))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert host_count(ACTION, groups, torch.tensor(6)) is None
+    assert not on_host(torch.tensor(6))

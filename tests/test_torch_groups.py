@@ -353,14 +353,14 @@ def case_bound_all_reduce_paths(rank: int, world: int) -> dict[str, Any]:
 
 
 def case_broadcast_paths(rank: int, world: int) -> dict[str, Any]:
-    """collectives.broadcast from a global rank over a group whose ranks run against the
-    global order (group rank 0 is global rank 7), on its paths: the group called directly,
-    and ``torch.distributed.broadcast`` (a wrapper installed over it, a tensor subclass).
-    Per source and path: the values, whether torch's Python layer was entered, what the
-    wrapper saw."""
+    """collectives.bind_broadcast from a global rank over a group whose ranks run against
+    the global order (group rank 0 is global rank 7), bound before each path is set up, on
+    its paths: the group called directly, and ``torch.distributed.broadcast`` (a wrapper
+    installed over it after binding, a tensor subclass). Per source and path: the values,
+    whether torch's Python layer was entered, what the wrapper saw."""
     import torch.distributed as dist
 
-    from torch_impl.run.collectives import broadcast
+    from torch_impl.run.collectives import bind_broadcast
 
     group = dist.new_group(list(range(7, -1, -1)), sort_ranks=False)
     out: dict[str, Any] = {"group rank of 7": dist.get_group_rank(group, 7)}
@@ -369,7 +369,8 @@ def case_broadcast_paths(rank: int, world: int) -> dict[str, Any]:
             tensor = torch.full((3,), 10.0 * rank + 1, dtype=torch.float64)
             if path == "subclass":
                 tensor = tensor.as_subclass(_Tagged)
-            entered, spied = _on_path("broadcast", path, lambda: broadcast(tensor, src, group),
+            cast = bind_broadcast(src, group)
+            entered, spied = _on_path("broadcast", path, lambda: cast(tensor),
                                       lambda t, *args, **kwargs: kwargs.get("src", args[0] if args else None))
             out[f"{src}-{path}"] = dict(values=tensor.as_subclass(torch.Tensor).tolist(), spied=spied,
                                         entered="broadcast" in entered)

@@ -95,19 +95,27 @@ def all_reduce(tensor: torch.Tensor, group: Any, op: ReduceOp, size: int) -> Non
     bind_all_reduce(group, op, size)(tensor)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any) -> None:
-    """``torch.distributed.broadcast(tensor, src, group)`` (``src`` a global rank), with the
-    group called directly under :func:`bind_all_reduce`'s rule: while
-    ``torch.distributed.broadcast`` is torch's own, ``group`` a ``ProcessGroup`` and
-    ``tensor`` without ``__torch_function__``. The one tensor meshgrad broadcasts is the
-    token count, in int64 or float64: none of the dtypes that function converts (complex,
-    float8)."""
-    if isinstance(group, dist.ProcessGroup) and _layer_idle(dist.broadcast, _TORCH_BROADCAST, tensor):
+def bind_broadcast(src: int, group: Any) -> Callable[[torch.Tensor], None]:
+    """``torch.distributed.broadcast(tensor, src, group)`` (``src`` a global rank) of the
+    tensor it is given, bound once: the group is called directly under
+    :func:`bind_all_reduce`'s rule (while ``torch.distributed.broadcast`` is torch's own,
+    ``group`` a ``ProcessGroup`` and the tensor without ``__torch_function__``), with the
+    root's group rank and the options worked out here. The one tensor meshgrad broadcasts
+    is the token count, in int64 or float64: none of the dtypes that function converts
+    (complex, float8)."""
+    direct = isinstance(group, dist.ProcessGroup)
+    options = None
+    if direct:
         options = _blocking(dist.BroadcastOptions())
         options.rootRank, options.rootTensor = dist.get_group_rank(group, src), 0
-        group.broadcast([tensor], options).wait()
-    else:
-        dist.broadcast(tensor, src=src, group=group)
+
+    def cast(tensor: torch.Tensor) -> None:
+        if direct and _layer_idle(dist.broadcast, _TORCH_BROADCAST, tensor):
+            group.broadcast([tensor], options).wait()
+        else:
+            dist.broadcast(tensor, src=src, group=group)
+
+    return cast
 
 
 def bind_reduce_scatter(group: Any, op: ReduceOp, size: int, rank: int, numel: int) -> Callable[[torch.Tensor], int]:

@@ -83,8 +83,8 @@ class TorchGroups:
       quiet_rounds: the quiet rounds of those routes, each with the host wire its rounds reuse.
       fused: a cache of whether a status round carries the token count, per round and
         kind of count (:func:`torch_impl.run.status.fused_tokens`).
-      host_counts: the token count's collectives bound on a host word, per token group, for
-        calls whose round does not carry it (:mod:`torch_impl.run.token_count`).
+      token_counts: the token count's collectives bound once, per token group, for calls
+        whose round does not carry it (:mod:`torch_impl.run.token_count`).
     """
 
     rank: int
@@ -104,9 +104,9 @@ class TorchGroups:
     quiet_rounds: dict[tuple[Group, ...], Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
     #: fused_tokens' answers, per (groups of the round, token group, count's dtype, device, numel).
     fused: dict[tuple[Any, ...], bool] = dataclasses.field(default_factory=dict, init=False, repr=False)
-    #: The token count's host collectives per token group (torch_impl.run.token_count.HostCount),
-    #: dropped when one fails.
-    host_counts: dict[Group, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    #: The token count's bound collectives per token group (torch_impl.run.token_count.TokenCount),
+    #: dropped when one fails on the host word.
+    token_counts: dict[Group, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ queries
     def group(self, group: Group) -> ProcessGroup | None:

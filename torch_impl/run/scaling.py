@@ -8,13 +8,11 @@ from typing import Any
 
 import torch
 
-from meshgrad.axes import Group
-from meshgrad.plan import ReduceOp, TokenScale
-from torch_impl.run.collectives import all_reduce, broadcast
+from meshgrad.plan import TokenScale
 from torch_impl.run.errors import collective_guard
 from torch_impl.run.groups import TorchGroups
 from torch_impl.run.modes import fill_into, outside_inference_mode, writing_into
-from torch_impl.run.token_count import host_count, token_scale_text
+from torch_impl.run.token_count import host_total, on_host, token_count, token_scale_text
 
 
 def global_token_scale(
@@ -42,13 +40,7 @@ def global_token_scale(
             num_tokens.detach().copy_(total)
         return torch.clamp(total, min=1).reciprocal()
     total = num_tokens.detach().to(wide, copy=True)
-    pp = groups.group(Group.PP)
-    if groups.token_broadcast is not None:
-        group, source = groups.token_broadcast
-        broadcast(total, source, group)
-    elif pp is not None:
-        broadcast(total, groups.pp_last_rank, pp)
-    all_reduce(total, groups.group(action.group), ReduceOp.SUM, groups.size(action.group))
+    token_count(action, groups).reduce(total)  # the broadcast over pp, then the SUM, bound once
     with writing_into(num_tokens):
         num_tokens.detach().copy_(total)
     counted = num_tokens.detach() if num_tokens.is_floating_point() else total
@@ -128,21 +120,15 @@ def scale_by_tokens(
       ddp: the Megatron DDP objects of the chunks they sync.
       apply: multiplies the gradients meshgrad scales by the factor (None: none to scale).
       reduced: the global count when the status round carried it (no collective here;
-        an int when known on the host); None: reduced here, on a host word
-        (:func:`~torch_impl.run.token_count.host_count`) for a CPU integer count.
+        an int when known on the host); None: reduced here, on a host word for a CPU
+        integer count (:func:`~torch_impl.run.token_count.host_total`).
       kept: the model's last host factor (:class:`HostFactor`), or None.
     """
     # A count on the host that no round carried: its collectives on a host word (the same
     # ones the device path runs). A count known on the host (an int): the host factor where it
     # is exact; else the device path (which reduces the count itself when still not reduced).
-    if reduced is None:
-        count = host_count(action, groups, num_tokens)
-        if count is not None:
-            try:
-                reduced = count.total(num_tokens, groups)
-            except BaseException:
-                groups.host_counts.pop(action.group, None)
-                raise
+    if reduced is None and on_host(num_tokens):
+        reduced = host_total(num_tokens, action, groups)
     scale = host_scale(num_tokens, reduced, kept) if isinstance(reduced, int) else None
     if scale is None:
         with collective_guard(token_scale_text(action), groups):

@@ -1,19 +1,20 @@
-"""The global token count reduced on the host, for a call whose status round did not carry
-it (``consistency_check="off"``, or a round over other groups than the count's): the same
-collectives as the device path of :func:`torch_impl.run.scaling.global_token_scale`, bound
-once per token group and run on a reused one-word host tensor (:class:`HostCount`).
+"""The global token count's collectives, bound once per token group (:class:`TokenCount`):
+the broadcast from the count's source, then the SUM over the plan's token group, as
+:func:`torch_impl.run.scaling.global_token_scale` runs them on its int64 / float64 copy of
+the count (the device path), or on one reused int64 host word for an integer count on the
+CPU (:func:`host_total`) when no status round carried it (``consistency_check="off"``, or a
+round over other groups than the count's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 
 from meshgrad.axes import Group
 from meshgrad.plan import ReduceOp, TokenScale
-from torch_impl.run.collectives import bind_all_reduce, broadcast
+from torch_impl.run.collectives import bind_all_reduce, bind_broadcast
 from torch_impl.run.errors import collective_error, collective_failure
 from torch_impl.run.groups import TorchGroups
 from torch_impl.run.rounds import HostWire, capturing
@@ -28,47 +29,54 @@ def token_scale_text(action: TokenScale) -> str:
     return f"token_scale: num_tokens broadcast over 'pp' and sum over {action.group.value!r}"
 
 
-class HostCount:
+class TokenCount:
     """The token count's collectives over one rank's groups, bound once: the broadcast from
     the count's source (the collection's ``token_broadcast``, else the last pp stage), then
-    the SUM over the plan's token group, on one reused int64 host word, as the device path
-    runs them on its int64 copy of the count (the same collectives, in the same order, over
-    the same groups: a peer cannot tell which path a rank took).
+    the SUM over the plan's token group. The device path and the host word run the same
+    collectives, in the same order, over the same groups: a peer cannot tell which path a
+    rank took.
 
     Args:
       action: the plan's TokenScale (its group).
       groups: this rank's groups.
     """
 
-    __slots__ = ("wire", "steps", "what", "group")
+    __slots__ = ("steps", "what", "_wire")
 
     def __init__(self, action: TokenScale, groups: TorchGroups) -> None:
-        self.wire = HostWire(1)
         steps: list[Callable[[torch.Tensor], None]] = []
         pp = groups.group(Group.PP)
         if groups.token_broadcast is not None:
             group, source = groups.token_broadcast
-            steps.append(partial(_broadcast_from, source, group))
+            steps.append(bind_broadcast(source, group))
         elif pp is not None:
-            steps.append(partial(_broadcast_from, groups.pp_last_rank, pp))
+            steps.append(bind_broadcast(groups.pp_last_rank, pp))
         if groups.group(action.group) is not None:
             steps.append(bind_all_reduce(groups.group(action.group), ReduceOp.SUM, groups.size(action.group)))
         self.steps = steps
         self.what = token_scale_text(action)
+        self._wire: HostWire | None = None  # made by the first count reduced on the host
+
+    def reduce(self, count: torch.Tensor) -> None:
+        """Broadcast, then SUM ``count`` in place (the device path's int64 / float64 copy)."""
+        for step in self.steps:
+            step(count)
 
     def total(self, num_tokens: torch.Tensor, groups: TorchGroups) -> int:
-        """The global count of this rank's ``num_tokens`` (one element, on the CPU, a dtype
-        of :data:`HOST_DTYPES`): in int64, wrapped as the device path's int64 sum wraps.
+        """The global count of this rank's ``num_tokens`` (:func:`on_host`), reduced on the
+        host word: in int64, wrapped as the device path's int64 sum wraps.
 
         Raises:
           CollectiveError: a collective failed (names this rank and the collectives); the
             caller drops this object (the failed collective may still hold its word).
         """
-        words = self.wire.words
+        wire = self._wire
+        if wire is None:
+            wire = self._wire = HostWire(1)
+        words = wire.words
         words[0] = int(num_tokens)
         try:
-            for step in self.steps:
-                step(self.wire.tensor)
+            self.reduce(wire.tensor)
         except BaseException as err:
             if collective_failure(err):
                 raise collective_error(self.what, groups, None, err) from err
@@ -76,21 +84,34 @@ class HostCount:
         return words[0]
 
 
-def _broadcast_from(source: int, group: object, tensor: torch.Tensor) -> None:
-    broadcast(tensor, source, group)
-
-
-def host_count(action: TokenScale, groups: TorchGroups | None, num_tokens: torch.Tensor) -> HostCount | None:
-    """The groups' bound :class:`HostCount` for ``action``'s group when ``num_tokens`` can be
-    reduced on the host (on the CPU, a dtype of :data:`HOST_DTYPES`, outside a CUDA graph
-    capture, which reads nothing back), else None: the device path reduces it."""
-    if groups is None or num_tokens.device.type != "cpu" or num_tokens.dtype not in HOST_DTYPES or capturing():
-        return None
-    counts = groups.host_counts
+def token_count(action: TokenScale, groups: TorchGroups) -> TokenCount:
+    """The groups' bound :class:`TokenCount` for ``action``'s group (bound on first use)."""
+    counts = groups.token_counts
     count = counts.get(action.group)
     if count is None:
-        count = counts[action.group] = HostCount(action, groups)
+        count = counts[action.group] = TokenCount(action, groups)
     return count
 
 
-__all__ = ["HOST_DTYPES", "HostCount", "host_count", "token_scale_text"]
+def on_host(num_tokens: torch.Tensor) -> bool:
+    """Whether ``num_tokens`` is reduced on the host word (:func:`host_total`): on the CPU,
+    a dtype of :data:`HOST_DTYPES`, outside a CUDA graph capture (which reads nothing
+    back); else the device path reduces it."""
+    return num_tokens.device.type == "cpu" and num_tokens.dtype in HOST_DTYPES and not capturing()
+
+
+def host_total(num_tokens: torch.Tensor, action: TokenScale, groups: TorchGroups) -> int:
+    """The global count of ``num_tokens`` (:func:`on_host`) over the groups' bound
+    collectives (:meth:`TokenCount.total`); a failure drops them, the next call binds anew.
+
+    Raises:
+      CollectiveError: a collective failed.
+    """
+    try:
+        return token_count(action, groups).total(num_tokens, groups)
+    except BaseException:
+        groups.token_counts.pop(action.group, None)
+        raise
+
+
+__all__ = ["HOST_DTYPES", "TokenCount", "host_total", "on_host", "token_count", "token_scale_text"]
