@@ -147,10 +147,18 @@ def test_a_failed_count_collective_is_named_and_its_word_dropped(monkeypatch: py
     assert token_count(ACTION, groups) is not count
 
 
-@pytest.mark.parametrize("tokens", [torch.tensor(6.0), torch.tensor(6, dtype=torch.uint64), torch.tensor(6.0).to("meta")],
-                         ids=["float", "uint64", "meta"])
-def test_floating_uint64_and_device_counts_take_the_device_path(tokens: Any) -> None:
+class _Counted(torch.Tensor):
+    """A tensor subclass (its ``__torch_function__`` is torch's default)."""
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [torch.tensor(6.0), torch.tensor(6, dtype=torch.uint64), torch.tensor(6.0).to("meta"), torch.tensor(6).as_subclass(_Counted)],
+    ids=["float", "uint64", "meta", "subclass"],
+)
+def test_floating_uint64_device_and_subclass_counts_take_the_device_path(tokens: Any) -> None:
     assert not on_host(tokens)
+    assert on_host(torch.tensor(6, dtype=torch.int32)) and on_host(torch.tensor([6], dtype=torch.uint8))
 
 
 def test_a_cuda_graph_capture_takes_the_device_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -94,10 +94,12 @@ def token_count(action: TokenScale, groups: TorchGroups) -> TokenCount:
 
 
 def on_host(num_tokens: torch.Tensor) -> bool:
-    """Whether ``num_tokens`` is reduced on the host word (:func:`host_total`): on the CPU,
-    a dtype of :data:`HOST_DTYPES`, outside a CUDA graph capture (which reads nothing
-    back); else the device path reduces it."""
-    return num_tokens.device.type == "cpu" and num_tokens.dtype in HOST_DTYPES and not capturing()
+    """Whether ``num_tokens`` is reduced on the host word (:func:`host_total`): a plain
+    tensor (a subclass keeps its own ``__torch_function__`` on the device path's copy), on
+    the CPU, of a dtype of :data:`HOST_DTYPES`, outside a CUDA graph capture (which reads
+    nothing back); else the device path reduces it."""
+    return (type(num_tokens) is torch.Tensor and num_tokens.device.type == "cpu" and num_tokens.dtype in HOST_DTYPES
+            and not capturing())
 
 
 def host_total(num_tokens: torch.Tensor, action: TokenScale, groups: TorchGroups) -> int:
