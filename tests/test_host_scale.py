@@ -8,6 +8,7 @@ import torch
 
 from meshgrad.axes import Group
 from meshgrad.plan import TokenScale
+from tests.scaled_ddp import ScaledDDP, bits
 from torch_impl.run.scaling import HostFactor, global_token_scale, host_scale, scale_by_tokens
 
 
@@ -20,10 +21,6 @@ def device_path(num_tokens: torch.Tensor, total: int) -> tuple[torch.Tensor, tor
     tokens = num_tokens.clone()
     factor = global_token_scale(tokens, ACTION, None, torch.tensor(total, dtype=torch.int64))
     return factor, tokens
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return t.numpy().tobytes()
 
 
 @pytest.fixture(params=[torch.float32, torch.float64], ids=["float32", "float64"])
@@ -119,16 +116,6 @@ def test_a_factor_made_under_inference_mode_is_kept_and_reused_in_either_mode() 
         assert host_scale(torch.zeros((), dtype=torch.int64), 12, kept) is made
 
 
-class _ScaledDDP:
-    """Stands in for a Megatron DDP chunk: records the factors its ``scale_gradients`` gets."""
-
-    def __init__(self) -> None:
-        self.factors: list[torch.Tensor] = []
-
-    def scale_gradients(self, factor: torch.Tensor) -> None:
-        self.factors.append(factor)
-
-
 @pytest.mark.parametrize("inference", [False, True], ids=["normal", "inference"])
 @pytest.mark.parametrize("dtype, total", [(torch.int64, 12), (torch.int64, 1 << 40), (torch.int16, 3)])
 def test_scale_by_tokens_with_the_rounds_count_scales_as_the_device_path(
@@ -144,12 +131,12 @@ def test_scale_by_tokens_with_the_rounds_count_scales_as_the_device_path(
             mine = torch.zeros((), dtype=dtype)
     else:
         mine = torch.zeros((), dtype=dtype)
-    ddp, applied = _ScaledDDP(), []
+    ddp, applied = ScaledDDP(), []
     scale_by_tokens(mine, ACTION, None, [ddp], applied.append, total, HostFactor())
     expected, written = device_path(torch.zeros((), dtype=dtype), total)
     assert len(ddp.factors) == 1 and applied == ddp.factors
     assert bits(ddp.factors[0]) == bits(expected) and bits(mine) == bits(written)
     # no gradient of meshgrad's own to scale (a plan whose DDP scales them all): apply is None
-    alone = _ScaledDDP()
+    alone = ScaledDDP()
     scale_by_tokens(torch.zeros((), dtype=dtype), ACTION, None, [alone], None, total)
     assert bits(alone.factors[0]) == bits(expected)

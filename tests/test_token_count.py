@@ -15,6 +15,7 @@ from meshgrad.axes import Group  # noqa: E402
 from meshgrad.errors import CollectiveError  # noqa: E402
 from meshgrad.plan import TokenScale  # noqa: E402
 from parity_tests.world_cases import case_values, run_cases  # noqa: E402
+from tests.scaled_ddp import ScaledDDP, bits  # noqa: E402
 from torch_impl.run.groups import TorchGroups  # noqa: E402
 from torch_impl.run.scaling import HostFactor, global_token_scale, scale_by_tokens  # noqa: E402
 from torch_impl.run.token_count import on_host, token_count  # noqa: E402
@@ -32,16 +33,6 @@ BASES = {
 }
 #: The layouts: (name, whether pp is 2, the token broadcast's source stage or None).
 LAYOUTS = (("dp 4", False, None), ("pp 2 x dp 2", True, None), ("pp 2 x dp 2, token_broadcast from stage 0", True, 0))
-
-
-class _Scaled:
-    """Stands in for a Megatron DDP chunk: keeps the factor its ``scale_gradients`` gets."""
-
-    def __init__(self) -> None:
-        self.factors: list[Any] = []
-
-    def scale_gradients(self, factor: Any) -> None:
-        self.factors.append(factor)
 
 
 def _layouts(rank: int) -> dict[str, TorchGroups]:
@@ -63,10 +54,6 @@ def _layouts(rank: int) -> dict[str, TorchGroups]:
     return out
 
 
-def _bits(t: Any) -> bytes:
-    return t.numpy().tobytes()
-
-
 def case_host_and_device_paths(rank: int, world_size: int) -> list[tuple[Any, ...]]:
     """Per layout, dtype and base: the host path's (factor bits, written count) twice (the
     second call reuses the bound collectives and the kept factor), the device path's,
@@ -79,13 +66,14 @@ def case_host_and_device_paths(rank: int, world_size: int) -> list[tuple[Any, ..
                 mine = base * (rank + 1)
                 device = torch.tensor(mine).to(dtype)
                 factor = global_token_scale(device, ACTION, groups)
-                host = []
+                host, bound = [], []
                 for _ in range(2):
-                    tokens, ddp = torch.tensor(mine).to(dtype), _Scaled()
+                    tokens, ddp = torch.tensor(mine).to(dtype), ScaledDDP()
                     scale_by_tokens(tokens, ACTION, groups, [ddp], None, None, kept)
-                    host.append((_bits(ddp.factors[0]), _bits(tokens)))
-                reused = token_count(ACTION, groups) is groups.token_counts[Group.DP_CP]
-                out.append((name, str(dtype), base, host, (_bits(factor), _bits(device)), int(device), reused))
+                    host.append((bits(ddp.factors[0]), bits(tokens)))
+                    bound.append(groups.token_counts[Group.DP_CP])
+                reused = bound[0] is bound[1] is token_count(ACTION, groups)
+                out.append((name, str(dtype), base, host, (bits(factor), bits(device)), int(device), reused))
     return out
 
 
@@ -128,7 +116,7 @@ def test_a_failed_count_collective_is_named_and_its_word_dropped(monkeypatch: py
     untouched, and drops the bound collectives (the failed one may still hold the word):
     the next call binds them anew."""
     groups = TorchGroups(0, {}, {}, (0,), {})  # no group of size > 1: the count is this rank's own
-    tokens, ddp = torch.tensor(6), _Scaled()
+    tokens, ddp = torch.tensor(6), ScaledDDP()
     count = token_count(ACTION, groups)
     assert on_host(tokens) and count.total(tokens, groups) == 6
 

@@ -15,7 +15,7 @@ import torch
 from meshgrad.axes import Group
 from meshgrad.plan import ReduceOp, TokenScale
 from torch_impl.run.collectives import bind_all_reduce, bind_broadcast
-from torch_impl.run.errors import collective_error, collective_failure
+from torch_impl.run.errors import collective_guard
 from torch_impl.run.groups import TorchGroups
 from torch_impl.run.rounds import HostWire, capturing
 
@@ -51,8 +51,9 @@ class TokenCount:
             steps.append(bind_broadcast(source, group))
         elif pp is not None:
             steps.append(bind_broadcast(groups.pp_last_rank, pp))
-        if groups.group(action.group) is not None:
-            steps.append(bind_all_reduce(groups.group(action.group), ReduceOp.SUM, groups.size(action.group)))
+        token_group = groups.group(action.group)
+        if token_group is not None:
+            steps.append(bind_all_reduce(token_group, ReduceOp.SUM, groups.size(action.group)))
         self.steps = steps
         self.what = token_scale_text(action)
         self._wire: HostWire | None = None  # made by the first count reduced on the host
@@ -75,12 +76,8 @@ class TokenCount:
             wire = self._wire = HostWire(1)
         words = wire.words
         words[0] = int(num_tokens)
-        try:
+        with collective_guard(self.what, groups):
             self.reduce(wire.tensor)
-        except BaseException as err:
-            if collective_failure(err):
-                raise collective_error(self.what, groups, None, err) from err
-            raise
         return words[0]
 
 
