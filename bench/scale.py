@@ -112,14 +112,17 @@ class _Row:
 
 
 def _build_row(layers: int, experts: int, fmg: Any, repeats: int) -> _Row:
-    """Builds every model of a row and times each one's first finalize call (``repeats``
-    fresh models of each kind, megatron-core's too, the last one kept for the steady
-    state)."""
+    """Builds every model of a row and times each one's first finalize call: ``repeats``
+    rounds, each building one fresh model of every kind (megatron-core's too) in a rotating
+    order, so a first call and megatron-core's are timed next to each other whatever the
+    machine's load does meanwhile; the last model of each kind is kept for the steady
+    state."""
     import torch_impl
     from torch_impl.buffers import attach_grad_buffers
 
     lay = scale_layout(layers, experts)
     pgc = _groups(lay)
+    mpgc = _megatron_groups(pgc) if fmg is not None else None
     first: dict[str, list[float]] = {}
     models: dict[str, list[Any]] = {}
     steps: dict[str, Callable[[], object]] = {}
@@ -134,24 +137,21 @@ def _build_row(layers: int, experts: int, fmg: Any, repeats: int) -> _Row:
             _user_grads(chunk)
         return [chunk]
 
-    for kind in MODELS:
-        for _ in range(repeats):
+    kinds = [*MODELS, "megatron"] if fmg is not None else list(MODELS)
+    for repeat in range(repeats):
+        for kind in kinds[repeat % len(kinds):] + kinds[: repeat % len(kinds)]:
             model = make(kind)
             if kind == "buffers":
                 start = time.perf_counter()
                 keep[kind] = attach_grad_buffers(model, pgc, lazy=True, device="cpu")
                 attach.append(time.perf_counter() - start)
-            fn = lambda model=model: torch_impl.finalize_model_grads(model, pg_collection=pgc)  # noqa: E731
+            if kind == "megatron":
+                fn = lambda model=model: fmg.finalize_model_grads(model, None, mpgc)  # noqa: E731
+            else:
+                fn = lambda model=model: torch_impl.finalize_model_grads(model, pg_collection=pgc)  # noqa: E731
             first.setdefault(kind, []).append(_timed_first(fn))
-        models[kind], steps[kind] = model, fn
+            models[kind], steps[kind] = model, fn
     steps["floor"] = copy_floor([p.main_grad for p in non_tp_params(models["DDP chunks"][0].module)], pgc.tp)
-    if fmg is not None:  # as many fresh models as each meshgrad kind: its first call varies 2x too
-        mpgc = _megatron_groups(pgc)
-        for _ in range(repeats):
-            mc = make("megatron")
-            steps["megatron"] = lambda mc=mc: fmg.finalize_model_grads(mc, None, mpgc)  # noqa: E731
-            first.setdefault("megatron", []).append(_timed_first(steps["megatron"]))
-        models["megatron"] = mc
     return _Row(lay, pgc, models, steps, first, keep, statistics.median(attach) if attach else None)
 
 
