@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -195,6 +196,13 @@ def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
     for r in rows.values():
         assert r["bytes_copied"]["buffers"] == 0
         assert r["first_call"]["DDP chunks"] > 0 and r["step"]["DDP chunks"]["median"] > 0
+        # the first-call goal pairs each round's two first calls (one fresh model of each per round)
+        ours, theirs = r["first_call_samples"]["DDP chunks"], r["first_call_samples"]["megatron"]
+        assert len(ours) == len(theirs) == 3 and r["first_call"]["DDP chunks"] == statistics.median(ours)
+        assert r["first_call_vs_megatron"] == statistics.median(a / b for a, b in zip(ours, theirs))
+    big = rows["16x32"]
+    (first_goal,) = [g for g in report["goals"] if g["goal"].endswith("first call / megatron-core's first call <= 2")]
+    assert first_goal["value"] == big["first_call_vs_megatron"]
     (layout,) = report["fake"]
     assert layout["time"]["floor"]["non_tp"]["median"] > 0 and layout["time"]["staging floor"]["non_tp"]["median"] > 0
 
