@@ -34,7 +34,7 @@ from bench.counting import megatron_finalize_module
 from bench.ddp import MiniDDP
 from bench.models import Layout, non_tp_params
 from bench.run import FAKE_LAYOUTS
-from bench.timing import paired_ratio
+from bench.timing import paired_ratio, rotated
 
 
 def _models(lay: Layout) -> tuple[dict[str, Callable[[], object]], dict[str, list[torch.Tensor]]]:
@@ -85,7 +85,7 @@ def measure(lay: Layout, *, rounds: int, flush_mb: int) -> dict[str, Any]:
     gc.disable()
     try:
         for r in range(rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            for name in rotated(names, r):
                 for kind in ("cold", "warm"):
                     if kind == "cold":
                         flush.add_(1)

@@ -17,6 +17,7 @@ import types
 from typing import Any
 
 from bench.models import Layout
+from bench.timing import rotated
 
 def _groups(lay: Layout, rank: int) -> tuple[Any, Any]:
     """(meshgrad's group namespace, megatron's), created identically on every rank."""
@@ -118,7 +119,7 @@ def world_main(rank: int, world: int, payload: Any, sink: Any) -> None:
     dist.barrier()
     samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in rotated(names, r):
             dist.barrier()
             start = time.perf_counter()
             for _ in range(batch):

@@ -43,7 +43,7 @@ from bench.ddp import MiniDDP
 from bench.goals import goal
 from bench.fake import _GROUPS, _per_call, copy_floor, fake_groups, init_fake
 from bench.models import Layout, build_moe_stack, count_non_tp, non_tp_params
-from bench.timing import interleaved, paired_ratio
+from bench.timing import interleaved, paired_ratio, rotated
 
 ROWS: tuple[tuple[int, int], ...] = ((8, 8), (32, 8), (32, 64), (64, 128))
 REFERENCE = (32, 8)  # the growth ratios' denominator (673 parameters)
@@ -139,7 +139,7 @@ def _build_row(layers: int, experts: int, fmg: Any, repeats: int) -> _Row:
 
     kinds = [*MODELS, "megatron"] if fmg is not None else list(MODELS)
     for repeat in range(repeats):
-        for kind in kinds[repeat % len(kinds):] + kinds[: repeat % len(kinds)]:
+        for kind in rotated(kinds, repeat):
             model = make(kind)
             if kind == "buffers":
                 start = time.perf_counter()

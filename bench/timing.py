@@ -10,7 +10,14 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+
+
+def rotated(names: Sequence[str], start: int) -> list[str]:
+    """``names`` rotated to begin at index ``start`` (modulo their count): round ``r`` of an
+    interleaved run takes them in ``rotated(names, r)`` order, so each name is first in turn."""
+    shift = start % len(names)
+    return [*names[shift:], *names[:shift]]
 
 
 def interleaved(
@@ -46,8 +53,7 @@ def interleaved(
     gc.disable()
     try:
         for r in range(rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
-            for name in order:
+            for name in rotated(names, r):
                 fn = candidates[name]
                 start = time.perf_counter()
                 for _ in range(calls[name]):
