@@ -27,15 +27,23 @@
 #      finalize, collectives and bytes copied per call. The rows that use no GPU (gloo
 #      worlds, real DDP on gloo, JAX, MoE scale and at-scale plans) are left to `python -m bench`.
 #
-# The GPU steps come first: a step that overruns STEP_TIMEOUT is stopped and the next runs.
+# The GPU steps come first. The whole script keeps to a budget (BUDGET seconds, default 450:
+# it ends inside 8 minutes on one GPU whatever a step does): each step may run for
+# STEP_TIMEOUT or what is left of the budget, whichever is less, and is then stopped; a step
+# with less than 20 s left is skipped. Either way the next step runs and the report is
+# written.
 # Usage: bash bench/gpu.sh [--quick] [--cpu-smoke]
 #   --quick      fewer rounds, the 24-layer layouts only
 #   --cpu-smoke  no GPU needed: every step on the CPU with tiny layouts (tests this script;
 #                steps 4-5 take the capture path with the torch.cuda graph calls stood in)
-# Every step's JSON and the log are merged into one file at the end: $OUT/gpu_report.json.
+# Every step's JSON, its status, time and log are merged into one file at the end:
+# $OUT/gpu_report.json (beside the steps' own JSON files: eight files in all; the logs are
+# kept in a temporary folder, not in $OUT).
 # Environment: OUT (results folder; default bench/results), PYTHON (default python3),
-#   STEP_TIMEOUT (seconds per step, default 150: the whole script fits in 8 minutes on one GPU).
-# Exit status: 0 when every step succeeded, 1 when one failed, 2 when no GPU is usable.
+#   BUDGET (seconds for the whole script, default 450), STEP_TIMEOUT (seconds per step at
+#   most, default 150).
+# Exit status: 0 when every step succeeded, 1 when one failed or was skipped, 2 when no GPU
+# is usable.
 
 set -euo pipefail
 
@@ -55,6 +63,7 @@ for arg in "$@"; do
   esac
 done
 mkdir -p "$RESULTS"
+rm -f "$RESULTS"/gpu_*.json  # this script's own files from an earlier run: the report merges what is there
 
 say() { printf '\n==== %s ====\n' "$*"; }
 
@@ -92,43 +101,77 @@ else
   GRAPH=(--device cuda)
 fi
 
+BUDGET="${BUDGET:-450}"
+STEP_TIMEOUT="${STEP_TIMEOUT:-150}"
+RESERVE=15      # seconds kept for the summary
+MIN_STEP=20     # a step with less than this left is skipped
+KILL_AFTER=10   # a step that ignores its stop signal is killed this much later
+LOGS="$(mktemp -d)"
+trap 'rm -rf "$LOGS"' EXIT
 failed=()
-run() {  # run NAME CMD...: run a step, keep going on failure, remember it
-  local name="$1"; shift
+RUNS="$LOGS/runs.tsv"  # one line per step: key, outcome, seconds, limit, name
+: > "$RUNS"
+run() {  # run KEY NAME CMD...: run a step inside the budget, keep going on failure
+  local key="$1" name="$2"; shift 2
   say "$name"
   echo "+ $*"
-  local start=$SECONDS
-  if timeout --kill-after=30 "${STEP_TIMEOUT:-150}" "$@"; then
+  local left=$(( BUDGET - SECONDS - RESERVE - KILL_AFTER ))
+  if (( left < MIN_STEP )); then
+    echo "---- $name: skipped (${left} s left of the ${BUDGET} s budget)" >&2
+    failed+=("$name")
+    printf '%s\tskipped\t0\t0\t%s\n' "$key" "$name" >> "$RUNS"
+    return
+  fi
+  local limit=$(( left < STEP_TIMEOUT ? left : STEP_TIMEOUT ))
+  local start=$SECONDS status outcome=ok
+  set +e
+  timeout --kill-after="$KILL_AFTER" "$limit" "$@" 2>&1 | tee "$LOGS/$key.log"
+  status=${PIPESTATUS[0]}
+  set -e
+  if (( status == 124 || status == 137 )); then
+    outcome=timeout
+  elif (( status != 0 )); then
+    outcome=failed
+  fi
+  if [[ $outcome == ok ]]; then
     echo "---- $name: ok ($((SECONDS - start)) s)"
   else
-    local status=$?
-    echo "---- $name: FAILED with status $status ($((SECONDS - start)) s)" >&2
+    echo "---- $name: FAILED with status $status ($outcome after $((SECONDS - start)) s, limit $limit s)" >&2
     failed+=("$name")
   fi
+  printf '%s\t%s\t%s\t%s\t%s\n' "$key" "$outcome" "$((SECONDS - start))" "$limit" "$name" >> "$RUNS"
 }
 
-run "1/5 world of one (${WORLD1[1]}), CUDA graph capture" \
+run world_of_one "1/5 world of one (${WORLD1[1]}), CUDA graph capture" \
   "$PY" -m bench.cuda "${WORLD1[@]}" "${QUICK[@]}" --json "$RESULTS/gpu_world_of_one.json"
 if [[ $SMOKE -eq 0 ]]; then
-  run "1b/5 world of one (nccl), hidden 2048" \
+  run world_of_one_h2048 "1b/5 world of one (nccl), hidden 2048" \
     "$PY" -m bench.cuda "${WORLD1[@]}" --quick --hidden 2048 --json "$RESULTS/gpu_world_of_one_h2048.json"
-  run "1c/5 world of one (nccl), 12 layers x hidden 4096" \
+  run world_of_one_h4096 "1c/5 world of one (nccl), 12 layers x hidden 4096" \
     "$PY" -m bench.cuda "${WORLD1[@]}" --quick --layers 12 --hidden 4096 --json "$RESULTS/gpu_world_of_one_h4096.json"
 fi
-run "2/5 fake multi-rank layout, CUDA graph capture" \
+run fake_graph "2/5 fake multi-rank layout, CUDA graph capture" \
   "$PY" -m bench.cuda "${FAKE[@]}" "${QUICK[@]}" --json "$RESULTS/gpu_fake_graph.json"
-run "3/5 whole training step in one CUDA graph: megatron's FullCudaGraphWrapper (fallback: hand-rolled), torch_impl finalize" \
+run full_step_graph "3/5 whole training step in one CUDA graph: megatron's FullCudaGraphWrapper (fallback: hand-rolled), torch_impl finalize" \
   "$PY" -m bench.full_graph "${GRAPH[@]}" --json "$RESULTS/gpu_full_step_graph.json"
-run "4/5 whole training step in one CUDA graph: hand-rolled torch.cuda.graph capture, torch_impl finalize" \
+run full_step_graph_hand "4/5 whole training step in one CUDA graph: hand-rolled torch.cuda.graph capture, torch_impl finalize" \
   "$PY" -m bench.full_graph "${GRAPH[@]}" --impl hand --json "$RESULTS/gpu_full_step_graph_hand.json"
-run "5/5 side by side, fake backend, gradients on $DEVICE" \
+run side_by_side "5/5 side by side, fake backend, gradients on $DEVICE" \
   "$PY" -m bench --device "$DEVICE" "${QUICK[@]}" "${SIDE[@]}" --json "$RESULTS/gpu_side_by_side.json"
 
 say "summary"
-"$PY" - "$RESULTS" "${failed[@]}" <<'EOF' || true
+"$PY" - "$RESULTS" "$RUNS" "$BUDGET" "$SECONDS" <<'EOF' || true
 import glob, json, os, sys
-results, failed = sys.argv[1], sys.argv[2:]
-report = {"failed steps": failed, "steps": {}}
+results, runs_file, budget, elapsed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+runs = []
+with open(runs_file) as f:
+    for line in f.read().splitlines():
+        key, outcome, seconds, limit, name = line.split("\t", 4)
+        log = os.path.join(os.path.dirname(runs_file), key + ".log")
+        tail = open(log, errors="replace").read().splitlines()[-200:] if os.path.exists(log) else []
+        runs.append({"step": name, "outcome": outcome, "seconds": int(seconds), "limit_s": int(limit), "log_tail": tail})
+report = {"failed steps": [r["step"] for r in runs if r["outcome"] != "ok"], "budget_s": budget,
+          "elapsed_s": elapsed, "runs": runs, "steps": {}}
 for path in sorted(glob.glob(os.path.join(results, "gpu_*.json"))):
     if os.path.basename(path) == "gpu_report.json":
         continue
@@ -139,10 +182,13 @@ for path in sorted(glob.glob(os.path.join(results, "gpu_*.json"))):
             report["steps"][os.path.basename(path)] = {"error": f"unreadable: {err}"}
 with open(os.path.join(results, "gpu_report.json"), "w") as f:
     json.dump(report, f, indent=2, default=str)
-print(f"one file: {os.path.join(results, 'gpu_report.json')} ({len(report['steps'])} steps)")
+ok = sum(r["outcome"] == "ok" for r in runs)
+print(f"one file: {os.path.join(results, 'gpu_report.json')} ({ok} of {len(runs)} steps ok, "
+      f"{len(report['steps'])} step files, {elapsed} s of the {budget} s budget)")
 EOF
 if [[ ${#failed[@]} -gt 0 ]]; then
-  echo "failed steps: ${failed[*]}" >&2
+  echo "failed or skipped steps:" >&2
+  printf '  %s\n' "${failed[@]}" >&2
   exit 1
 fi
 echo "all steps succeeded"

@@ -69,6 +69,33 @@ def test_gpu_script_cpu_smoke(tmp_path):
     assert world1["graph meshgrad buffers"] == {"skipped": "no CUDA device"}
     fake = json.loads((tmp_path / "gpu_fake_graph.json").read_text())
     assert fake["graph meshgrad buffers"] == {"skipped": "no CUDA device"} and fake["eager values_ok"] is True
+    # The one file: every step's JSON as written, and each step's outcome, time and log.
+    report = json.loads((tmp_path / "gpu_report.json").read_text())
+    assert report["steps"]["gpu_world_of_one.json"] == world1 and report["steps"]["gpu_fake_graph.json"] == fake
+    assert report["failed steps"] == [] and [r["outcome"] for r in report["runs"]] == ["ok"] * 5
+    assert report["budget_s"] == 450 and sum(r["seconds"] for r in report["runs"]) <= report["elapsed_s"] <= 450
+    assert all(r["limit_s"] == 150 for r in report["runs"])
+    hand = report["runs"][3]
+    assert hand["step"].startswith("4/5") and any("replay == eager" in line and "PASS" in line for line in hand["log_tail"])
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+@pytest.mark.parametrize("limits, outcome", [({"STEP_TIMEOUT": "1"}, "timeout"), ({"BUDGET": "30"}, "skipped")])
+def test_gpu_script_keeps_to_its_budget(tmp_path, limits, outcome):
+    """A step is stopped at STEP_TIMEOUT or at what is left of BUDGET (skipped under 20 s
+    left); the script goes on, writes the report and exits 1."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, **limits)
+    (tmp_path / "gpu_fake_graph.json").write_text('{"from": "an earlier run"}')
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "--cpu-smoke"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_report.json").read_text())
+    runs = report["runs"]
+    assert [r["outcome"] for r in runs] == [outcome] * 5 and report["failed steps"] == [r["step"] for r in runs]
+    assert report["steps"] == {}  # no step wrote its file, and the earlier run's is gone
+    expected_limit = 1 if outcome == "timeout" else 0
+    assert all(r["limit_s"] == expected_limit and r["seconds"] <= expected_limit + 10 for r in runs)
+    assert report["elapsed_s"] <= int(limits.get("BUDGET", 450))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
