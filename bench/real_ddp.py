@@ -23,6 +23,11 @@ setting (same seed):
   goal): its ratio to ``megatron-core`` is how far two identical finalizes read apart in
   the same run, the spread of the measurement itself on this machine.
 
+Asked for by ``--candidates`` only: ``torch_impl unchecked``, torch_impl's finalize with
+its steady check skipped once it has said yes (:class:`bench.unchecked.Unchecked`; the
+status round, sync and scale as in ``torch_impl``): ``torch_impl`` over it is what the
+check costs a step. Not a safe finalize; its gradients are compared all the same.
+
 With ``overlap_grad_reduce`` each call first runs ``zero_grad_buffer()``, forward and
 backward (the DDP's hooks start the reduction during backward), for all alike.
 Without it the calls repeat on the reduced buffers; every rank passes one token, so the
@@ -42,8 +47,9 @@ token broadcast and all-reduce, and the rest; then the Python functions one more
 of each enters (:func:`~bench.cpu_parts.functions_entered`: this rank's, exact).
 
 Values, not timing: before and after the timed calls, the megatron-core and torch_impl twins
-each run one step on the same per-rank input (zero, forward, backward, finalize); their
-gradient buffers must be bit-identical (``max_abs_diff`` 0) and not zero.
+(and ``torch_impl unchecked`` when timed) each run one step on the same per-rank input (zero,
+forward, backward, finalize); their gradient buffers must be bit-identical (``max_abs_diff``
+0) and not zero.
 """
 
 from __future__ import annotations
@@ -58,9 +64,10 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.cpu_parts import CpuParts, functions_entered
-from bench.goals import goal
 
 NAMES = ("megatron-core", "torch_impl", "torch_impl no round", "floor", "megatron-core again")
+#: Candidates timed only when asked for (``--candidates``), in this order after NAMES.
+OPT_IN = ("torch_impl unchecked",)
 #: Each setting: the DDP config's fields set, and whether the model is in bfloat16.
 MODES: dict[str, dict[str, bool]] = {
     "no overlap": {},
@@ -72,11 +79,13 @@ MODES: dict[str, dict[str, bool]] = {
 #: same round (``bench.timing.paired_ratio``: a slow phase of the machine cancels out),
 #: averaged over the ranks.
 PAIRS = (("torch_impl", "megatron-core"), ("torch_impl", "floor"), ("megatron-core", "floor"),
-         ("torch_impl no round", "megatron-core"), ("megatron-core again", "megatron-core"))
+         ("torch_impl no round", "megatron-core"), ("megatron-core again", "megatron-core"),
+         ("torch_impl", "torch_impl unchecked"))
 #: The ratio columns printed, with their headers.
 RATIO_COLUMNS = (("torch_impl / megatron-core", "ours/mcore"), ("torch_impl / floor", "ours/floor"),
                  ("megatron-core / floor", "mcore/floor"), ("torch_impl no round / megatron-core", "no round/mcore"),
-                 ("megatron-core again / megatron-core", "mcore A/A"))
+                 ("megatron-core again / megatron-core", "mcore A/A"),
+                 ("torch_impl / torch_impl unchecked", "ours/unchecked"))
 #: torch_impl / floor and torch_impl / megatron-core: the full contract (status round on)
 #: at megatron-core's speed.
 GOALS = {"floor": 1.2, "megatron-core": 1.05}
@@ -130,6 +139,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
 
     import torch_impl
     from bench.timing import interleaved, paired_ratio
+    from bench.unchecked import Unchecked
     from parity_tests.megatron_state import megatron_on_cpu
 
     with warnings.catch_warnings():
@@ -168,96 +178,103 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         dist.all_reduce(num_tokens, group=dp_group)
         ddp.scale_gradients(1.0 / num_tokens)
 
+    unchecked = Unchecked()  # installed for the whole world, reset per setting
     finals: dict[str, Callable[..., None]] = {
         "megatron-core": megatron_finalize, "torch_impl": torch_impl.finalize_model_grads,
         "torch_impl no round": torch_impl.finalize_model_grads, "floor": floor_finalize,
-        "megatron-core again": megatron_finalize,
+        "megatron-core again": megatron_finalize, "torch_impl unchecked": unchecked.finalize,
     }
+    compared = [n for n in ("torch_impl", "torch_impl unchecked") if n in names]  # each against megatron-core
     x32 = torch.randn(4, hidden, generator=torch.Generator().manual_seed(rank))
     one = torch.tensor(1)
     out: dict[str, Any] = {}
-    for key in payload.get("modes", MODES):
-        mode = MODES[key]
-        overlap = bool(mode.get("overlap_grad_reduce"))
-        x = x32.to(torch.bfloat16) if mode.get("bf16") else x32
-        models = {name: build(mode, name == "torch_impl no round") for name in names}
+    with unchecked.installed() if "torch_impl unchecked" in names else contextlib.nullcontext():
+        for key in payload.get("modes", MODES):
+            mode = MODES[key]
+            overlap = bool(mode.get("overlap_grad_reduce"))
+            x = x32.to(torch.bfloat16) if mode.get("bf16") else x32
+            models = {name: build(mode, name == "torch_impl no round") for name in names}
+            unchecked.reset()
 
-        def backward(name: str) -> None:
-            models[name].zero_grad_buffer()
-            models[name](x).sum().backward()
+            def backward(name: str) -> None:
+                models[name].zero_grad_buffer()
+                models[name](x).sum().backward()
 
-        def check() -> tuple[float, float]:
-            """One step of the two twins on the same input: (max abs diff, max abs gradient)."""
-            grads = {}
-            for name in ("megatron-core", "torch_impl"):
+            def check() -> tuple[float, float]:
+                """One step of the twins compared on the same input: (the largest abs difference
+                from megatron-core's gradients, the smallest max abs gradient)."""
+                grads = {}
+                for name in ("megatron-core", *compared):
+                    backward(name)
+                    finals[name]([models[name]], num_tokens=torch.tensor(x.shape[0]))
+                    grads[name] = _grads(models[name])
+                return (max(float((grads["megatron-core"] - grads[n]).abs().max()) for n in compared),
+                        min(float(grads[n].abs().max()) for n in compared))
+
+            checks = [check()]
+            for name in names if not overlap else ():  # gradients in the buffers (overlap: each call's own)
                 backward(name)
-                finals[name]([models[name]], num_tokens=torch.tensor(x.shape[0]))
-                grads[name] = _grads(models[name])
-            diff = float((grads["megatron-core"] - grads["torch_impl"]).abs().max())
-            return diff, float(grads["torch_impl"].abs().max())
 
-        checks = [check()]
-        for name in names if not overlap else ():  # gradients in the buffers (overlap: each call's own)
-            backward(name)
+            cpu = {n: [0.0, 0] for n in names}  # this thread's CPU seconds in the finalize calls, and their count
 
-        cpu = {n: [0.0, 0] for n in names}  # this thread's CPU seconds in the finalize calls, and their count
+            def call(name: str, final: Callable[..., None]) -> Callable[[], None]:
+                spent = cpu[name]
 
-        def call(name: str, final: Callable[..., None]) -> Callable[[], None]:
-            spent = cpu[name]
+                def run() -> None:
+                    if overlap:  # each call needs a started reduction: backward's hooks start it
+                        backward(name)
+                    tokens = one.clone()
+                    start = time.thread_time()
+                    final([models[name]], num_tokens=tokens)
+                    spent[0] += time.thread_time() - start
+                    spent[1] += 1
 
-            def run() -> None:
-                if overlap:  # each call needs a started reduction: backward's hooks start it
-                    backward(name)
-                tokens = one.clone()
-                start = time.thread_time()
-                final([models[name]], num_tokens=tokens)
-                spent[0] += time.thread_time() - start
-                spent[1] += 1
+                return run
 
-            return run
+            profile = cpu_parts(DistributedDataParallel) if payload.get("parts") else None
+            timed_finals = dict(finals)
+            if profile is not None:  # the two finalizes' calls counted part by part while timed
+                timed_finals.update({n: profile.counted(n, finals[n]) for n in PROFILED})
+            with profile.installed() if profile is not None else contextlib.nullcontext():
+                timed = interleaved({n: call(n, timed_finals[n]) for n in names}, rounds=payload["rounds"],
+                                    batch=payload["batch"])
 
-        profile = cpu_parts(DistributedDataParallel) if payload.get("parts") else None
-        timed_finals = dict(finals)
-        if profile is not None:  # the two finalizes' calls counted part by part while timed
-            timed_finals.update({n: profile.counted(n, finals[n]) for n in PROFILED})
-        with profile.installed() if profile is not None else contextlib.nullcontext():
-            timed = interleaved({n: call(n, timed_finals[n]) for n in names}, rounds=payload["rounds"],
-                                batch=payload["batch"])
+            def entered(name: str) -> list[int]:  # the Python functions a steady call enters
+                counts: list[int] = []
+                for _ in range(2):  # the first call after the parts' wrappers left is not steady
+                    if overlap:
+                        backward(name)
+                    tokens = one.clone()
+                    counts = list(functions_entered(lambda: finals[name]([models[name]], num_tokens=tokens)))
+                return counts
 
-        def entered(name: str) -> list[int]:  # the Python functions a steady call enters
-            counts: list[int] = []
-            for _ in range(2):  # the first call after the parts' wrappers left is not steady
-                if overlap:
-                    backward(name)
-                tokens = one.clone()
-                counts = list(functions_entered(lambda: finals[name]([models[name]], num_tokens=tokens)))
-            return counts
-
-        functions = {n: entered(n) for n in PROFILED} if profile is not None else None
-        busy = torch.tensor([cpu[n][0] / cpu[n][1] for n in names], dtype=torch.float64)
-        dist.all_reduce(busy)
-        busy /= world
-        checks.append(check())
-        medians = torch.tensor([timed[n]["median"] for n in names], dtype=torch.float64)
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-        paired = [(a, b) for a, b in PAIRS if a in names and b in names]
-        pairs = torch.tensor([paired_ratio(timed[a], timed[b]) for a, b in paired], dtype=torch.float64)
-        dist.all_reduce(pairs)  # the ranks' mean (every call syncs them: their ratios differ by noise)
-        pairs /= world
-        values = torch.tensor([max(c[0] for c in checks), min(c[1] for c in checks)], dtype=torch.float64)
-        worst = values.clone()
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the largest difference of any rank
-        dist.all_reduce(values, op=dist.ReduceOp.MIN)  # the smallest gradient of any rank
-        seconds = {n: float(m) for n, m in zip(names, medians)}
-        parts = profile.ranks_mean(PROFILED, PART_NAMES) if profile is not None else None
-        out[key] = {
-            **({"cpu parts per call": parts, "python functions per call": functions} if parts is not None else {}),
-            "seconds per call": seconds,
-            "cpu seconds per call": {n: float(b) for n, b in zip(names, busy)},
-            **{f"{a} / {b}": float(r) for (a, b), r in zip(paired, pairs)},
-            "values": {"steps compared": len(checks), "max_abs_diff": float(worst[0]),
-                       "identical": float(worst[0]) == 0.0, "grad_abs_max": float(values[1])},
-        }
+            functions = {n: entered(n) for n in PROFILED} if profile is not None else None
+            busy = torch.tensor([cpu[n][0] / cpu[n][1] for n in names], dtype=torch.float64)
+            dist.all_reduce(busy)
+            busy /= world
+            checks.append(check())
+            medians = torch.tensor([timed[n]["median"] for n in names], dtype=torch.float64)
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+            paired = [(a, b) for a, b in PAIRS if a in names and b in names]
+            pairs = torch.tensor([paired_ratio(timed[a], timed[b]) for a, b in paired], dtype=torch.float64)
+            dist.all_reduce(pairs)  # the ranks' mean (every call syncs them: their ratios differ by noise)
+            pairs /= world
+            values = torch.tensor([max(c[0] for c in checks), min(c[1] for c in checks)], dtype=torch.float64)
+            worst = values.clone()
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the largest difference of any rank
+            dist.all_reduce(values, op=dist.ReduceOp.MIN)  # the smallest gradient of any rank
+            seconds = {n: float(m) for n, m in zip(names, medians)}
+            parts = profile.ranks_mean(PROFILED, PART_NAMES) if profile is not None else None
+            out[key] = {
+                **({"cpu parts per call": parts, "python functions per call": functions} if parts is not None else {}),
+                "seconds per call": seconds,
+                "cpu seconds per call": {n: float(b) for n, b in zip(names, busy)},
+                **{f"{a} / {b}": float(r) for (a, b), r in zip(paired, pairs)},
+                **({"torch_impl unchecked: calls without the check": [unchecked.skipped, unchecked.calls]}
+                   if "torch_impl unchecked" in names else {}),
+                "values": {"steps compared": len(checks), "max_abs_diff": float(worst[0]),
+                           "identical": float(worst[0]) == 0.0, "grad_abs_max": float(values[1])},
+            }
     ps.destroy_model_parallel()
     if rank == 0:
         params = payload["layers"] * (hidden**2 + hidden)
@@ -281,83 +298,13 @@ def run_real_ddp(*, world: int = 4, layers: int = 8, hidden: int = 256, rounds: 
     from parity_tests.process_world import spawn_world
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    names = tuple(n for n in NAMES if n in {*names, "megatron-core", "torch_impl"})
+    names = tuple(n for n in (*NAMES, *OPT_IN) if n in {*names, "megatron-core", "torch_impl"})
     payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch, names=names, modes=modes, parts=parts)
     outcome = spawn_world(world_main, world, payload, timeout=timeout, prepare=import_megatron_core)
     fatal = next((f for f in outcome.fatal if f), None)
     if fatal or "result" not in outcome.results[0]:
         return {"error": "timed out" if outcome.timed_out else str(fatal)}
     return outcome.results[0]["result"]
-
-
-def name_of(result: dict[str, Any]) -> str:
-    """The rows' name: ``real-ddp-<layers>L-h<hidden>-dp<world>``."""
-    return f"real-ddp-{result['layers']}L-h{result['hidden']}-dp{result['world']}"
-
-
-def _width(name: str) -> int:
-    """The width of a candidate's column."""
-    return max(18, len(name) + 5)
-
-
-def format_real_ddp(result: dict[str, Any]) -> str:
-    """One row per mode: ms per call of each twin and the floor, the paired ratios
-    (:data:`PAIRS`), the value check."""
-    if "error" in result:
-        return f"real-DDP benchmark world failed: {result['error']}"
-    names = result.get("names", NAMES)
-    ratios = [(key, short) for key, short in RATIO_COLUMNS if key in next(iter(result["modes"].values()), {})]
-    lines = [f"{name_of(result)}  (megatron-core DDP, {result['parameters']} params per rank, per-token loss; "
-             "ratios: median of same-round ratios, mean of the ranks)",
-             f"  {'mode':<21}" + "".join(f"{n + ' ms':>{_width(n)}}" for n in names)
-             + "".join(f"{short:>{len(short) + 2}}" for _, short in ratios) + "  gradients ours vs mcore"]
-    for mode, row in result["modes"].items():
-        t, v = row["seconds per call"], row["values"]
-        same = "bit-identical" if v["identical"] else "DIFFER"
-        lines.append(
-            f"  {mode:<21}" + "".join(f"{1e3 * t[n]:>{_width(n)}.4f}" for n in names)
-            + "".join(f"{row[key]:>{len(short) + 2}.3f}" for key, short in ratios)
-            + f"  {same} (max abs diff {v['max_abs_diff']:g}, "
-            + f"{v['steps compared']} steps, max |grad| {v['grad_abs_max']:.3g})"
-        )
-        busy = row["cpu seconds per call"]
-        lines.append(f"  {'':<21}" + "".join(f"{1e3 * busy[n]:>{_width(n)}.4f}" for n in names)
-                     + "  <- CPU ms of the calling thread (mean of the ranks)")
-        lines += format_parts(row.get("cpu parts per call"), row.get("python functions per call"))
-    return "\n".join(lines)
-
-
-def format_parts(parts: dict[str, dict[str, float]] | None, functions: dict[str, list[int]] | None = None) -> list[str]:
-    """The ``--parts`` lines of one setting: per part, the CPU us per call of each profiled
-    candidate, then the Python functions one steady call enters (nothing without a profile)."""
-    if not parts:
-        return []
-    lines = [f"  {'':<21}CPU us per call, part by part (mean of the ranks):"
-             + "".join(f"{c:>{_width(c)}}" for c in PROFILED)]
-    for part in PART_NAMES:
-        lines.append(f"  {'':<23}{part:<30}" + "".join(f"{1e6 * parts[c][part]:>{_width(c)}.1f}" for c in PROFILED))
-    if functions:
-        lines.append(f"  {'':<23}{'Python functions (distinct/calls)':<30}"
-                     + "".join(f"{'%d / %d' % tuple(functions[c]):>{_width(c)}}" for c in PROFILED))
-    return lines
-
-
-def real_ddp_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The goals of the real-DDP rows, each with its floor where one exists."""
-    if "error" in result:
-        return []
-    name, out = name_of(result), []
-    for mode, row in result["modes"].items():
-        floored = "torch_impl / floor" in row
-        if floored:
-            out.append(goal(f"{name} {mode}: torch_impl finalize / floor <= {GOALS['floor']:g}",
-                            row["torch_impl / floor"], GOALS["floor"], floor=1.0))
-        out.append(goal(f"{name} {mode}: torch_impl / megatron-core <= {GOALS['megatron-core']:g}",
-                        row["torch_impl / megatron-core"], GOALS["megatron-core"],
-                        floor=1.0 / row["megatron-core / floor"] if floored else None))
-        out.append(goal(f"{name} {mode}: gradients, max abs diff torch_impl vs megatron-core == 0",
-                        row["values"]["max_abs_diff"], 0))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--batch", type=int, default=10)
-    parser.add_argument("--candidates", nargs="+", choices=NAMES, default=list(NAMES),
-                        help="the finalizes timed (megatron-core and torch_impl always)")
+    parser.add_argument("--candidates", nargs="+", choices=[*NAMES, *OPT_IN], default=list(NAMES),
+                        help="the finalizes timed (megatron-core and torch_impl always; "
+                             "torch_impl unchecked only when named)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="the settings run")
     parser.add_argument("--parts", action="store_true",
                         help="also print where each finalize's CPU goes, part by part (timed with the parts wrapped)")
@@ -379,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"real-DDP rows skipped: {missing}")
         return 0
     from bench.goals import format_goals
+    from bench.real_ddp_report import format_real_ddp, real_ddp_goals
 
     result = run_real_ddp(world=args.world, layers=args.layers, hidden=args.hidden, rounds=args.rounds,
                           batch=args.batch, names=tuple(args.candidates), modes=tuple(args.modes), parts=args.parts)

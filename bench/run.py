@@ -160,7 +160,8 @@ def goals(fake: list[dict[str, Any]], gloo: list[dict[str, Any]], scale: dict[st
 
 def _real_ddp(args: argparse.Namespace, quick: bool) -> dict[str, Any]:
     """The real-DDP rows (``bench.real_ddp``), printed; ``{"skipped": reason}`` when they cannot run."""
-    from bench.real_ddp import format_real_ddp, megatron_missing, real_ddp_goals, run_real_ddp
+    from bench.real_ddp import megatron_missing, run_real_ddp
+    from bench.real_ddp_report import format_real_ddp, real_ddp_goals
 
     print("\n== megatron-core's real DDP, gloo world of 4: finalize per call (median of rounds, slowest rank) ==",
           flush=True)

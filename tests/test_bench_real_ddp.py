@@ -106,6 +106,34 @@ def test_real_ddp_two_candidates_one_setting(tmp_path: Path) -> None:
     assert [int(n) for n in printed.groups()] == [*functions["megatron-core"], *functions["torch_impl"]], text
 
 
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (its real DistributedDataParallel)")
+def test_real_ddp_unchecked_candidate(tmp_path: Path) -> None:
+    """``--candidates ... "torch_impl unchecked"`` (asked for only): torch_impl's finalize
+    with its steady check answered from the first yes (``bench.unchecked``), timed beside
+    the real one. Its steady calls skip the check (counted), and its gradients are
+    compared with megatron-core's like torch_impl's, with overlap too (new gradients on
+    every call)."""
+    out = tmp_path / "unchecked.json"
+    text = launch([sys.executable, "-m", "bench.real_ddp", "--layers", "2", "--hidden", "64", "--rounds", "2",
+                   "--batch", "2", "--candidates", "megatron-core", "torch_impl", "torch_impl unchecked",
+                   "--modes", "no overlap", "overlap_grad_reduce", "--json", str(out)], ROOT, 600)
+    result = json.loads(out.read_text())
+    assert result["names"] == ["megatron-core", "torch_impl", "torch_impl unchecked"]
+    for mode in ("no overlap", "overlap_grad_reduce"):
+        row = result["modes"][mode]
+        assert row["torch_impl / torch_impl unchecked"] > 0 and row["torch_impl / megatron-core"] > 0, row
+        skipped, calls = row["torch_impl unchecked: calls without the check"]
+        # two checks, three warm-up calls and 2 x 2 timed: all but the first calls of the
+        # model (before a replay was kept) skip the check
+        assert calls == 2 + 3 + 2 * 2 and calls - 3 <= skipped < calls, (skipped, calls)
+        values = row["values"]  # torch_impl's and the unchecked twin's, each against megatron-core
+        assert values["identical"] is True and values["max_abs_diff"] == 0.0 and values["grad_abs_max"] > 0, values
+        line = next(x for x in text.splitlines() if x.strip().startswith(mode))
+        assert "bit-identical (max abs diff 0," in line and len(re.findall(NUMBER, line.split("bit-identical")[0])) >= 5
+    assert "ours/unchecked" in text
+    assert len(result["goals"]) == 4  # torch_impl's two per setting; the unchecked twin has none
+
+
 def test_real_ddp_rows_skipped_with_a_reason(tmp_path: Path) -> None:
     """Without megatron-core (hidden from the import system) the rows are skipped with the
     reason printed; ``--no-real-ddp`` leaves them out."""
