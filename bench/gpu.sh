@@ -58,7 +58,7 @@ for arg in "$@"; do
   case "$arg" in
     --quick) QUICK=(--quick) ;;
     --cpu-smoke) SMOKE=1; QUICK=(--quick) ;;
-    -h|--help) sed -n '2,40p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "bench/gpu.sh: unknown argument: $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -128,8 +128,8 @@ run() {  # run KEY NAME CMD...: run a step inside the budget, keep going on fail
   timeout --kill-after="$KILL_AFTER" "$limit" "$@" 2>&1 | tee "$LOGS/$key.log"
   status=${PIPESTATUS[0]}
   set -e
-  if (( status == 124 || status == 137 )); then
-    outcome=timeout
+  if (( status == 124 || (status == 137 && SECONDS - start >= limit) )); then
+    outcome=timeout  # stopped at its limit (137: killed after ignoring the stop signal)
   elif (( status != 0 )); then
     outcome=failed
   fi

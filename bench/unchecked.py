@@ -26,7 +26,7 @@ class Unchecked:
     def __init__(self) -> None:
         self.calls = 0
         self.skipped = 0
-        self._kept: dict[int, Any] = {}  # id of the first chunk -> the replay the check gave
+        self._kept: dict[int, Any] = {}  # id of the model's first chunk -> the replay the check gave
         self._active = False
 
     @contextmanager
@@ -40,13 +40,14 @@ class Unchecked:
         def replayed(model: Any, source: Any, request: Any) -> Any:
             if not self._active:
                 return original(model, source, request)
-            kept = self._kept.get(id(model[0]))
+            key = id(model[0] if isinstance(model, (list, tuple)) else model)
+            kept = self._kept.get(key)
             if kept is not None:
                 self.skipped += 1
                 return kept
             kept = original(model, source, request)
             if kept is not None:
-                self._kept[id(model[0])] = kept
+                self._kept[key] = kept
             return kept
 
         pipeline.replayed = replayed

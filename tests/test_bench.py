@@ -98,6 +98,15 @@ def test_gpu_script_keeps_to_its_budget(tmp_path, limits, outcome):
     assert report["elapsed_s"] <= int(limits.get("BUDGET", 450))
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_script_help_is_its_whole_header():
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "--help"], capture_output=True, text=True, timeout=60)
+    lines = (ROOT / "bench" / "gpu.sh").read_text().splitlines()[1:]  # after the shebang
+    header = lines[:next(i for i, line in enumerate(lines) if not line.startswith("#"))]
+    assert proc.returncode == 0 and proc.stdout.splitlines() == header
+    assert "BUDGET (seconds for the whole script, default 450)" in proc.stdout and header[-1] == "# is usable."
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
 def test_gpu_script_refuses_without_a_gpu(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
