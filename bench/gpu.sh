@@ -108,7 +108,6 @@ MIN_STEP=20     # a step with less than this left is skipped
 KILL_AFTER=10   # a step that ignores its stop signal is killed this much later
 LOGS="$(mktemp -d)"
 trap 'rm -rf "$LOGS"' EXIT
-failed=()
 RUNS="$LOGS/runs.tsv"  # one line per step: key, outcome, seconds, limit, name
 : > "$RUNS"
 run() {  # run KEY NAME CMD...: run a step inside the budget, keep going on failure
@@ -116,29 +115,26 @@ run() {  # run KEY NAME CMD...: run a step inside the budget, keep going on fail
   say "$name"
   echo "+ $*"
   local left=$(( BUDGET - SECONDS - RESERVE - KILL_AFTER ))
-  if (( left < MIN_STEP )); then
-    echo "---- $name: skipped (${left} s left of the ${BUDGET} s budget)" >&2
-    failed+=("$name")
-    printf '%s\tskipped\t0\t0\t%s\n' "$key" "$name" >> "$RUNS"
-    return
+  local start=$SECONDS limit=0 status outcome=skipped
+  if (( left >= MIN_STEP )); then
+    limit=$(( left < STEP_TIMEOUT ? left : STEP_TIMEOUT ))
+    set +e
+    timeout --kill-after="$KILL_AFTER" "$limit" "$@" 2>&1 | tee "$LOGS/$key.log"
+    status=${PIPESTATUS[0]}
+    set -e
+    if (( status == 0 )); then
+      outcome=ok
+    elif (( status == 124 || (status == 137 && SECONDS - start >= limit) )); then
+      outcome=timeout  # stopped at its limit (137: killed after ignoring the stop signal)
+    else
+      outcome=failed
+    fi
   fi
-  local limit=$(( left < STEP_TIMEOUT ? left : STEP_TIMEOUT ))
-  local start=$SECONDS status outcome=ok
-  set +e
-  timeout --kill-after="$KILL_AFTER" "$limit" "$@" 2>&1 | tee "$LOGS/$key.log"
-  status=${PIPESTATUS[0]}
-  set -e
-  if (( status == 124 || (status == 137 && SECONDS - start >= limit) )); then
-    outcome=timeout  # stopped at its limit (137: killed after ignoring the stop signal)
-  elif (( status != 0 )); then
-    outcome=failed
-  fi
-  if [[ $outcome == ok ]]; then
-    echo "---- $name: ok ($((SECONDS - start)) s)"
-  else
-    echo "---- $name: FAILED with status $status ($outcome after $((SECONDS - start)) s, limit $limit s)" >&2
-    failed+=("$name")
-  fi
+  case $outcome in
+    ok) echo "---- $name: ok ($((SECONDS - start)) s)" ;;
+    skipped) echo "---- $name: skipped (${left} s left of the ${BUDGET} s budget)" >&2 ;;
+    *) echo "---- $name: FAILED with status $status ($outcome after $((SECONDS - start)) s, limit $limit s)" >&2 ;;
+  esac
   printf '%s\t%s\t%s\t%s\t%s\n' "$key" "$outcome" "$((SECONDS - start))" "$limit" "$name" >> "$RUNS"
 }
 
@@ -186,9 +182,9 @@ ok = sum(r["outcome"] == "ok" for r in runs)
 print(f"one file: {os.path.join(results, 'gpu_report.json')} ({ok} of {len(runs)} steps ok, "
       f"{len(report['steps'])} step files, {elapsed} s of the {budget} s budget)")
 EOF
-if [[ ${#failed[@]} -gt 0 ]]; then
-  echo "failed or skipped steps:" >&2
-  printf '  %s\n' "${failed[@]}" >&2
+not_ok="$(awk -F '\t' '$2 != "ok" { print "  " $5 }' "$RUNS")"
+if [[ -n $not_ok ]]; then
+  printf 'failed or skipped steps:\n%s\n' "$not_ok" >&2
   exit 1
 fi
 echo "all steps succeeded"
