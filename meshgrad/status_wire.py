@@ -49,7 +49,8 @@ def token_bits(count: int, limit: int) -> int:
     """What an int64 token ``count`` adds to a short word: the count from
     :data:`TOKEN_SHIFT` up, or :data:`TOO_LARGE` when it is too large for the word
     (``limit``: :func:`token_limit` of the ranks the round reaches, worked out once per
-    route by its caller)."""
+    route by its caller). Written out in torch_impl's quiet round (``QuietRound.run``), as
+    are :func:`nothing_flagged` and :func:`carried_count`: a change here is one there."""
     return count << TOKEN_SHIFT if -limit < count < limit else TOO_LARGE
 
 

@@ -121,6 +121,22 @@ def _inference_tensor(chunks: list[DDP]) -> None:
     next(iter(ModelState.of(chunks).replays.values())).findings.record.inference_tensor = "module.a"
 
 
+def _record_of_another_discovery(chunks: list[DDP]) -> None:
+    next(iter(ModelState.of(chunks).replays.values())).findings.record.found = object()
+
+
+def _record_of_another_plan(chunks: list[DDP]) -> None:
+    records = ModelState.of(chunks).plan_memo.records
+    for key, (_, record) in list(records.items()):
+        records[key] = (object(), record)  # the same record, kept for another plan at that key
+
+
+def _last_call_of_another_plan(chunks: list[DDP]) -> None:
+    calls = ModelState.of(chunks).last_calls
+    for entry, (_, tokens) in list(calls.items()):
+        calls[entry] = (object(), tokens)
+
+
 def _flag_cleared(chunks: list[DDP]) -> None:
     chunks[0].module.a.sequence_parallel = False  # the plan reduces a no more
 
@@ -135,6 +151,9 @@ CHANGES: dict[str, tuple[Callable[[list[DDP]], None], str | None]] = {
     "another kind of num_tokens compared on the plan": (_tokens_compared, None),
     "the plan's consistency not established": (_not_consistent, None),
     "the plan's record dropped": (_record_dropped, None),
+    "the plan's record kept for another discovery": (_record_of_another_discovery, None),
+    "the record's key holding another plan": (_record_of_another_plan, None),
+    "the entry point's last call of another plan": (_last_call_of_another_plan, None),
     "an inference tensor found on the plan": (_inference_tensor, "module.a was made under torch.inference_mode()"),
     "a watched flag cleared": (_flag_cleared, None),
     "a watched gradient replaced": (_grad_replaced, None),
@@ -277,6 +296,26 @@ def test_num_tokens_of_another_kind_takes_the_stages_and_is_compared(stages: dic
     assert not tokens_replayed(chunks, torch.tensor(4))  # the int64 kind is compared again
     finalize(chunks, num_tokens=torch.tensor(4.0))
     assert tokens_replayed(chunks, torch.tensor(4.0))
+
+
+def test_num_tokens_is_judged_again_where_the_record_moved(stages: dict[str, int]) -> None:
+    """The replay skips the num_tokens check's judgement only for the kind, device and route
+    the kept call passed it with; the record's device read again decides."""
+    chunks = model(calculate_per_token_loss=True)
+    for _ in range(3):
+        step(chunks, 4)
+    (kept,) = ModelState.of(chunks).replays.values()
+    record = kept.findings.record
+    device = record.device  # None: the DDP syncs every gradient, the plan reads none
+    assert kept.judged == ((torch.int64, 1, torch.device("cpu")), device, False)
+    record.device = torch.device("meta")  # as if the gradients were elsewhere: a CPU num_tokens fails
+    assert not tokens_replayed(chunks, torch.tensor(4))
+    record.device, record.nccl = device, True  # the NCCL route needs a CUDA num_tokens
+    assert not tokens_replayed(chunks, torch.tensor(4))
+    record.nccl = False
+    assert tokens_replayed(chunks, torch.tensor(4))
+    step(chunks, 8)  # and the numbers of the replayed call
+    assert stages["check_call"] == 2
 
 
 #: num_tokens a replayable call refuses as the check stage does: (value, error, text).

@@ -121,7 +121,8 @@ def record_quiet(record: PlanRecord | None, found: Any, mode: str, tokens: tuple
     """The part of :func:`nothing_per_step` that reads the plan's record, which a fresh check
     or a comparison updates in place (the rest is fixed for one plan and config): the
     record kept for ``found``, with no inference tensor, and no comparison due under
-    consistency mode ``mode`` (the plan consistent, for this kind of num_tokens)."""
+    consistency mode ``mode`` (the plan consistent, for this kind of num_tokens). Written
+    out in :func:`~torch_impl.call.replay.replayed` too: a change here is one there."""
     return (
         record is not None and record.found is found and record.inference_tensor is None
         and (mode == "off" or record.consistent and record.tokens == tokens)
@@ -131,7 +132,8 @@ def record_quiet(record: PlanRecord | None, found: Any, mode: str, tokens: tuple
 def same_call(last: tuple[Any, Any] | None, bound: Any, tokens: tuple[Any, ...] | None) -> bool:
     """Whether a call of plan ``bound`` and kind of ``num_tokens`` ``tokens`` follows a call
     of the same entry point with the same on this model (``last``: its (plan, kind) from
-    the model state's ``last_calls``, None for none)."""
+    the model state's ``last_calls``, None for none). Written out in
+    :func:`~torch_impl.call.replay.replayed` too."""
     return last is not None and last[0] is bound and last[1] == tokens
 
 

@@ -200,7 +200,8 @@ def check_inference_mode(inference_tensor: str, rank: int) -> None:
 
 def tokens_kind(num_tokens: Any) -> tuple[Any, ...] | None:
     """What of ``num_tokens`` the consistency comparison compares -- it decides the token
-    collectives -- and :func:`tokens_error` checks: (dtype, numel, device); None for no tensor."""
+    collectives -- and :func:`tokens_error` checks: (dtype, numel, device); None for no tensor.
+    Written out in :func:`~torch_impl.call.replay.replayed` too."""
     return (num_tokens.dtype, num_tokens.numel(), num_tokens.device) if isinstance(num_tokens, torch.Tensor) else None
 
 

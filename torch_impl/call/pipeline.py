@@ -95,7 +95,7 @@ def call(model: Any, source: Any, request: Request = Request(), fence: Callable[
         or a failed collective.
     """
     bound, inputs, total = _agreed(model, source, request)
-    finalize = request.finalize
+    finalize = not request.steps  # Request.finalize, without a property's call on every step
     if not finalize and not bound.plan.actions:
         return
     if finalize:

@@ -83,7 +83,8 @@ class PlanMemo:
         return bound, self.record(bound)
 
     def record(self, bound: BoundPlan) -> PlanRecord | None:
-        """What the once-per-plan checks found for ``bound`` (None before they passed)."""
+        """What the once-per-plan checks found for ``bound`` (None before they passed); read
+        the same way, written out, by :func:`~torch_impl.call.replay.replayed`."""
         hit = self.records.get(id(bound))
         return hit[1] if hit is not None and hit[0] is bound else None
 

@@ -106,7 +106,9 @@ class SteadyGuard(NamedTuple):
     builds: int
 
     def holds(self, last: SteadyCall, source: Any, request: Request) -> bool:
-        """Whether a call of ``last``'s kind with these arguments would pass the full check."""
+        """Whether a call of ``last``'s kind with these arguments would pass the full check
+        (:func:`~torch_impl.call.replay.replayed` asks its probes alone where the call's
+        source and config are the guard's own)."""
         return (
             self.probes is not None and last is self.last and request.config is self.config
             and (source is self.source or self.source is PER_CALL and type(source) is dict

@@ -110,7 +110,8 @@ class HostWire:
         self._zeros = memoryview(bytes(8 * size)).cast("q")
 
     def clear(self) -> None:
-        """Every word zero again (the last round's sum overwritten, one C-level copy)."""
+        """Every word zero again (the last round's sum overwritten, one C-level copy; written
+        out in :meth:`~torch_impl.run.quiet_round.QuietRound.run`)."""
         self.words[:] = self._zeros
 
     def load(self, words: Sequence[int]) -> tuple[torch.Tensor, memoryview]:

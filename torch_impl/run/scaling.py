@@ -66,13 +66,25 @@ class HostFactor:
         self.factor: torch.Tensor | None = None
         self.version = -1
 
-    def get(self, total: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """``full(shape, 1 / max(total, 1), dtype)``, the kept one when it is that."""
-        factor, key = self.factor, (total, shape, dtype)
+    def scale(self, num_tokens: torch.Tensor, total: int) -> torch.Tensor | None:
+        """:func:`host_scale` with this model's kept factor: one method on a steady step
+        (each function a step enters comes back cold from memory, a few microseconds)."""
+        dtype = torch.get_default_dtype()
+        bounds = _HOST_COUNTS.get(num_tokens.dtype)
+        if bounds is None or not bounds[0] <= total <= bounds[1] or total > _EXACT_COUNT:
+            return None
+        if dtype not in (torch.float32, torch.float64) or num_tokens.device.type != "cpu":
+            return None
+        # an integer tensor: it cannot require grad; an inference one needs fill_into's context
+        if num_tokens.is_inference():
+            fill_into(num_tokens, total)
+        else:
+            num_tokens.fill_(total)
+        factor, key = self.factor, (total, num_tokens.shape, dtype)
         if factor is not None and self.key == key and factor._version == self.version:
             return factor
         with outside_inference_mode():  # kept by its version counter, which an inference tensor lacks
-            factor = torch.full(shape, 1.0 / max(total, 1), dtype=dtype, device="cpu")  # num_tokens' device
+            factor = torch.full(key[1], 1.0 / max(total, 1), dtype=dtype, device="cpu")  # num_tokens' device
         self.key, self.factor, self.version = key, factor, factor._version
         return factor
 
@@ -81,8 +93,9 @@ def host_scale(num_tokens: torch.Tensor, total: int, kept: HostFactor | None = N
     """The factor of :func:`global_token_scale` from a global count known on the host
     (the status round read it back), with ``total`` written into ``num_tokens``: two
     tensor operations instead of the device path's conversions (one with ``kept``, whose
-    factor is reused while it is the same). None where the device path must answer
-    instead (a count its dtype or the float dtype cannot hold exactly).
+    factor ``full(shape, 1 / max(total, 1), dtype)`` is reused while it is the same:
+    :meth:`HostFactor.scale`). None where the device path must answer instead (a count its
+    dtype or the float dtype cannot hold exactly).
 
     The factor equals the device path's bit for bit: ``1 / max(n, 1)`` is computed in
     float64 and rounded once more to float32, and a double rounding of a quotient is the
@@ -90,14 +103,7 @@ def host_scale(num_tokens: torch.Tensor, total: int, kept: HostFactor | None = N
     (float64 has 53); the device path rounds the same quotient once. Every count up to
     2**24 is exact in float32.
     """
-    dtype = torch.get_default_dtype()
-    bounds = _HOST_COUNTS.get(num_tokens.dtype)
-    if bounds is None or not bounds[0] <= total <= bounds[1] or total > _EXACT_COUNT:
-        return None
-    if dtype not in (torch.float32, torch.float64) or num_tokens.device.type != "cpu":
-        return None
-    fill_into(num_tokens, total)  # an integer tensor: it cannot require grad
-    return (kept if kept is not None else HostFactor()).get(total, num_tokens.shape, dtype)
+    return (kept if kept is not None else HostFactor()).scale(num_tokens, total)
 
 
 def scale_by_tokens(
@@ -129,7 +135,9 @@ def scale_by_tokens(
     # is exact; else the device path (which reduces the count itself when still not reduced).
     if reduced is None and on_host(num_tokens):
         reduced = host_total(num_tokens, action, groups)
-    scale = host_scale(num_tokens, reduced, kept) if isinstance(reduced, int) else None
+    scale = None
+    if isinstance(reduced, int):  # the kept factor's own method where there is one: no host_scale between
+        scale = kept.scale(num_tokens, reduced) if kept is not None else host_scale(num_tokens, reduced)
     if scale is None:
         with collective_guard(token_scale_text(action), groups):
             scale = global_token_scale(num_tokens, action, groups, reduced)
