@@ -12,6 +12,8 @@ rank while the others replay) is in ``tests/test_reliability_steps.py``.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -385,3 +387,41 @@ def test_a_finalize_call_that_switches_kind_compares_and_is_not_replayed(stages:
     assert compared[-1] is True and stages["check_call"] == 5
     step(chunks, 4)
     assert compared[-1] is False and tokens_replayed(chunks, torch.tensor(4))
+
+
+#: The distinct functions of torch_impl and meshgrad a replayed finalize with num_tokens
+#: enters in this world of one, its count another than the last call's (a new host factor;
+#: ``sys.setprofile``; torch's and Python's own not counted).
+#: Each is a few microseconds of cold memory per step inside a distributed world
+#: (docs/performance.md, "Thirteen functions fewer per steady call"): a change that adds
+#: one to the steady path raises this bound on purpose, or writes the call out.
+STEADY_FUNCTIONS = 40
+
+
+def test_a_replayed_call_enters_no_more_of_our_functions_than_counted(stages: dict[str, int]) -> None:
+    import meshgrad
+    import torch_impl
+
+    chunks = model(calculate_per_token_loss=True)
+    for _ in range(3):
+        step(chunks, 4)
+    roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch_impl, meshgrad))
+    entered: dict[Any, int] = {}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(roots):
+            entered[frame.f_code] = entered.get(frame.f_code, 0) + 1
+
+    for c in chunks:
+        c.fill()
+    want = [p.main_grad / 8 for p in chunks[0].module.parameters()]
+    sys.setprofile(profile)
+    try:
+        finalize(chunks, num_tokens=torch.tensor(8))
+    finally:
+        sys.setprofile(None)
+    assert stages["check_call"] == 2  # replayed
+    assert all(torch.equal(p.main_grad, w) for p, w in zip(chunks[0].module.parameters(), want))
+    names = sorted(f"{os.path.basename(code.co_filename)}:{code.co_name}" for code in entered)
+    assert len(entered) <= STEADY_FUNCTIONS, names
+    assert {"replay.py:replayed", "status.py:status_round", "scaling.py:scale"} <= set(names), names
