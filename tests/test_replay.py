@@ -395,7 +395,7 @@ def test_a_finalize_call_that_switches_kind_compares_and_is_not_replayed(stages:
 #: Each is a few microseconds of cold memory per step inside a distributed world
 #: (docs/performance.md, "Thirteen functions fewer per steady call"): a change that adds
 #: one to the steady path raises this bound on purpose, or writes the call out.
-STEADY_FUNCTIONS = 40
+STEADY_FUNCTIONS = 39
 
 
 def test_a_replayed_call_enters_no_more_of_our_functions_than_counted(stages: dict[str, int]) -> None:

@@ -83,8 +83,12 @@ class HostFactor:
         factor, key = self.factor, (total, num_tokens.shape, dtype)
         if factor is not None and self.key == key and factor._version == self.version:
             return factor
-        with outside_inference_mode():  # kept by its version counter, which an inference tensor lacks
-            factor = torch.full(key[1], 1.0 / max(total, 1), dtype=dtype, device="cpu")  # num_tokens' device
+        value = 1.0 / max(total, 1)
+        if torch.is_inference_mode_enabled():  # kept by its version counter, which an inference tensor lacks
+            with outside_inference_mode():
+                factor = torch.full(key[1], value, dtype=dtype, device="cpu")
+        else:  # a count that changes each step makes its factor per call: no context to enter
+            factor = torch.full(key[1], value, dtype=dtype, device="cpu")  # num_tokens' device
         self.key, self.factor, self.version = key, factor, factor._version
         return factor
 
