@@ -15,8 +15,9 @@ on the full path) -- or, where that kind, the gradients' device and the route's 
 are the ones the kept call's ``num_tokens`` passed that check with, reads again only what
 else the check reads, the DDP objects' ``scale_gradients``. It then hands the agree stage
 that call's plan, inputs and findings without the read and check stages' layers of calls
-(each a few microseconds with cold caches inside a step). It is one function on purpose: each call it makes is one more
-function that comes back cold from memory on every step. So the small predicates it
+(each a few microseconds with cold caches inside a step). It is one function on purpose:
+each call it makes is one more function that comes back cold from memory on every step.
+So the small predicates it
 shares with the stages are written out in it, each marked with the function it stands for
 (``tests/test_replay.py`` changes each input they read, one at a time, and sees the replay
 refused).

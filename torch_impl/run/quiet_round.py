@@ -40,15 +40,14 @@ class QuietRound:
       route: the round's route (every hop on the CPU).
     """
 
-    __slots__ = ("route", "wire", "hops", "reached", "fmt", "limit", "options", "zeros", "short", "mask")
+    __slots__ = ("route", "wire", "hops", "reached", "limit", "options", "short", "mask")
 
     def __init__(self, route: Sequence[Hop]) -> None:
         self.route = route
         self.reached = n = rounds.reached(route)
-        self.fmt = fmt = wire_format(n)
+        fmt = wire_format(n)
         self.limit = token_limit(n)  # a short word's bound on one rank's count
         self.wire = rounds.HostWire(ELEMENTS[fmt])
-        self.zeros = memoryview(bytes(8 * ELEMENTS[fmt])).cast("q")  # what the wire is cleared to
         self.short = fmt == "short"
         self.mask = COUNT_MASK.get(fmt)  # the first word's count bits (None: a wide wire, a word per count)
         self.hops = [(name, pg) for name, pg, _, _ in route]
@@ -65,8 +64,9 @@ class QuietRound:
         Raises:
           CollectiveError: a hop failed (timeout): names ``what``, the hop and this rank.
         """
-        words, tensor = self.wire.words, self.wire.tensor
-        words[:] = self.zeros  # the last round's sum: zeros again
+        wire = self.wire
+        words, tensor = wire.words, wire.tensor
+        words[:] = wire.zeros  # the last round's sum: zeros again (HostWire.clear)
         if tokens is not None:
             if self.short:  # the count from TOKEN_SHIFT up, or the too-large flag
                 words[0] = tokens << TOKEN_SHIFT if -self.limit < tokens < self.limit else TOO_LARGE

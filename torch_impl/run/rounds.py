@@ -100,19 +100,19 @@ class HostWire:
       size: the wire's int64 elements (:data:`meshgrad.status_wire.ELEMENTS`).
     """
 
-    __slots__ = ("tensor", "words", "_zeros")
+    __slots__ = ("tensor", "words", "zeros")
 
     def __init__(self, size: int) -> None:
         memory = bytearray(8 * size)  # zeros; malloc'd, so aligned for int64
         with outside_inference_mode():  # a route's wire is kept between calls
             self.tensor = torch.frombuffer(memory, dtype=torch.int64)
         self.words = memoryview(memory).cast("q")  # native int64, the tensor's elements
-        self._zeros = memoryview(bytes(8 * size)).cast("q")
+        self.zeros = memoryview(bytes(8 * size)).cast("q")  # what :meth:`clear` copies in
 
     def clear(self) -> None:
         """Every word zero again (the last round's sum overwritten, one C-level copy; written
         out in :meth:`~torch_impl.run.quiet_round.QuietRound.run`)."""
-        self.words[:] = self._zeros
+        self.words[:] = self.zeros
 
     def load(self, words: Sequence[int]) -> tuple[torch.Tensor, memoryview]:
         """The tensor holding ``words`` (as many as the wire's elements) and its memoryview."""

@@ -83,12 +83,12 @@ class HostFactor:
         factor, key = self.factor, (total, num_tokens.shape, dtype)
         if factor is not None and self.key == key and factor._version == self.version:
             return factor
-        value = 1.0 / max(total, 1)
+        shape, value = key[1], 1.0 / max(total, 1)  # made on num_tokens' device, the CPU
         if torch.is_inference_mode_enabled():  # kept by its version counter, which an inference tensor lacks
             with outside_inference_mode():
-                factor = torch.full(key[1], value, dtype=dtype, device="cpu")
-        else:  # a count that changes each step makes its factor per call: no context to enter
-            factor = torch.full(key[1], value, dtype=dtype, device="cpu")  # num_tokens' device
+                factor = torch.full(shape, value, dtype=dtype, device="cpu")
+        else:  # no context to enter (a count that changes each step makes its factor on every call)
+            factor = torch.full(shape, value, dtype=dtype, device="cpu")
         self.key, self.factor, self.version = key, factor, factor._version
         return factor
 
