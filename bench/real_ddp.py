@@ -30,8 +30,10 @@ check costs a step. Not a safe finalize; its gradients are compared all the same
 
 With ``overlap_grad_reduce`` each call first runs ``zero_grad_buffer()``, forward and
 backward (the DDP's hooks start the reduction during backward), for all alike.
-Without it the calls repeat on the reduced buffers; every rank passes one token, so the
-scale ``1 / world`` undoes the sum over ranks and the values keep their magnitude.
+Without it the calls repeat on the reduced buffers. The token count changes on every call,
+as in training (:func:`step_counts`): each candidate's calls take this rank's counts in
+turn, whose global sums (``world / 2``, then ``2 * world``) scale the summed values by 2,
+then by 1/2, so that they keep their magnitude exactly.
 Times are interleaved rounds (``bench.timing.interleaved``), the slowest rank's median per
 call; each ratio is the median over rounds of the two candidates' times in the same round
 (:data:`PAIRS`), averaged over the ranks: on two cores shared by four ranks the machine's
@@ -114,6 +116,16 @@ def cpu_parts(ddp_class: Any) -> CpuParts:
     ])
 
 
+def step_counts(rank: int, world: int) -> tuple[int, ...]:
+    """This rank's token counts, taken in turn by each candidate's calls: the global count
+    changes on every call, as in training -- ``world / 2`` (ranks below ``world / 2`` pass 1,
+    the others 0), then ``2 * world`` --, and its two scales of the summed values (2, then
+    1/2) cancel exactly. An odd world passes 1 on every call (a constant count)."""
+    if world % 2:
+        return (1,)
+    return (1 if rank < world // 2 else 0, 2)
+
+
 def megatron_missing() -> str | None:
     """Why the real-DDP rows cannot run here (megatron-core not importable), or None."""
     import importlib.util
@@ -186,7 +198,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
     }
     compared = [n for n in ("torch_impl", "torch_impl unchecked") if n in names]  # each against megatron-core
     x32 = torch.randn(4, hidden, generator=torch.Generator().manual_seed(rank))
-    one = torch.tensor(1)
+    token_counts = [torch.tensor(c) for c in step_counts(rank, world)]  # each call's, in turn
     out: dict[str, Any] = {}
     with unchecked.installed() if "torch_impl unchecked" in names else contextlib.nullcontext():
         for key in payload.get("modes", MODES):
@@ -218,12 +230,13 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
             cpu = {n: [0.0, 0] for n in names}  # this thread's CPU seconds in the finalize calls, and their count
 
             def call(name: str, final: Callable[..., None]) -> Callable[[], None]:
-                spent = cpu[name]
+                spent, turn = cpu[name], [0]
 
                 def run() -> None:
                     if overlap:  # each call needs a started reduction: backward's hooks start it
                         backward(name)
-                    tokens = one.clone()
+                    tokens = token_counts[turn[0] % len(token_counts)].clone()
+                    turn[0] += 1
                     start = time.thread_time()
                     final([models[name]], num_tokens=tokens)
                     spent[0] += time.thread_time() - start
@@ -241,10 +254,10 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
 
             def entered(name: str) -> list[int]:  # the Python functions a steady call enters
                 counts: list[int] = []
-                for _ in range(2):  # the first call after the parts' wrappers left is not steady
+                for turn in range(2):  # the first call after the parts' wrappers left is not steady
                     if overlap:
                         backward(name)
-                    tokens = one.clone()
+                    tokens = token_counts[turn % len(token_counts)].clone()  # another count than the last, as timed
                     counts = list(functions_entered(lambda: finals[name]([models[name]], num_tokens=tokens)))
                 return counts
 

@@ -30,6 +30,31 @@ ONLY_REAL_DDP = ["--no-fake", "--no-scale", "--no-gloo", "--no-jax", "--no-at-sc
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_each_call_has_another_global_count_and_the_scales_cancel(world: int) -> None:
+    """``bench.real_ddp.step_counts``: the global count (the sum over ranks) changes from one
+    call to the next, and the no-overlap calls' scales of the summed values (world / sum)
+    multiply to exactly 1 over a cycle, so the repeated calls keep the values' magnitude."""
+    from fractions import Fraction
+
+    from bench.real_ddp import step_counts
+
+    per_rank = [step_counts(rank, world) for rank in range(world)]
+    assert len({len(c) for c in per_rank}) == 1
+    sums = [sum(c[turn] for c in per_rank) for turn in range(len(per_rank[0]))]
+    assert sums == [world // 2, 2 * world]
+    scale = Fraction(1)
+    for total in sums:
+        scale *= Fraction(world, total)
+    assert scale == 1
+
+
+def test_an_odd_world_passes_one_token_every_call() -> None:
+    from bench.real_ddp import step_counts
+
+    assert [step_counts(rank, 3) for rank in range(3)] == [(1,), (1,), (1,)]
+
+
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (its real DistributedDataParallel)")
 def test_real_ddp_rows_have_numbers_and_identical_gradients(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
