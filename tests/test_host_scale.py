@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshgrad.axes import Group
 from meshgrad.plan import TokenScale
@@ -98,6 +99,65 @@ def test_a_kept_factor_is_reused_only_while_it_is_the_same() -> None:
     shaped.mul_(2)  # someone wrote into it: not reused
     again = host_scale(torch.zeros((1,), dtype=torch.int32), 13, kept)
     assert again is not shaped and bits(again) == bits(host_scale(torch.zeros((1,), dtype=torch.int32), 13))
+
+
+class _Ops(TorchDispatchMode):
+    """The names of the torch operations run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_a_kept_factor_no_one_else_holds_is_rewritten_for_each_new_count(
+    default_dtype: torch.dtype, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    """A count that changes every call (as in training) gets the kept tensor, rewritten in
+    place through its memoryview: bit for bit the device path's factor for every count,
+    ``num_tokens`` written as before, and one torch operation in all (that write)."""
+    kept = HostFactor()
+    first = host_scale(torch.zeros(shape, dtype=dtype), 7, kept)
+    assert first is not None
+    made = id(first)
+    del first  # the test holds no reference: the kept tensor may be rewritten
+    rng = torch.Generator().manual_seed(1)
+    totals = [12, 13, 12, 1, 0, -5, 3, 4093, (1 << 24) - 1, 1 << 24, 7]
+    totals += torch.randint(1, 1 << 24, (100,), generator=rng).tolist()
+    for total in totals:
+        mine = torch.zeros(shape, dtype=dtype)
+        with _Ops() as ops:
+            factor = host_scale(mine, total, kept)
+        assert factor is not None and id(factor) == made, total
+        got = bits(factor)
+        assert factor.dtype == default_dtype and factor.shape == shape and factor._version == 0
+        del factor
+        expected, written = device_path(torch.zeros(shape, dtype=dtype), total)
+        assert got == bits(expected), total
+        assert mine.tolist() == written.tolist()
+        assert ops.names == ["aten.fill_.Scalar"], ops.names
+
+
+def test_a_factor_someone_kept_is_never_rewritten() -> None:
+    """A DDP whose ``scale_gradients`` keeps its argument keeps each call's factor with its
+    own value: a call with another count makes a new tensor instead of rewriting it."""
+    kept, held = HostFactor(), ScaledDDP()
+    for total in (12, 13, 12, 40):
+        scale_by_tokens(torch.zeros((), dtype=torch.int64), ACTION, None, [held], None, total, kept)
+    assert len({id(f) for f in held.factors}) == 4  # 12 again: the kept one was held, a new one made
+    for factor, total in zip(held.factors, (12, 13, 12, 40)):
+        assert bits(factor) == bits(device_path(torch.zeros((), dtype=torch.int64), total)[0])
+    forty = id(held.factors[-1])
+    del factor  # the loop's last: 40's
+    held.factors.clear()  # let go: the kept tensor (40's) is rewritten again
+    scale_by_tokens(torch.zeros((), dtype=torch.int64), ACTION, None, [held], None, 41, kept)
+    again = held.factors.pop()
+    assert id(again) == forty and bits(again) == bits(device_path(torch.zeros((), dtype=torch.int64), 41)[0])
 
 
 def test_a_factor_made_under_inference_mode_is_kept_and_reused_in_either_mode() -> None:

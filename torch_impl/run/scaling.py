@@ -4,6 +4,7 @@ multiplied by its reciprocal (bound once, on device, no host sync)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from sys import getrefcount
 from typing import Any
 
 import torch
@@ -51,19 +52,38 @@ def global_token_scale(
 _HOST_COUNTS = {dtype: (torch.iinfo(dtype).min, torch.iinfo(dtype).max) for dtype in (torch.int64, torch.int32)}
 #: Counts up to this are exact in every float dtype :func:`host_scale` computes in.
 _EXACT_COUNT = 1 << 24
+#: The float dtypes :class:`HostFactor` makes a factor in: their memoryview format and size.
+_FORMATS = {torch.float32: ("f", 4), torch.float64: ("d", 8)}
+#: ``sys.getrefcount`` of a kept factor that no other object holds: its slot and the call's argument.
+_UNSHARED = 2
 
 
 class HostFactor:
-    """The last factor :func:`host_scale` made for one model, reused by the next call with
-    the same count, shape and float dtype while the tensor is as it was made (its version
-    counter unchanged: nothing wrote to it). A steady per-token step then makes one tensor
-    operation for its scale (writing the count into ``num_tokens``) instead of two."""
+    """The last factor :func:`host_scale` made for one model, kept for the next calls.
 
-    __slots__ = ("key", "factor", "version")
+    The factor is a tensor over a small host buffer of meshgrad's own, with a memoryview of
+    that buffer (as a status round's :class:`~torch_impl.run.rounds.HostWire`): the next
+    call with the same shape and float dtype gets the same tensor, and a count that
+    changed is written into it through the memoryview, rounded to the dtype as
+    ``torch.full`` rounds it -- no torch operation, where making a tensor each step costs
+    one (each one comes back cold inside a step). A count that changes every step, as in
+    training, then makes one tensor operation for its scale (writing the count into
+    ``num_tokens``), as a steady count does.
+
+    A new tensor is made instead when the kept one may not be rewritten: another shape or
+    dtype, a write into it since (its version counter moved), or, for another count, an
+    object that still holds it besides this one (a DDP's ``scale_gradients`` that kept its
+    argument: ``sys.getrefcount``). Megatron's DDPs multiply by the factor at once; a view
+    of it kept by a DDP past its call would read the next call's count.
+    """
+
+    __slots__ = ("form", "total", "factor", "view", "version")
 
     def __init__(self) -> None:
-        self.key: tuple[int, torch.Size, torch.dtype] | None = None
+        self.form: tuple[torch.Size, torch.dtype] | None = None  # the factor's shape and dtype
+        self.total: int | None = None  # the count it holds the factor of
         self.factor: torch.Tensor | None = None
+        self.view: memoryview | None = None  # the factor's one element, written in place
         self.version = -1
 
     def scale(self, num_tokens: torch.Tensor, total: int) -> torch.Tensor | None:
@@ -73,33 +93,37 @@ class HostFactor:
         bounds = _HOST_COUNTS.get(num_tokens.dtype)
         if bounds is None or not bounds[0] <= total <= bounds[1] or total > _EXACT_COUNT:
             return None
-        if dtype not in (torch.float32, torch.float64) or num_tokens.device.type != "cpu":
+        if dtype not in _FORMATS or num_tokens.device.type != "cpu":
             return None
         # an integer tensor: it cannot require grad; an inference one needs fill_into's context
         if num_tokens.is_inference():
             fill_into(num_tokens, total)
         else:
             num_tokens.fill_(total)
-        factor, key = self.factor, (total, num_tokens.shape, dtype)
-        if factor is not None and self.key == key and factor._version == self.version:
-            return factor
-        shape, value = key[1], 1.0 / max(total, 1)  # made on num_tokens' device, the CPU
-        if torch.is_inference_mode_enabled():  # kept by its version counter, which an inference tensor lacks
-            with outside_inference_mode():
-                factor = torch.full(shape, value, dtype=dtype, device="cpu")
-        else:  # no context to enter (a count that changes each step makes its factor on every call)
-            factor = torch.full(shape, value, dtype=dtype, device="cpu")
-        self.key, self.factor, self.version = key, factor, factor._version
+        form = (num_tokens.shape, dtype)
+        if self.form == form and self.factor is not None and self.factor._version == self.version:
+            if self.total == total:
+                return self.factor
+            if getrefcount(self.factor) <= _UNSHARED:  # rewritten in place: no one else holds it
+                self.view[0] = 1.0 / max(total, 1)  # type: ignore[index]
+                self.total = total
+                return self.factor
+        memory = bytearray(_FORMATS[dtype][1])  # zeros; malloc'd, so aligned for the dtype
+        with outside_inference_mode():  # kept between calls, in and out of inference mode
+            factor = torch.frombuffer(memory, dtype=dtype).reshape(form[0])
+        self.view = memoryview(memory).cast(_FORMATS[dtype][0])
+        self.view[0] = 1.0 / max(total, 1)
+        self.form, self.total, self.factor, self.version = form, total, factor, factor._version
         return factor
 
 
 def host_scale(num_tokens: torch.Tensor, total: int, kept: HostFactor | None = None) -> torch.Tensor | None:
     """The factor of :func:`global_token_scale` from a global count known on the host
-    (the status round read it back), with ``total`` written into ``num_tokens``: two
-    tensor operations instead of the device path's conversions (one with ``kept``, whose
-    factor ``full(shape, 1 / max(total, 1), dtype)`` is reused while it is the same:
-    :meth:`HostFactor.scale`). None where the device path must answer instead (a count its
-    dtype or the float dtype cannot hold exactly).
+    (the status round read it back), with ``total`` written into ``num_tokens``: the
+    factor ``1 / max(total, 1)`` in the default float dtype, with ``num_tokens``' shape,
+    made on the host without the device path's conversions (``kept``'s own tensor, reused
+    and rewritten in place: :class:`HostFactor`). None where the device path must answer
+    instead (a count its dtype or the float dtype cannot hold exactly).
 
     The factor equals the device path's bit for bit: ``1 / max(n, 1)`` is computed in
     float64 and rounded once more to float32, and a double rounding of a quotient is the
