@@ -11,6 +11,7 @@ the outer part's time, and the parts of one call never add up to more than the c
 Also the Python functions one call enters (:func:`functions_entered`): inside a distributed
 world each comes back cold from memory on every step, a few microseconds apiece at four
 ranks on two cores, and unlike a time their count is exact and the same in every run.
+And the torch operations it dispatches (:func:`operations_run`), exact too.
 """
 
 from __future__ import annotations
@@ -146,4 +147,23 @@ def functions_entered(fn: Callable[[], Any]) -> tuple[int, int]:
     return len(entered), sum(entered.values())
 
 
-__all__ = ["CpuParts", "Part", "functions_entered"]
+def operations_run(fn: Callable[[], Any]) -> list[str]:
+    """Run ``fn()`` once; the torch operations it dispatches, in order (``aten`` and
+    ``c10d`` ops, by name: a ``TorchDispatchMode``). Inside a step each comes back cold as
+    a Python function does, through the dispatcher's longer path.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names: list[str] = []
+
+    class _Named(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with _Named():
+        fn()
+    return names
+
+
+__all__ = ["CpuParts", "Part", "functions_entered", "operations_run"]

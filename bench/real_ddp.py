@@ -46,7 +46,8 @@ With ``--parts`` the two finalizes' calls are also counted part by part while ti
 (:func:`cpu_parts`, :mod:`bench.cpu_parts`): the calling thread's CPU per call in
 torch_impl's replay lookup and status round, the DDP's own sync and scale, megatron-core's
 token broadcast and all-reduce, and the rest; then the Python functions one more steady call
-of each enters (:func:`~bench.cpu_parts.functions_entered`: this rank's, exact).
+of each enters (:func:`~bench.cpu_parts.functions_entered`: this rank's, exact) and the torch
+operations one more runs (:func:`~bench.cpu_parts.operations_run`).
 
 Values, not timing: before and after the timed calls, the megatron-core and torch_impl twins
 (and ``torch_impl unchecked`` when timed) each run one step on the same per-rank input (zero,
@@ -65,7 +66,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from bench.cpu_parts import CpuParts, functions_entered
+from bench.cpu_parts import CpuParts, functions_entered, operations_run
 
 NAMES = ("megatron-core", "torch_impl", "torch_impl no round", "floor", "megatron-core again")
 #: Candidates timed only when asked for (``--candidates``), in this order after NAMES.
@@ -262,6 +263,14 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
                 return counts
 
             functions = {n: entered(n) for n in PROFILED} if profile is not None else None
+
+            def operations(name: str) -> list[str]:  # the torch operations one more steady call runs
+                if overlap:
+                    backward(name)
+                tokens = token_counts[0].clone()  # another count than entered()'s last
+                return operations_run(lambda: finals[name]([models[name]], num_tokens=tokens))
+
+            ops = {n: operations(n) for n in PROFILED} if profile is not None else None
             busy = torch.tensor([cpu[n][0] / cpu[n][1] for n in names], dtype=torch.float64)
             dist.all_reduce(busy)
             busy /= world
@@ -279,7 +288,8 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
             seconds = {n: float(m) for n, m in zip(names, medians)}
             parts = profile.ranks_mean(PROFILED, PART_NAMES) if profile is not None else None
             out[key] = {
-                **({"cpu parts per call": parts, "python functions per call": functions} if parts is not None else {}),
+                **({"cpu parts per call": parts, "python functions per call": functions,
+                    "torch operations per call": ops} if parts is not None else {}),
                 "seconds per call": seconds,
                 "cpu seconds per call": {n: float(b) for n, b in zip(names, busy)},
                 **{f"{a} / {b}": float(r) for (a, b), r in zip(paired, pairs)},

@@ -43,13 +43,16 @@ def format_real_ddp(result: dict[str, Any]) -> str:
         busy = row["cpu seconds per call"]
         lines.append(f"  {'':<21}" + "".join(f"{1e3 * busy[n]:>{_width(n)}.4f}" for n in names)
                      + "  <- CPU ms of the calling thread (mean of the ranks)")
-        lines += format_parts(row.get("cpu parts per call"), row.get("python functions per call"))
+        lines += format_parts(row.get("cpu parts per call"), row.get("python functions per call"),
+                              row.get("torch operations per call"))
     return "\n".join(lines)
 
 
-def format_parts(parts: dict[str, dict[str, float]] | None, functions: dict[str, list[int]] | None = None) -> list[str]:
+def format_parts(parts: dict[str, dict[str, float]] | None, functions: dict[str, list[int]] | None = None,
+                 operations: dict[str, list[str]] | None = None) -> list[str]:
     """The ``--parts`` lines of one setting: per part, the CPU us per call of each profiled
-    candidate, then the Python functions one steady call enters (nothing without a profile)."""
+    candidate, then the Python functions one steady call enters and the torch operations
+    one runs (nothing without a profile)."""
     if not parts:
         return []
     lines = [f"  {'':<21}CPU us per call, part by part (mean of the ranks):"
@@ -59,6 +62,9 @@ def format_parts(parts: dict[str, dict[str, float]] | None, functions: dict[str,
     if functions:
         lines.append(f"  {'':<23}{'Python functions (distinct/calls)':<30}"
                      + "".join(f"{'%d / %d' % tuple(functions[c]):>{_width(c)}}" for c in PROFILED))
+    if operations:
+        lines.append(f"  {'':<23}{'torch operations':<30}"
+                     + "".join(f"{len(operations[c]):>{_width(c)}}" for c in PROFILED))
     return lines
 
 

@@ -96,7 +96,7 @@ def test_real_ddp_two_candidates_one_setting(tmp_path: Path) -> None:
     check, and each one's CPU part by part, every part where it belongs: torch_impl's steady
     calls replayed and agreed in its status round, which carries the token count
     (no token collective of its own), megatron-core's token count broadcast and all-reduced
-    by itself, the DDP's own sync and scale in both."""
+    by itself, the DDP's own sync and scale in both; and the torch operations of a steady call."""
     out = tmp_path / "pair.json"
     text = launch([sys.executable, "-m", "bench.real_ddp", "--layers", "2", "--hidden", "64", "--rounds", "3",
                    "--batch", "2", "--candidates", "megatron-core", "torch_impl", "--modes", "no overlap",
@@ -129,6 +129,18 @@ def test_real_ddp_two_candidates_one_setting(tmp_path: Path) -> None:
     printed = re.search(r"Python functions \(distinct/calls\)\s+(\d+) / (\d+)\s+(\d+) / (\d+)", text)
     assert printed is not None, text
     assert [int(n) for n in printed.groups()] == [*functions["megatron-core"], *functions["torch_impl"]], text
+    # the torch operations of one more steady call: each DDP's sync and scale, the token count's
+    # collectives (megatron-core's own broadcast and all-reduce; torch_impl's status round) and
+    # torch_impl's one write of the global count into num_tokens (its factor made without one)
+    ops = row["torch operations per call"]
+    assert set(ops) == {"megatron-core", "torch_impl"}, ops
+    for own in ops.values():
+        assert "c10d.allreduce_coalesced_.default" in own and own[-1] == "aten.mul_.Tensor", own
+    assert {"c10d.broadcast_.default", "c10d.allreduce_.default"} <= set(ops["megatron-core"]), ops
+    assert ops["torch_impl"].count("c10d.allreduce_.default") == 1 and "c10d.broadcast_.default" not in ops["torch_impl"]
+    assert ops["torch_impl"].count("aten.fill_.Scalar") == 1, ops
+    printed = re.search(r"torch operations\s+(\d+)\s+(\d+)", text)
+    assert printed is not None and [int(n) for n in printed.groups()] == [len(ops["megatron-core"]), len(ops["torch_impl"])]
 
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (its real DistributedDataParallel)")

@@ -84,8 +84,8 @@ def test_another_default_dtype_goes_to_the_device_path() -> None:
 
 def test_a_kept_factor_is_reused_only_while_it_is_the_same() -> None:
     """``HostFactor``: the same tensor for the same count, shape and dtype, bit for bit the
-    factor made afresh; another count or shape, or a write into the kept tensor, makes a
-    new one."""
+    factor made afresh; another shape, a write into the kept tensor, or another count while
+    the kept tensor is held elsewhere (here by the test itself) makes a new one."""
     kept = HostFactor()
     first = host_scale(torch.zeros((), dtype=torch.int64), 12, kept)
     assert first is not None and bits(first) == bits(host_scale(torch.zeros((), dtype=torch.int64), 12))
