@@ -230,13 +230,17 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
 
             cpu = {n: [0.0, 0] for n in names}  # this thread's CPU seconds in the finalize calls, and their count
 
+            def ready(name: str, turn: int) -> Any:
+                """Make ``name``'s next call ready; its token count (this rank's ``turn``-th)."""
+                if overlap:  # each call needs a started reduction: backward's hooks start it
+                    backward(name)
+                return token_counts[turn % len(token_counts)].clone()
+
             def call(name: str, final: Callable[..., None]) -> Callable[[], None]:
                 spent, turn = cpu[name], [0]
 
                 def run() -> None:
-                    if overlap:  # each call needs a started reduction: backward's hooks start it
-                        backward(name)
-                    tokens = token_counts[turn[0] % len(token_counts)].clone()
+                    tokens = ready(name, turn[0])
                     turn[0] += 1
                     start = time.thread_time()
                     final([models[name]], num_tokens=tokens)
@@ -256,18 +260,14 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
             def entered(name: str) -> list[int]:  # the Python functions a steady call enters
                 counts: list[int] = []
                 for turn in range(2):  # the first call after the parts' wrappers left is not steady
-                    if overlap:
-                        backward(name)
-                    tokens = token_counts[turn % len(token_counts)].clone()  # another count than the last, as timed
+                    tokens = ready(name, turn)  # another count than the last, as timed
                     counts = list(functions_entered(lambda: finals[name]([models[name]], num_tokens=tokens)))
                 return counts
 
             functions = {n: entered(n) for n in PROFILED} if profile is not None else None
 
             def operations(name: str) -> list[str]:  # the torch operations one more steady call runs
-                if overlap:
-                    backward(name)
-                tokens = token_counts[0].clone()  # another count than entered()'s last
+                tokens = ready(name, 0)  # another count than entered()'s last
                 return operations_run(lambda: finals[name]([models[name]], num_tokens=tokens))
 
             ops = {n: operations(n) for n in PROFILED} if profile is not None else None

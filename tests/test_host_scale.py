@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshgrad.axes import Group
 from meshgrad.plan import TokenScale
+from bench.cpu_parts import operations_run
 from tests.scaled_ddp import ScaledDDP, bits
 from torch_impl.run.scaling import HostFactor, global_token_scale, host_scale, scale_by_tokens
 
@@ -101,18 +101,6 @@ def test_a_kept_factor_is_reused_only_while_it_is_the_same() -> None:
     assert again is not shaped and bits(again) == bits(host_scale(torch.zeros((1,), dtype=torch.int32), 13))
 
 
-class _Ops(TorchDispatchMode):
-    """The names of the torch operations run inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("shape", [(), (1,)])
 def test_a_kept_factor_no_one_else_holds_is_rewritten_for_each_new_count(
@@ -131,8 +119,9 @@ def test_a_kept_factor_no_one_else_holds_is_rewritten_for_each_new_count(
     totals += torch.randint(1, 1 << 24, (100,), generator=rng).tolist()
     for total in totals:
         mine = torch.zeros(shape, dtype=dtype)
-        with _Ops() as ops:
-            factor = host_scale(mine, total, kept)
+        made_now: list[torch.Tensor | None] = []
+        ops = operations_run(lambda: made_now.append(host_scale(mine, total, kept)))
+        factor = made_now.pop()
         assert factor is not None and id(factor) == made, total
         got = bits(factor)
         assert factor.dtype == default_dtype and factor.shape == shape and factor._version == 0
@@ -140,7 +129,7 @@ def test_a_kept_factor_no_one_else_holds_is_rewritten_for_each_new_count(
         expected, written = device_path(torch.zeros(shape, dtype=dtype), total)
         assert got == bits(expected), total
         assert mine.tolist() == written.tolist()
-        assert ops.names == ["aten.fill_.Scalar"], ops.names
+        assert ops == ["aten.fill_.Scalar"], ops
 
 
 def test_a_factor_someone_kept_is_never_rewritten() -> None:

@@ -1,5 +1,6 @@
-"""The inference mode meshgrad makes its kept tensors in (:func:`outside_inference_mode`) and
-updates the caller's tensors in (:func:`writing_into`, :func:`fill_into`)."""
+"""The inference mode meshgrad makes its kept tensors in (:func:`outside_inference_mode`,
+:func:`kept_host_tensor`) and updates the caller's tensors in (:func:`writing_into`,
+:func:`fill_into`)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,32 @@ def outside_inference_mode() -> ContextManager[Any]:
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
+#: The memoryview format of each dtype :func:`kept_host_tensor` makes (native byte order).
+_FORMATS = {torch.int64: "q", torch.float32: "f", torch.float64: "d"}
+
+
+def kept_host_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, memoryview]:
+    """A zeroed host tensor meshgrad keeps between calls, over memory of its own, and a flat
+    memoryview of that memory: its elements written and read in plain Python, with no torch
+    operation (inside a step each one comes back cold). Made outside inference mode
+    (:func:`outside_inference_mode`). The owner writes only while no collective or other
+    object still uses the tensor.
+
+    Args:
+      dtype: int64, float32 or float64.
+      shape: the tensor's shape.
+    """
+    numel = 1
+    for size in shape:
+        numel *= size
+    memory = bytearray(numel * dtype.itemsize)  # zeros; malloc'd, so aligned for the dtype
+    with outside_inference_mode():
+        tensor = torch.frombuffer(memory, dtype=dtype)
+        if tensor.shape != shape:
+            tensor = tensor.reshape(shape)
+    return tensor, memoryview(memory).cast(_FORMATS[dtype])
+
+
 def writing_into(tensor: torch.Tensor) -> ContextManager[Any]:
     """The context in which to update the caller's ``tensor`` in place (the global token
     count written back into ``num_tokens``): ``torch.inference_mode()`` for an inference
@@ -35,7 +62,8 @@ def writing_into(tensor: torch.Tensor) -> ContextManager[Any]:
 def fill_into(tensor: torch.Tensor, value: int) -> None:
     """``tensor.fill_(value)`` in the context :func:`writing_into` gives, with no context
     entered for a normal tensor (one call where the context manager makes four, each cold
-    inside a step: only an inference tensor can need one)."""
+    inside a step: only an inference tensor can need one). Written out in
+    :meth:`~torch_impl.run.scaling.HostFactor.scale`."""
     if not tensor.is_inference():
         tensor.fill_(value)
         return
@@ -43,4 +71,4 @@ def fill_into(tensor: torch.Tensor, value: int) -> None:
         tensor.fill_(value)
 
 
-__all__ = ["fill_into", "outside_inference_mode", "writing_into"]
+__all__ = ["fill_into", "kept_host_tensor", "outside_inference_mode", "writing_into"]

@@ -25,7 +25,7 @@ from meshgrad.status_wire import (
     ELEMENTS, FIELD_BITS, SHORT_BITS, SHORT_MAX, TOKEN_SHIFT, TOO_LARGE, carried_count, nothing_flagged,
     token_bits, token_limit, wire_format,
 )
-from torch_impl.run.modes import outside_inference_mode
+from torch_impl.run.modes import kept_host_tensor
 
 #: Positions in a reduced status vector (:func:`decode`): the ranks the round reached, and
 #: how many of them failed, ask for a comparison, found NaN / Inf or are in a layout round.
@@ -103,10 +103,7 @@ class HostWire:
     __slots__ = ("tensor", "words", "zeros")
 
     def __init__(self, size: int) -> None:
-        memory = bytearray(8 * size)  # zeros; malloc'd, so aligned for int64
-        with outside_inference_mode():  # a route's wire is kept between calls
-            self.tensor = torch.frombuffer(memory, dtype=torch.int64)
-        self.words = memoryview(memory).cast("q")  # native int64, the tensor's elements
+        self.tensor, self.words = kept_host_tensor(torch.int64, (size,))  # a route's wire is kept between calls
         self.zeros = memoryview(bytes(8 * size)).cast("q")  # what :meth:`clear` copies in
 
     def clear(self) -> None:

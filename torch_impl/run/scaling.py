@@ -12,7 +12,7 @@ import torch
 from meshgrad.plan import TokenScale
 from torch_impl.run.errors import collective_guard
 from torch_impl.run.groups import TorchGroups
-from torch_impl.run.modes import fill_into, outside_inference_mode, writing_into
+from torch_impl.run.modes import fill_into, kept_host_tensor, writing_into
 from torch_impl.run.token_count import host_total, on_host, token_count, token_scale_text
 
 
@@ -52,8 +52,8 @@ def global_token_scale(
 _HOST_COUNTS = {dtype: (torch.iinfo(dtype).min, torch.iinfo(dtype).max) for dtype in (torch.int64, torch.int32)}
 #: Counts up to this are exact in every float dtype :func:`host_scale` computes in.
 _EXACT_COUNT = 1 << 24
-#: The float dtypes :class:`HostFactor` makes a factor in: their memoryview format and size.
-_FORMATS = {torch.float32: ("f", 4), torch.float64: ("d", 8)}
+#: The float dtypes :class:`HostFactor` makes a factor in.
+_FACTOR_DTYPES = (torch.float32, torch.float64)
 #: ``sys.getrefcount`` of a kept factor that no other object holds: its slot and the call's argument.
 _UNSHARED = 2
 
@@ -62,7 +62,7 @@ class HostFactor:
     """The last factor :func:`host_scale` made for one model, kept for the next calls.
 
     The factor is a tensor over a small host buffer of meshgrad's own, with a memoryview of
-    that buffer (as a status round's :class:`~torch_impl.run.rounds.HostWire`): the next
+    that buffer (:func:`~torch_impl.run.modes.kept_host_tensor`, as a status round's wire): the next
     call with the same shape and float dtype gets the same tensor, and a count that
     changed is written into it through the memoryview, rounded to the dtype as
     ``torch.full`` rounds it -- no torch operation, where making a tensor each step costs
@@ -93,9 +93,10 @@ class HostFactor:
         bounds = _HOST_COUNTS.get(num_tokens.dtype)
         if bounds is None or not bounds[0] <= total <= bounds[1] or total > _EXACT_COUNT:
             return None
-        if dtype not in _FORMATS or num_tokens.device.type != "cpu":
+        if dtype not in _FACTOR_DTYPES or num_tokens.device.type != "cpu":
             return None
-        # an integer tensor: it cannot require grad; an inference one needs fill_into's context
+        # fill_into, written out for a normal tensor (one function fewer per step); an integer
+        # tensor cannot require grad
         if num_tokens.is_inference():
             fill_into(num_tokens, total)
         else:
@@ -108,10 +109,7 @@ class HostFactor:
                 self.view[0] = 1.0 / max(total, 1)  # type: ignore[index]
                 self.total = total
                 return self.factor
-        memory = bytearray(_FORMATS[dtype][1])  # zeros; malloc'd, so aligned for the dtype
-        with outside_inference_mode():  # kept between calls, in and out of inference mode
-            factor = torch.frombuffer(memory, dtype=dtype).reshape(form[0])
-        self.view = memoryview(memory).cast(_FORMATS[dtype][0])
+        factor, self.view = kept_host_tensor(dtype, form[0])  # kept between calls, in and out of inference mode
         self.view[0] = 1.0 / max(total, 1)
         self.form, self.total, self.factor, self.version = form, total, factor, factor._version
         return factor
