@@ -40,7 +40,8 @@ from torch_impl.call.watches import tensor_layout
 from torch_impl.run.program import Program
 from torch_impl.run.scaling import HostFactor
 
-_STATE_ATTR = "_meshgrad_finalize_state"
+#: The attribute of ``chunks[0]`` that holds its :class:`ModelState`.
+STATE_ATTR = "_meshgrad_finalize_state"
 
 
 class _Fingerprint:
@@ -118,14 +119,14 @@ class ModelState:
         state = cls.existing(chunks)
         if state is None:
             state = cls(chunks)
-            object.__setattr__(chunks[0], _STATE_ATTR, state)
+            object.__setattr__(chunks[0], STATE_ATTR, state)
         return state
 
     @classmethod
     def existing(cls, chunks: Sequence[Any]) -> "ModelState | None":
         """The state :meth:`of` would give for this chunk list, or None where it would make
-        one."""
-        state = getattr(chunks[0], _STATE_ATTR, None)
+        one (:func:`~torch_impl.call.replay.replayed` writes it out)."""
+        state = getattr(chunks[0], STATE_ATTR, None)
         return state if type(state) is cls and state.chunk_ids == tuple(map(id, chunks)) else None
 
     def _token(self, found: Discovered) -> int:
@@ -227,7 +228,8 @@ class ModelState:
 
     def program(self, bound: BoundPlan, found: Discovered, groups: TorchGroups, config: FinalizeConfig) -> Program | None:
         """The plan bound to this step's gradient tensors (cached until the watch fires),
-        or None when gradients are DTensors (they are unsharded per step)."""
+        or None when gradients are DTensors (they are unsharded per step). The pipeline's
+        run stage writes out its first lines, the kept binding's lookup."""
         hit = self.programs.get(id(bound))  # (plan, program, the discovery it was bound to)
         if hit is not None and hit[0] is bound and hit[2] is found:
             return hit[1]
@@ -262,4 +264,4 @@ class ModelState:
         return put(self.embeddings, key, (weight, grad, facts, found))[3]
 
 
-__all__ = ["ModelState", "Reads"]
+__all__ = ["STATE_ATTR", "ModelState", "Reads"]

@@ -113,7 +113,9 @@ def _run(request: Request, bound: BoundPlan, inputs: CallInputs, total: Any) -> 
     state, groups, found, config = inputs.state, inputs.groups, inputs.found, inputs.config
     if bound.ddp:
         finish_ddp_sync(bound.ddp, bound.ddp_force_kwarg, request.force_all_reduce, groups)
-    program = state.program(bound, found, groups, config)
+    hit = state.programs.get(id(bound))  # ModelState.program's kept binding, written out
+    program = hit[1] if hit is not None and hit[0] is bound and hit[2] is found else state.program(
+        bound, found, groups, config)
     if program is not None:
         if program.ops:  # none bound where the DDP does the whole step: no call to make
             program.run()

@@ -95,7 +95,8 @@ def helper_groups(source: Any, request: Request) -> bool:
 
 def chunks_of(model: Any) -> Sequence[Any] | None:
     """The chunks of ``model`` (a module, or a non-empty list or tuple of modules), or None
-    where :func:`as_chunks` refuses it."""
+    where :func:`as_chunks` refuses it (:func:`~torch_impl.call.replay.replayed` writes it
+    out)."""
     if isinstance(model, nn.Module):
         return (model,)
     if not isinstance(model, (list, tuple)) or not model:

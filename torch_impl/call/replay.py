@@ -31,17 +31,19 @@ for which any part does not hold takes the pipeline's stages, which write the re
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 from typing import Any, NamedTuple
 
 from torch import Tensor
+from torch.nn import Module
 
 from torch_impl.call.check import CheckSpec, Findings, nothing_per_step
 from torch_impl.call.checks import tokens_error, tokens_kind
 from torch_impl.call.memo import put
-from torch_impl.call.model_state import ModelState
+from torch_impl.call.model_state import STATE_ATTR, ModelState
 from torch_impl.call.plan_memo import BoundPlan
-from torch_impl.call.read import CallInputs, Request, chunks_of
-from torch_impl.call.steady import SteadyCall, SteadyGuard, call_kind, entry_kind
+from torch_impl.call.read import CallInputs, Request
+from torch_impl.call.steady import KIND_FIELDS, SteadyCall, SteadyGuard, call_kind, entry_kind
 from torch_impl.run.status import capturing
 
 
@@ -71,6 +73,8 @@ class Replay(NamedTuple):
 
 #: A DDP object's ``scale_gradients`` (a miss raises: the stages run and report it).
 _SCALES = operator.attrgetter("scale_gradients")
+#: ``nn.Module`` for each chunk of a list (``map(isinstance, chunks, _MODULES)``: a C-level test per chunk).
+_MODULES = repeat(Module)
 
 
 def replayed(model: Any, source: Any, request: Request) -> tuple[Replay, BoundPlan, CallInputs] | None:
@@ -92,11 +96,18 @@ def replayed(model: Any, source: Any, request: Request) -> tuple[Replay, BoundPl
     if request.embedding is not None:
         return None
     try:
-        chunks = chunks_of(model)
-        state = ModelState.existing(chunks) if chunks is not None else None
-        if state is None or not state.replays:
+        # read.chunks_of
+        if isinstance(model, Module):
+            chunks = (model,)
+        elif isinstance(model, (list, tuple)) and model and all(map(isinstance, model, _MODULES)):
+            chunks = model
+        else:
             return None
-        kind = call_kind(request)
+        # ModelState.existing
+        state = getattr(chunks[0], STATE_ATTR, None)
+        if type(state) is not ModelState or state.chunk_ids != tuple(map(id, chunks)) or not state.replays:
+            return None
+        kind = (KIND_FIELDS(request), request.num_tokens is None, None)  # steady.call_kind, no embedding read
         replay = state.replays.get(kind)
         if replay is None:
             return None

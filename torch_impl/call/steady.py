@@ -41,6 +41,8 @@ by identity.
 
 from __future__ import annotations
 
+import operator
+
 from typing import Any, NamedTuple
 
 from meshgrad.config import FinalizeConfig
@@ -159,13 +161,19 @@ def _keep_guard(state: ModelState, kind: Any, last: SteadyCall, source: Any, req
     state.steady_guards[kind] = SteadyGuard(last, kept_source, request.config, raw, probes, builds)
 
 
+#: The fields of a :class:`Request` that :func:`call_kind` takes as they are (in C).
+KIND_FIELDS = operator.attrgetter(
+    "steps", "force_all_reduce", "merge_ddp_config", "config_default", "per_token_loss", "over",
+)
+
+
 def call_kind(request: Request) -> tuple[Any, ...]:
     """What of ``request`` decides its read and plan besides its config (num_tokens only by
     presence; of an embedding helper's read, all but its getter, which is given per call
-    and called on every call)."""
+    and called on every call). :func:`~torch_impl.call.replay.replayed` writes it out for
+    a call without an embedding read."""
     read = request.embedding
-    return (request.steps, request.force_all_reduce, request.num_tokens is None, request.merge_ddp_config,
-            request.config_default, request.per_token_loss, request.over,
+    return (KIND_FIELDS(request), request.num_tokens is None,
             None if read is None else (read.role, read.required, read.has_mtp, read.pp_given))
 
 
@@ -276,6 +284,6 @@ def keep_steady(inputs: CallInputs, bound: BoundPlan, source: Any, request: Requ
 
 
 __all__ = [
-    "EMBEDDING_SLOT", "MAX_GUARD_BUILDS", "PER_CALL", "SteadyCall", "SteadyGuard", "call_kind", "entry_kind", "keep_steady",
+    "EMBEDDING_SLOT", "KIND_FIELDS", "MAX_GUARD_BUILDS", "PER_CALL", "SteadyCall", "SteadyGuard", "call_kind", "entry_kind", "keep_steady",
     "steady_read",
 ]

@@ -244,7 +244,8 @@ def reached(route: Sequence[Hop]) -> int:
 
 def host_count(tokens: torch.Tensor, route: Sequence[Hop]) -> bool:
     """Whether a token count is encoded on the host: it and the route are on the CPU (its
-    read syncs nothing) and int64 holds every value of its dtype (not uint64)."""
+    read syncs nothing) and int64 holds every value of its dtype (not uint64). The status
+    round (:func:`~torch_impl.run.status.status_round`) writes it out."""
     return tokens.device.type == "cpu" == route[0][2].type and tokens.dtype != torch.uint64
 
 

@@ -89,16 +89,17 @@ class Requested:
     etp: int | None = None
     gtp: int = 1
     egtp: int = 1
+    #: Whether Megatron fences against in-flight GTP gradient work (``gtp`` or ``egtp`` over
+    #: 1): worked out once, a plain attribute for the run stage to read on every step.
+    gtp_active: bool = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gtp_active", self.gtp > 1 or self.egtp > 1)
 
     @property
     def ep_size(self) -> int:
         """The expert-parallel size to build groups with (1 when not stated)."""
         return self.ep or 1
-
-    @property
-    def gtp_active(self) -> bool:
-        """Whether Megatron fences against in-flight GTP gradient work."""
-        return self.gtp > 1 or self.egtp > 1
 
     @classmethod
     def from_config(cls, config: Any) -> "Requested":
