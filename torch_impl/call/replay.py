@@ -17,8 +17,9 @@ else the check reads, the DDP objects' ``scale_gradients``. It then hands the ag
 that call's plan, inputs and findings without the read and check stages' layers of calls
 (each a few microseconds with cold caches inside a step). It is one function on purpose:
 each call it makes is one more function that comes back cold from memory on every step.
-So the small predicates it
-shares with the stages are written out in it, each marked with the function it stands for
+So the small reads and predicates
+it shares with the stages (the chunk list, the model's state, the call's kind, the checks'
+predicates) are written out in it, each marked with the function it stands for
 (``tests/test_replay.py`` changes each input they read, one at a time, and sees the replay
 refused).
 
@@ -31,7 +32,6 @@ for which any part does not hold takes the pipeline's stages, which write the re
 from __future__ import annotations
 
 import operator
-from itertools import repeat
 from typing import Any, NamedTuple
 
 from torch import Tensor
@@ -73,8 +73,6 @@ class Replay(NamedTuple):
 
 #: A DDP object's ``scale_gradients`` (a miss raises: the stages run and report it).
 _SCALES = operator.attrgetter("scale_gradients")
-#: ``nn.Module`` for each chunk of a list (``map(isinstance, chunks, _MODULES)``: a C-level test per chunk).
-_MODULES = repeat(Module)
 
 
 def replayed(model: Any, source: Any, request: Request) -> tuple[Replay, BoundPlan, CallInputs] | None:
@@ -99,7 +97,10 @@ def replayed(model: Any, source: Any, request: Request) -> tuple[Replay, BoundPl
         # read.chunks_of
         if isinstance(model, Module):
             chunks = (model,)
-        elif isinstance(model, (list, tuple)) and model and all(map(isinstance, model, _MODULES)):
+        elif isinstance(model, (list, tuple)) and model:
+            for chunk in model:
+                if not isinstance(chunk, Module):
+                    return None
             chunks = model
         else:
             return None
