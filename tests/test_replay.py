@@ -448,6 +448,6 @@ def test_the_written_out_chunk_and_kind_reads_refuse_what_their_functions_refuse
     }
     for field, value in changed.items():
         other = request._replace(**{field: value})
-        assert (steady.KIND_FIELDS(other), other.num_tokens is None, None) == steady.call_kind(other), field
+        assert (*steady.KIND_FIELDS(other), other.num_tokens is None, None) == steady.call_kind(other), field
         assert steady.call_kind(other) != steady.call_kind(request), field
         assert replay.replayed(chunks, source, other) is None, field

@@ -108,7 +108,7 @@ def replayed(model: Any, source: Any, request: Request) -> tuple[Replay, BoundPl
         state = getattr(chunks[0], STATE_ATTR, None)
         if type(state) is not ModelState or state.chunk_ids != tuple(map(id, chunks)) or not state.replays:
             return None
-        kind = (KIND_FIELDS(request), request.num_tokens is None, None)  # steady.call_kind, no embedding read
+        kind = (*KIND_FIELDS(request), request.num_tokens is None, None)  # steady.call_kind, no embedding read
         replay = state.replays.get(kind)
         if replay is None:
             return None

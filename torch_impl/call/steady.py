@@ -173,7 +173,7 @@ def call_kind(request: Request) -> tuple[Any, ...]:
     and called on every call). :func:`~torch_impl.call.replay.replayed` writes it out for
     a call without an embedding read."""
     read = request.embedding
-    return (KIND_FIELDS(request), request.num_tokens is None,
+    return (*KIND_FIELDS(request), request.num_tokens is None,
             None if read is None else (read.role, read.required, read.has_mtp, read.pp_given))
 
 
