@@ -431,7 +431,7 @@ def test_a_replayed_call_enters_no_more_of_our_functions_than_counted(stages: di
 def test_the_written_out_chunk_and_kind_reads_refuse_what_their_functions_refuse(kind: str) -> None:
     """``replayed`` writes out ``read.chunks_of``, ``ModelState.existing`` and
     ``steady.call_kind``: the same chunks in another container replay, any other model
-    (another order, a chunk more, a non-module, an iterator, nothing) does not, and the
+    (an empty list, a chunk more, a non-module, an iterator, nothing) does not, and the
     written-out kind is ``call_kind``'s for every field it reads, each field changed
     finding no replay."""
     chunks = model()

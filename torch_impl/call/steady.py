@@ -42,7 +42,6 @@ by identity.
 from __future__ import annotations
 
 import operator
-
 from typing import Any, NamedTuple
 
 from meshgrad.config import FinalizeConfig

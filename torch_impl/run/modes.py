@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, ContextManager
 
 import torch
@@ -38,10 +39,7 @@ def kept_host_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.
       dtype: int64, float32 or float64.
       shape: the tensor's shape.
     """
-    numel = 1
-    for size in shape:
-        numel *= size
-    memory = bytearray(numel * dtype.itemsize)  # zeros; malloc'd, so aligned for the dtype
+    memory = bytearray(math.prod(shape) * dtype.itemsize)  # zeros; malloc'd, so aligned for the dtype
     with outside_inference_mode():
         tensor = torch.frombuffer(memory, dtype=dtype)
         if tensor.shape != shape:

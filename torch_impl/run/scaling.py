@@ -102,17 +102,15 @@ class HostFactor:
         else:
             num_tokens.fill_(total)
         form = (num_tokens.shape, dtype)
-        if self.form == form and self.factor is not None and self.factor._version == self.version:
-            if self.total == total:
-                return self.factor
-            if getrefcount(self.factor) <= _UNSHARED:  # rewritten in place: no one else holds it
-                self.view[0] = 1.0 / max(total, 1)  # type: ignore[index]
-                self.total = total
-                return self.factor
-        factor, self.view = kept_host_tensor(dtype, form[0])  # kept between calls, in and out of inference mode
-        self.view[0] = 1.0 / max(total, 1)
-        self.form, self.total, self.factor, self.version = form, total, factor, factor._version
-        return factor
+        kept = self.form == form and self.factor is not None and self.factor._version == self.version
+        if kept and self.total == total:
+            return self.factor
+        if not kept or getrefcount(self.factor) > _UNSHARED:  # else rewritten in place: no one else holds it
+            self.factor, self.view = kept_host_tensor(dtype, form[0])  # kept between calls, in and out of inference mode
+            self.form, self.version = form, self.factor._version
+        self.view[0] = 1.0 / max(total, 1)  # type: ignore[index]
+        self.total = total
+        return self.factor
 
 
 def host_scale(num_tokens: torch.Tensor, total: int, kept: HostFactor | None = None) -> torch.Tensor | None:
