@@ -11,10 +11,10 @@ from functools import partial
 from typing import Any
 
 from torch import nn
-from torch.nn.modules import module as torch_module
 
 from meshgrad.params import ParamKey
 from torch_impl.call.probes import Probes
+from torch_impl.call.registration_hooks import drop_retired, register, retire
 from torch_impl.call.watches import BUFFERS, MODULES, PARAMETERS, DictWatch, ExactDicts, GradWatch, by_value, differs, split
 
 
@@ -111,39 +111,6 @@ def _watched_module_ids(chunks: Sequence[Any], found: Any) -> list[int]:
     return module_ids
 
 
-def _register_hooks(ids: set[int], dirty: list[bool]) -> list[Any]:
-    """Register torch's global module registration hooks, filtered to ``ids``.
-
-    Args:
-      ids: the ids of the watched modules.
-      dirty: a one-element flag list, set True when a watched module registers an
-        object other than the one its dict already holds under that name.
-
-    Returns:
-      The hook handles (remove them with :func:`_remove_hooks`).
-    """
-
-    def hook(kind: str) -> Callable[[Any, str, Any], None]:
-        def seen(module: Any, name: str, value: Any) -> None:
-            if id(module) in ids and not dirty[0]:
-                store = module.__dict__.get(kind)
-                if store is None or store.get(name) is not value:
-                    dirty[0] = True
-
-        return seen
-
-    return [
-        torch_module.register_module_parameter_registration_hook(hook("_parameters")),
-        torch_module.register_module_buffer_registration_hook(hook("_buffers")),
-        torch_module.register_module_module_registration_hook(hook("_modules")),
-    ]
-
-
-def _remove_hooks(handles: Sequence[Any]) -> None:
-    for handle in handles:
-        handle.remove()
-
-
 class ModelWatch:
     """Whether a model still is what its cached plan was made for.
 
@@ -213,8 +180,8 @@ class ModelWatch:
         self.param_edges = self._parameter_edges()
         self.router_edges = _Edges(found.chunks, [(k[0], k[1], None) for k in found.router_modules])
         self.dirty = [False]
-        handles = _register_hooks(set(self.module_ids), self.dirty)
-        self._finalizer = weakref.finalize(self, _remove_hooks, handles)
+        self._hooks = register(set(self.module_ids), self.dirty)
+        self._finalizer = weakref.finalize(self, retire, self._hooks)  # collected anywhere: only retired
 
     def _parameter_edges(self) -> _Edges:
         """The module-tree edges to the watched parameters."""
@@ -327,5 +294,7 @@ class ModelWatch:
         return self.grads.has_dtensor()
 
     def close(self) -> None:
-        """Remove the registration hooks now (they also go when the watch is collected)."""
+        """Remove the registration hooks now (when the watch is collected instead, they are
+        retired, and removed at the next registration: :mod:`~torch_impl.call.registration_hooks`)."""
         self._finalizer()
+        drop_retired(self._hooks)
