@@ -5,7 +5,8 @@ and the fallback of Megatron's wrapper path without megatron-core): one step
 without it), built, warmed up and captured with ``torch.cuda.graph`` on one side stream
 (:func:`capture_stream`), replayed on new inputs written in place and compared with a
 twin's eager steps; timed on CUDA. On a CPU the capture path is taken with the capture
-flag stood in (nothing is captured).
+flag stood in (nothing is captured), and so is the current stream that megatron-core
+0.19's DDP asks CUDA for in each gradient sync.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ TOLERANCE = 1e-6  # max abs diff / max abs value, graph against eager
 def _into_main_grad(param: torch.Tensor) -> None:
     param.main_grad.add_(param.grad)
     param.grad = None
+
+
+class _NoStream:
+    """The current stream on a CPU without CUDA: megatron-core 0.19's DDP makes it wait for
+    the events its own CUDA graph replays leave on parameters (none here)."""
+
+    def wait_event(self, event: Any) -> None:
+        """Nothing to wait for on a CPU."""
 
 
 def capture_stream(device: str) -> Any:
@@ -71,6 +80,8 @@ def _model(device: str) -> tuple[Any, str]:
         return ddp, "bench.ddp.MiniDDP (no megatron-core)"
     if device == "cpu":
         torch.cuda.current_device = lambda: "cpu"  # the DDP's buffers on the CPU
+        if not torch.cuda.is_available():  # megatron-core 0.19 asks for the stream its sync runs on
+            torch.cuda.current_stream = lambda device=None: _NoStream()
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():

@@ -7,7 +7,8 @@ distributed optimizer, bf16 with fp32 reduce; before and after the timed calls).
 
 Also ``bench.full_graph`` (``bench/gpu.sh`` step 3) on a CPU: megatron's ``FullCudaGraphWrapper``
 around its schedule with torch_impl's finalize (the capture path taken, the torch.cuda graph
-calls stood in) against eager twins, and its hand-rolled fallback without megatron-core.
+calls stood in) against eager twins, and its hand-rolled fallback without megatron-core; both
+again with megatron-core 0.19.2 (the version a GPU machine is given), where its sources are there.
 """
 
 from __future__ import annotations
@@ -230,3 +231,36 @@ def test_full_graph_falls_back_to_the_hand_rolled_capture(tmp_path: Path) -> Non
     assert result["impl"] == "hand-rolled torch.cuda.graph" and result["ddp"].startswith("bench.ddp.MiniDDP")
     assert result["values_ok"] is True and result["max_rel_diff_replay_vs_eager"] <= 1e-6
     assert result["grad_abs_max"] > 0  # not vacuous
+
+
+#: Runs ``bench.full_graph`` with megatron-core 0.19.2's sources imported first (the
+#: version a GPU machine is given: bench/README.md), arguments after the code.
+_WITH_019 = ("import runpy, sys; from parity_tests.megatron019 import import_megatron, source_dir; "
+             "import_megatron(str(source_dir())); import megatron.core; "
+             "print('megatron-core', megatron.core.__version__); sys.argv[0] = 'bench.full_graph'; "
+             "runpy.run_module('bench.full_graph', run_name='__main__', alter_sys=True)")
+
+
+@pytest.mark.parametrize("impl", ["hand", "wrapper"])
+def test_full_graph_cpu_path_with_megatron_core_019(tmp_path: Path, impl: str) -> None:
+    """``bench/gpu.sh`` steps 3 and 4 on a CPU with megatron-core 0.19.2's real DDP (its
+    ``start_grad_sync`` asks CUDA for the current stream, stood in on a CPU): the hand-rolled
+    capture and megatron's ``FullCudaGraphWrapper`` with torch_impl's finalize replay
+    exactly what the eager twin computes, gradients not zero."""
+    from parity_tests import megatron019 as m19
+
+    if m19.source_dir() is None:
+        pytest.skip(m19.skip_reason())
+    out = tmp_path / f"{impl}.json"
+    text = launch([sys.executable, "-c", _WITH_019, "--device", "cpu", "--impl", impl, "--rounds", "2",
+                   "--json", str(out)], ROOT, 600)
+    result = json.loads(out.read_text())
+    assert f"megatron-core {m19.VERSION}" in text and "PASS" in text.splitlines()[-1], text[-3000:]
+    assert result["values_ok"] is True
+    if impl == "hand":
+        assert result["ddp"] == "megatron-core DDP" and result["max_rel_diff_replay_vs_eager"] == 0.0
+        assert result["grad_abs_max"] > 0  # not vacuous
+    else:
+        assert result["megatron_core"] == m19.VERSION
+        assert result["bit_identical"] == {"graph vs eager": True, "eager megatron-core vs eager torch_impl": True}
+        assert all(row["eager: grads max abs"] > 0 for row in result["steps"])  # not vacuous
