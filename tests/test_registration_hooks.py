@@ -50,7 +50,8 @@ def _finalized(model: nn.Linear, tokens: int) -> list[float]:
 
 def _ours(hooks: Any) -> list[Any]:
     """meshgrad's live hooks in one of torch's hook dicts."""
-    return [h for h in hooks.values() if (getattr(h, "__module__", None) or "").startswith("torch_impl.") and h is not registration_hooks._retired]
+    return [h for h in hooks.values()
+            if (getattr(h, "__module__", None) or "").startswith("torch_impl.") and h is not registration_hooks._retired]
 
 
 def _retired(hooks: Any) -> list[Any]:
@@ -82,11 +83,12 @@ def collector_first() -> Iterator[list[int]]:
             gc.enable()
 
 
-REGISTRATIONS: dict[str, Callable[[nn.Module], tuple[str, Any, Callable[[nn.Module], Any]]]] = {
-    "add_module": lambda m: ("child", nn.Linear(2, 2), lambda o: o._modules["child"]),
-    "register_parameter": lambda m: ("weight2", nn.Parameter(torch.ones(2)), lambda o: o._parameters["weight2"]),
-    "register_buffer": lambda m: ("count", torch.arange(3.0), lambda o: o._buffers["count"]),
-    "setattr": lambda m: ("head", nn.Linear(2, 1), lambda o: o._modules["head"]),
+#: Each way to register: (the name, a factory of the value, the store torch puts it in).
+REGISTRATIONS: dict[str, tuple[str, Callable[[], Any], str]] = {
+    "add_module": ("child", lambda: nn.Linear(2, 2), "_modules"),
+    "register_parameter": ("weight2", lambda: nn.Parameter(torch.ones(2)), "_parameters"),
+    "register_buffer": ("count", lambda: torch.arange(3.0), "_buffers"),
+    "setattr": ("head", lambda: nn.Linear(2, 1), "_modules"),
 }
 
 
@@ -105,7 +107,8 @@ def test_a_watch_collected_inside_torchs_hook_loop_leaves_the_registration_worki
     del garbage
 
     target = nn.Module()
-    name, value, stored = REGISTRATIONS[how](target)
+    name, make, store = REGISTRATIONS[how]
+    value = make()
     if how == "add_module":
         target.add_module(name, value)
     elif how == "register_parameter":
@@ -114,7 +117,7 @@ def test_a_watch_collected_inside_torchs_hook_loop_leaves_the_registration_worki
         target.register_buffer(name, value)
     else:
         setattr(target, name, value)
-    assert stored(target) is value and collector_first[0] >= 1
+    assert getattr(target, store)[name] is value and collector_first[0] >= 1
     retired = sum(len(_retired(hooks)) for hooks in GLOBAL_HOOKS)
     assert retired == 3, "the collected watch's three entries are kept, doing nothing"
 

@@ -170,7 +170,8 @@ def case_reduce_scatter_layouts(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-UNSORTED_MISSING = "this torch's new_group has no sort_ranks (torch 2.11 has none, 2.13 has it): its group ranks follow the global order"
+UNSORTED_MISSING = ("this torch's new_group has no sort_ranks (torch 2.11 has none, 2.13 has it): "
+                    "its group ranks follow the global order")
 
 
 def _unsorted_groups() -> bool:

@@ -9,7 +9,7 @@ module's ``__setattr__``). Deleting an entry of the dict that loop walks makes i
 watch's hooks are only retired: each entry's value becomes :func:`_retired`, a hook that
 does nothing. That keeps the dicts' keys and their order, which is all their iteration
 checks. Retired entries are deleted the next time meshgrad registers hooks or closes a
-watch, in its own read stage, where no such loop runs.
+watch, in its own calls (the read stage, `invalidate_plans`), where no such loop runs.
 """
 
 from __future__ import annotations
