@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench.hand_graph import TOLERANCE, capture_stream, run_hand_rolled
+from bench.hand_graph import TOLERANCE, CpuStream, capture_stream, run_hand_rolled
 
 #: The wrapper path: tiny GPT / MLP, micro-batches per step, eager steps before the capture.
 VOCAB, SEQ, MICRO_BATCH, MICRO_BATCHES, LR, WARMUP, STEPS = 64, 8, 2, 2, 0.25, 2, 6
@@ -78,10 +78,6 @@ class SimulatedGraphs:
         self._saved = {name: getattr(torch.cuda, name) for name in self._NAMES}
         sim = self
 
-        class Stream:
-            def wait_stream(self, other: Any) -> None:
-                pass
-
         class Graph:
             def __init__(self) -> None:
                 self.call: Callable[[], Any] | None = None
@@ -99,9 +95,9 @@ class SimulatedGraphs:
                 with sim.flagged():
                     _copy_into(self.result, self.call())
 
-        torch.cuda.Stream = Stream
+        torch.cuda.Stream = CpuStream
         torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
-        torch.cuda.current_stream = lambda device=None: Stream()
+        torch.cuda.current_stream = lambda device=None: CpuStream()
         torch.cuda.CUDAGraph = Graph
         torch.cuda.graph = self._graph
         torch.cuda.graph_pool_handle = lambda: None

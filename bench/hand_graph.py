@@ -31,9 +31,14 @@ def _into_main_grad(param: torch.Tensor) -> None:
     param.grad = None
 
 
-class _NoStream:
-    """The current stream on a CPU without CUDA: megatron-core 0.19's DDP makes it wait for
-    the events its own CUDA graph replays leave on parameters (none here)."""
+class CpuStream:
+    """A CUDA stream stood in on a CPU (here and in :mod:`bench.full_graph`'s simulated
+    graphs): megatron-core's wrapper makes streams wait for each other, and its 0.19 DDP
+    makes the current stream wait for the events its own CUDA graph replays leave on
+    parameters (none here). There is nothing to wait for."""
+
+    def wait_stream(self, other: Any) -> None:
+        """Nothing to wait for on a CPU."""
 
     def wait_event(self, event: Any) -> None:
         """Nothing to wait for on a CPU."""
@@ -81,7 +86,7 @@ def _model(device: str) -> tuple[Any, str]:
     if device == "cpu":
         torch.cuda.current_device = lambda: "cpu"  # the DDP's buffers on the CPU
         if not torch.cuda.is_available():  # megatron-core 0.19 asks for the stream its sync runs on
-            torch.cuda.current_stream = lambda device=None: _NoStream()
+            torch.cuda.current_stream = lambda device=None: CpuStream()
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():

@@ -67,8 +67,10 @@ def retire(handles: Sequence[Any]) -> None:
 def drop_retired(handles: Sequence[Any]) -> None:
     """Delete every retired entry of the hook dicts that ``handles`` are in (only where
     torch is not looping over them: meshgrad's own stages)."""
-    dicts = {id(hooks): hooks for hooks in (handle.hooks_dict_ref() for handle in handles) if hooks is not None}
-    for hooks in dicts.values():
+    for handle in handles:  # a watch's three handles: one in each of torch's three dicts
+        hooks = handle.hooks_dict_ref()
+        if hooks is None:
+            continue
         for key in [key for key, hook in hooks.items() if hook is _retired]:
             hooks.pop(key, None)
 
