@@ -74,7 +74,20 @@ import torch
 print(f"python {platform.python_version()}  torch {torch.__version__}  cuda build {torch.version.cuda}")
 print(f"cuda available: {torch.cuda.is_available()}"
       + (f"  device: {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))
-print(f"megatron-core: {'yes' if importlib.util.find_spec('megatron') else 'no (meshgrad only)'}")
+if importlib.util.find_spec("megatron") is None:
+    print("megatron-core: no (meshgrad only)")
+else:  # installed is not importable: steps 3 and 4 then run meshgrad's stand-ins, say so here
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        from parity_tests.megatron_state import import_megatron_core
+        import_megatron_core()
+        try:
+            found = version("megatron-core")
+        except PackageNotFoundError:  # sources on PYTHONPATH, not installed
+            found = "sources"
+        print(f"megatron-core: {found}")
+    except Exception as err:  # noqa: BLE001 -- reported, the steps fall back
+        print(f"megatron-core: installed but not importable ({type(err).__name__}: {err}); meshgrad's stand-ins")
 import meshgrad, torch_impl  # noqa: F401  (the repository imports)
 print(f"meshgrad {meshgrad.__version__} from {meshgrad.__file__}")
 EOF

@@ -26,7 +26,12 @@ setting (same seed):
 Asked for by ``--candidates`` only: ``torch_impl unchecked``, torch_impl's finalize with
 its steady check skipped once it has said yes (:class:`bench.unchecked.Unchecked`; the
 status round, sync and scale as in ``torch_impl``): ``torch_impl`` over it is what the
-check costs a step. Not a safe finalize; its gradients are compared all the same.
+check costs a step. Not a safe finalize; its gradients are compared all the same. And
+``floor, count first``: the floor with the token count's all-reduce moved before the DDP's
+sync, where the contract puts torch_impl's status round (which carries the count here):
+over ``floor``, it is what that order alone costs calls made back to back, with no forward
+or backward between them (no overlap, distributed optimizer, bf16); ``torch_impl`` over it
+is torch_impl's price with the order taken out.
 
 With ``overlap_grad_reduce`` each call first runs ``zero_grad_buffer()``, forward and
 backward (the DDP's hooks start the reduction during backward), for all alike.
@@ -50,9 +55,10 @@ of each enters (:func:`~bench.cpu_parts.functions_entered`: this rank's, exact) 
 operations one more runs (:func:`~bench.cpu_parts.operations_run`).
 
 Values, not timing: before and after the timed calls, the megatron-core and torch_impl twins
-(and ``torch_impl unchecked`` when timed) each run one step on the same per-rank input (zero,
-forward, backward, finalize); their gradient buffers must be bit-identical (``max_abs_diff``
-0) and not zero.
+(and ``torch_impl unchecked``, the floor and ``floor, count first`` when timed) each run one
+step on the same per-rank input (zero, forward, backward, finalize); their gradient buffers
+must be bit-identical to megatron-core's (``max_abs_diff``, the largest of them, 0; each
+twin's in ``max_abs_diff by candidate``: torch_impl's is the goal's) and not zero.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ from bench.cpu_parts import CpuParts, functions_entered, operations_run
 
 NAMES = ("megatron-core", "torch_impl", "torch_impl no round", "floor", "megatron-core again")
 #: Candidates timed only when asked for (``--candidates``), in this order after NAMES.
-OPT_IN = ("torch_impl unchecked",)
+OPT_IN = ("torch_impl unchecked", "floor, count first")
 #: Each setting: the DDP config's fields set, and whether the model is in bfloat16.
 MODES: dict[str, dict[str, bool]] = {
     "no overlap": {},
@@ -83,12 +89,14 @@ MODES: dict[str, dict[str, bool]] = {
 #: averaged over the ranks.
 PAIRS = (("torch_impl", "megatron-core"), ("torch_impl", "floor"), ("megatron-core", "floor"),
          ("torch_impl no round", "megatron-core"), ("megatron-core again", "megatron-core"),
-         ("torch_impl", "torch_impl unchecked"))
+         ("torch_impl", "torch_impl unchecked"), ("floor, count first", "floor"),
+         ("torch_impl", "floor, count first"))
 #: The ratio columns printed, with their headers.
 RATIO_COLUMNS = (("torch_impl / megatron-core", "ours/mcore"), ("torch_impl / floor", "ours/floor"),
                  ("megatron-core / floor", "mcore/floor"), ("torch_impl no round / megatron-core", "no round/mcore"),
                  ("megatron-core again / megatron-core", "mcore A/A"),
-                 ("torch_impl / torch_impl unchecked", "ours/unchecked"))
+                 ("torch_impl / torch_impl unchecked", "ours/unchecked"),
+                 ("floor, count first / floor", "first/floor"), ("torch_impl / floor, count first", "ours/first"))
 #: torch_impl / floor and torch_impl / megatron-core: the full contract (status round on)
 #: at megatron-core's speed.
 GOALS = {"floor": 1.2, "megatron-core": 1.05}
@@ -191,13 +199,21 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         dist.all_reduce(num_tokens, group=dp_group)
         ddp.scale_gradients(1.0 / num_tokens)
 
+    def floor_count_first(model: list[Any], num_tokens: Any) -> None:
+        (ddp,) = model
+        dist.all_reduce(num_tokens, group=dp_group)
+        ddp.finish_grad_sync()
+        ddp.scale_gradients(1.0 / num_tokens)
+
     unchecked = Unchecked()  # installed for the whole world, reset per setting
     finals: dict[str, Callable[..., None]] = {
         "megatron-core": megatron_finalize, "torch_impl": torch_impl.finalize_model_grads,
         "torch_impl no round": torch_impl.finalize_model_grads, "floor": floor_finalize,
         "megatron-core again": megatron_finalize, "torch_impl unchecked": unchecked.finalize,
+        "floor, count first": floor_count_first,
     }
-    compared = [n for n in ("torch_impl", "torch_impl unchecked") if n in names]  # each against megatron-core
+    # each against megatron-core: the floors too, which do its arithmetic in their own order
+    compared = [n for n in ("torch_impl", "torch_impl unchecked", "floor", "floor, count first") if n in names]
     x32 = torch.randn(4, hidden, generator=torch.Generator().manual_seed(rank))
     token_counts = [torch.tensor(c) for c in step_counts(rank, world)]  # each call's, in turn
     out: dict[str, Any] = {}
@@ -213,15 +229,16 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
                 models[name].zero_grad_buffer()
                 models[name](x).sum().backward()
 
-            def check() -> tuple[float, float]:
-                """One step of the twins compared on the same input: (the largest abs difference
-                from megatron-core's gradients, the smallest max abs gradient)."""
+            def check() -> tuple[list[float], float]:
+                """One step of the twins compared on the same input: (each compared twin's
+                largest abs difference from megatron-core's gradients, the smallest max abs
+                gradient)."""
                 grads = {}
                 for name in ("megatron-core", *compared):
                     backward(name)
                     finals[name]([models[name]], num_tokens=torch.tensor(x.shape[0]))
                     grads[name] = _grads(models[name])
-                return (max(float((grads["megatron-core"] - grads[n]).abs().max()) for n in compared),
+                return ([float((grads["megatron-core"] - grads[n]).abs().max()) for n in compared],
                         min(float(grads[n].abs().max()) for n in compared))
 
             checks = [check()]
@@ -281,8 +298,9 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
             pairs = torch.tensor([paired_ratio(timed[a], timed[b]) for a, b in paired], dtype=torch.float64)
             dist.all_reduce(pairs)  # the ranks' mean (every call syncs them: their ratios differ by noise)
             pairs /= world
-            values = torch.tensor([max(c[0] for c in checks), min(c[1] for c in checks)], dtype=torch.float64)
-            worst = values.clone()
+            diffs = [max(c[0][i] for c in checks) for i in range(len(compared))]  # each twin's, both steps
+            values = torch.tensor([max(diffs), min(c[1] for c in checks)], dtype=torch.float64)
+            worst = torch.tensor([max(diffs), *diffs], dtype=torch.float64)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the largest difference of any rank
             dist.all_reduce(values, op=dist.ReduceOp.MIN)  # the smallest gradient of any rank
             seconds = {n: float(m) for n, m in zip(names, medians)}
@@ -296,7 +314,8 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
                 **({"torch_impl unchecked: calls without the check": [unchecked.skipped, unchecked.calls]}
                    if "torch_impl unchecked" in names else {}),
                 "values": {"steps compared": len(checks), "max_abs_diff": float(worst[0]),
-                           "identical": float(worst[0]) == 0.0, "grad_abs_max": float(values[1])},
+                           "identical": float(worst[0]) == 0.0, "grad_abs_max": float(values[1]),
+                           "max_abs_diff by candidate": {n: float(d) for n, d in zip(compared, worst[1:])}},
             }
     ps.destroy_model_parallel()
     if rank == 0:
@@ -339,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--candidates", nargs="+", choices=[*NAMES, *OPT_IN], default=list(NAMES),
                         help="the finalizes timed (megatron-core and torch_impl always; "
-                             "torch_impl unchecked only when named)")
+                             "torch_impl unchecked and floor, count first only when named)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="the settings run")
     parser.add_argument("--parts", action="store_true",
                         help="also print where each finalize's CPU goes, part by part (timed with the parts wrapped)")

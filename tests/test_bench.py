@@ -6,6 +6,8 @@ layouts; the collective counter and the DDP-like chunk are checked directly.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -108,11 +110,28 @@ def test_gpu_script_help_is_its_whole_header():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
-def test_gpu_script_refuses_without_a_gpu(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+@pytest.mark.parametrize("megatron", ["as installed", "not importable"])
+def test_gpu_script_refuses_without_a_gpu(tmp_path, megatron):
+    """Exit 2 after the environment step, whose megatron-core line says what steps 3 and 4
+    will find: the version that imports, or the import's error (not merely "installed")."""
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
+    if megatron == "not importable":  # a megatron package whose import fails, first on the path
+        core = tmp_path / "site" / "megatron" / "core"
+        core.mkdir(parents=True)
+        (core.parent / "__init__.py").write_text("")
+        (core / "__init__.py").write_text('raise ImportError("No module named \'packaging\'")\n')
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env.get("PYTHONPATH", "")])
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "no usable CUDA device" in proc.stderr
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("megatron-core:")]
+    if megatron == "not importable":
+        expected = "megatron-core: installed but not importable (ImportError: No module named 'packaging'); "
+        assert line == expected + "meshgrad's stand-ins"
+    elif importlib.util.find_spec("megatron") is None:
+        assert line == "megatron-core: no (meshgrad only)"
+    else:
+        assert line == f"megatron-core: {importlib.metadata.version('megatron-core')}"
 
 
 _COUNTS = r"""

@@ -56,6 +56,20 @@ def test_an_odd_world_passes_one_token_every_call() -> None:
     assert [step_counts(rank, 3) for rank in range(3)] == [(1,), (1,), (1,)]
 
 
+@pytest.mark.parametrize("torch_impl_diff, expected", [(0.0, True), (2.0**-20, False)])
+def test_the_gradient_goal_reads_torch_impl_alone(torch_impl_diff: float, expected: bool) -> None:
+    """The row's max abs diff is the largest of the compared twins'; its gradient goal reads
+    torch_impl's own, whatever a floor or another twin gave."""
+    from bench.real_ddp_report import real_ddp_goals
+
+    diffs = {"torch_impl": torch_impl_diff, "floor": 0.5}
+    row = {"torch_impl / megatron-core": 1.0, "values": {"max_abs_diff": 0.5, "max_abs_diff by candidate": diffs}}
+    result = {"world": 4, "layers": 2, "hidden": 64, "modes": {"no overlap": row}}
+    (_, gradients) = real_ddp_goals(result)
+    assert gradients["goal"].endswith("gradients, max abs diff torch_impl vs megatron-core == 0")
+    assert (gradients["value"], gradients["ok"]) == (torch_impl_diff, expected)
+
+
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (its real DistributedDataParallel)")
 def test_real_ddp_rows_have_numbers_and_identical_gradients(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
@@ -73,6 +87,7 @@ def test_real_ddp_rows_have_numbers_and_identical_gradients(tmp_path: Path) -> N
         row = result["modes"][mode]
         values = row["values"]
         assert values["identical"] is True and values["max_abs_diff"] == 0.0, (mode, values)
+        assert values["max_abs_diff by candidate"] == {"torch_impl": 0.0, "floor": 0.0}, (mode, values)
         assert values["steps compared"] == 2 and values["grad_abs_max"] > 0, (mode, values)  # not vacuous
         assert all(row["seconds per call"][n] > 0 for n in ("megatron-core", "torch_impl", "torch_impl no round",
                                                             "floor", "megatron-core again")), row
@@ -145,31 +160,36 @@ def test_real_ddp_two_candidates_one_setting(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (its real DistributedDataParallel)")
-def test_real_ddp_unchecked_candidate(tmp_path: Path) -> None:
-    """``--candidates ... "torch_impl unchecked"`` (asked for only): torch_impl's finalize
-    with its steady check answered from the first yes (``bench.unchecked``), timed beside
-    the real one. Its steady calls skip the check (counted), and its gradients are
-    compared with megatron-core's like torch_impl's, with overlap too (new gradients on
-    every call)."""
-    out = tmp_path / "unchecked.json"
+def test_real_ddp_opt_in_candidates(tmp_path: Path) -> None:
+    """The candidates timed only when asked for (``--candidates``): ``torch_impl unchecked``,
+    torch_impl's finalize with its steady check answered from the first yes
+    (``bench.unchecked``), and ``floor, count first``, the floor with the token count's
+    all-reduce before the DDP's sync. The unchecked twin's steady calls skip the check
+    (counted); the unchecked twin's and both floors' gradients are compared with
+    megatron-core's like torch_impl's, with overlap too (new gradients on every call)."""
+    out = tmp_path / "opt_in.json"
     text = launch([sys.executable, "-m", "bench.real_ddp", "--layers", "2", "--hidden", "64", "--rounds", "2",
-                   "--batch", "2", "--candidates", "megatron-core", "torch_impl", "torch_impl unchecked",
-                   "--modes", "no overlap", "overlap_grad_reduce", "--json", str(out)], ROOT, 600)
+                   "--batch", "2", "--candidates", "megatron-core", "torch_impl", "floor", "torch_impl unchecked",
+                   "floor, count first", "--modes", "no overlap", "overlap_grad_reduce", "--json", str(out)], ROOT, 600)
     result = json.loads(out.read_text())
-    assert result["names"] == ["megatron-core", "torch_impl", "torch_impl unchecked"]
+    assert result["names"] == ["megatron-core", "torch_impl", "floor", "torch_impl unchecked", "floor, count first"]
     for mode in ("no overlap", "overlap_grad_reduce"):
         row = result["modes"][mode]
-        assert row["torch_impl / torch_impl unchecked"] > 0 and row["torch_impl / megatron-core"] > 0, row
+        ratios = ("torch_impl / torch_impl unchecked", "torch_impl / megatron-core", "floor, count first / floor",
+                  "torch_impl / floor, count first")
+        assert all(row[key] > 0 for key in ratios), row
         skipped, calls = row["torch_impl unchecked: calls without the check"]
         # two checks, three warm-up calls and 2 x 2 timed: all but the first calls of the
         # model (before a replay was kept) skip the check
         assert calls == 2 + 3 + 2 * 2 and calls - 3 <= skipped < calls, (skipped, calls)
-        values = row["values"]  # torch_impl's and the unchecked twin's, each against megatron-core
+        values = row["values"]  # torch_impl's, the unchecked twin's and the floors', each against megatron-core
         assert values["identical"] is True and values["max_abs_diff"] == 0.0 and values["grad_abs_max"] > 0, values
+        assert values["max_abs_diff by candidate"] == {n: 0.0 for n in result["names"][1:]}, values
         line = next(x for x in text.splitlines() if x.strip().startswith(mode))
         assert "bit-identical (max abs diff 0," in line and len(re.findall(NUMBER, line.split("bit-identical")[0])) >= 5
-    assert "ours/unchecked" in text
-    assert len(result["goals"]) == 4  # torch_impl's two per setting; the unchecked twin has none
+    assert "ours/unchecked" in text and "first/floor" in text and "ours/first" in text
+    # torch_impl's three per setting (over the floor, over megatron-core, its gradients); the opt-in ones have none
+    assert len(result["goals"]) == 6 and not any("unchecked" in g["goal"] or "first" in g["goal"] for g in result["goals"])
 
 
 def test_real_ddp_rows_skipped_with_a_reason(tmp_path: Path) -> None:
