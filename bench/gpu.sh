@@ -77,15 +77,11 @@ print(f"cuda available: {torch.cuda.is_available()}"
 if importlib.util.find_spec("megatron") is None:
     print("megatron-core: no (meshgrad only)")
 else:  # installed is not importable: steps 3 and 4 then run meshgrad's stand-ins, say so here
-    from importlib.metadata import PackageNotFoundError, version
     try:
         from parity_tests.megatron_state import import_megatron_core
         import_megatron_core()
-        try:
-            found = version("megatron-core")
-        except PackageNotFoundError:  # sources on PYTHONPATH, not installed
-            found = "sources"
-        print(f"megatron-core: {found}")
+        from megatron.core import package_info  # the version imported, whichever path it came from
+        print(f"megatron-core: {package_info.__version__} from {package_info.__file__.rsplit('/megatron/', 1)[0]}")
     except Exception as err:  # noqa: BLE001 -- reported, the steps fall back
         print(f"megatron-core: installed but not importable ({type(err).__name__}: {err}); meshgrad's stand-ins")
 import meshgrad, torch_impl  # noqa: F401  (the repository imports)

@@ -6,7 +6,6 @@ layouts; the collective counter and the DDP-like chunk are checked directly.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -130,8 +129,11 @@ def test_gpu_script_refuses_without_a_gpu(tmp_path, megatron):
         assert line == expected + "meshgrad's stand-ins"
     elif importlib.util.find_spec("megatron") is None:
         assert line == "megatron-core: no (meshgrad only)"
-    else:
-        assert line == f"megatron-core: {importlib.metadata.version('megatron-core')}"
+    else:  # the version and place of the package the steps import
+        from megatron.core import package_info
+
+        where = str(Path(package_info.__file__).parents[2])
+        assert line == f"megatron-core: {package_info.__version__} from {where}"
 
 
 _COUNTS = r"""
