@@ -17,8 +17,10 @@ setting (same seed):
 * ``torch_impl no round``: the same with ``consistency_check = "off"`` in the model's config
   (no status round: the one small collective a call adds before data moves; shown, no goal);
 * ``floor``: what any finalize must do here, and nothing else: the DDP's
-  ``finish_grad_sync()``, the all-reduce of the token count over dp and the DDP's
-  ``scale_gradients(1 / n)``;
+  ``finish_grad_sync()``, the all-reduce of the token count over the DDP's own group
+  (dp x cp, as megatron-core's finalize: the group without cp is another process group of
+  the same ranks, and switching to it costs gloo time no finalize needs to spend) and the
+  DDP's ``scale_gradients(1 / n)``;
 * ``megatron-core again``: a second twin finalized by megatron-core, the control (shown, no
   goal): its ratio to ``megatron-core`` is how far two identical finalizes read apart in
   the same run, the spread of the measurement itself on this machine.
@@ -175,7 +177,8 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         ps.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
-    dp_group = ps.get_data_parallel_group()
+    # the group the DDP syncs over and megatron-core's finalize reduces the count on
+    dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
     hidden = payload["hidden"]
     names = tuple(payload.get("names", NAMES))
 
@@ -196,12 +199,12 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
     def floor_finalize(model: list[Any], num_tokens: Any) -> None:
         (ddp,) = model
         ddp.finish_grad_sync()
-        dist.all_reduce(num_tokens, group=dp_group)
+        dist.all_reduce(num_tokens, group=dp_cp_group)
         ddp.scale_gradients(1.0 / num_tokens)
 
     def floor_count_first(model: list[Any], num_tokens: Any) -> None:
         (ddp,) = model
-        dist.all_reduce(num_tokens, group=dp_group)
+        dist.all_reduce(num_tokens, group=dp_cp_group)
         ddp.finish_grad_sync()
         ddp.scale_gradients(1.0 / num_tokens)
 
