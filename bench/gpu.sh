@@ -70,6 +70,7 @@ say() { printf '\n==== %s ====\n' "$*"; }
 say "environment"
 if ! "$PY" - <<'EOF'
 import importlib.util, platform, sys
+from pathlib import Path
 import torch
 print(f"python {platform.python_version()}  torch {torch.__version__}  cuda build {torch.version.cuda}")
 print(f"cuda available: {torch.cuda.is_available()}"
@@ -81,7 +82,7 @@ else:  # installed is not importable: steps 3 and 4 then run meshgrad's stand-in
         from parity_tests.megatron_state import import_megatron_core
         import_megatron_core()
         from megatron.core import package_info  # the version imported, whichever path it came from
-        print(f"megatron-core: {package_info.__version__} from {package_info.__file__.rsplit('/megatron/', 1)[0]}")
+        print(f"megatron-core: {package_info.__version__} from {Path(package_info.__file__).parents[2]}")
     except Exception as err:  # noqa: BLE001 -- reported, the steps fall back
         print(f"megatron-core: installed but not importable ({type(err).__name__}: {err}); meshgrad's stand-ins")
 import meshgrad, torch_impl  # noqa: F401  (the repository imports)

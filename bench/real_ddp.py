@@ -196,24 +196,27 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
             ddp_cfg = DistributedDataParallelConfig(bucket_size=1 << 18, **fields)
             return DistributedDataParallel(cfg, ddp_cfg, nn.Sequential(*layers))
 
-    def floor_finalize(model: list[Any], num_tokens: Any) -> None:
-        (ddp,) = model
-        ddp.finish_grad_sync()
-        dist.all_reduce(num_tokens, group=dp_cp_group)
-        ddp.scale_gradients(1.0 / num_tokens)
+    def floor(count_first: bool) -> Callable[..., None]:
+        """The floor's finalize: the DDP's sync and the count's all-reduce (in that order, or
+        the count first), then the DDP's scale."""
 
-    def floor_count_first(model: list[Any], num_tokens: Any) -> None:
-        (ddp,) = model
-        dist.all_reduce(num_tokens, group=dp_cp_group)
-        ddp.finish_grad_sync()
-        ddp.scale_gradients(1.0 / num_tokens)
+        def finalize(model: list[Any], num_tokens: Any) -> None:
+            (ddp,) = model
+            if count_first:
+                dist.all_reduce(num_tokens, group=dp_cp_group)
+            ddp.finish_grad_sync()
+            if not count_first:
+                dist.all_reduce(num_tokens, group=dp_cp_group)
+            ddp.scale_gradients(1.0 / num_tokens)
+
+        return finalize
 
     unchecked = Unchecked()  # installed for the whole world, reset per setting
     finals: dict[str, Callable[..., None]] = {
         "megatron-core": megatron_finalize, "torch_impl": torch_impl.finalize_model_grads,
-        "torch_impl no round": torch_impl.finalize_model_grads, "floor": floor_finalize,
+        "torch_impl no round": torch_impl.finalize_model_grads, "floor": floor(count_first=False),
         "megatron-core again": megatron_finalize, "torch_impl unchecked": unchecked.finalize,
-        "floor, count first": floor_count_first,
+        "floor, count first": floor(count_first=True),
     }
     # each against megatron-core: the floors too, which do its arithmetic in their own order
     compared = [n for n in ("torch_impl", "torch_impl unchecked", "floor", "floor, count first") if n in names]
@@ -301,11 +304,12 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
             pairs = torch.tensor([paired_ratio(timed[a], timed[b]) for a, b in paired], dtype=torch.float64)
             dist.all_reduce(pairs)  # the ranks' mean (every call syncs them: their ratios differ by noise)
             pairs /= world
-            diffs = [max(c[0][i] for c in checks) for i in range(len(compared))]  # each twin's, both steps
-            values = torch.tensor([max(diffs), min(c[1] for c in checks)], dtype=torch.float64)
-            worst = torch.tensor([max(diffs), *diffs], dtype=torch.float64)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the largest difference of any rank
-            dist.all_reduce(values, op=dist.ReduceOp.MIN)  # the smallest gradient of any rank
+            # each twin's largest difference over both steps, then of any rank
+            worst = torch.tensor([max(c[0][i] for c in checks) for i in range(len(compared))], dtype=torch.float64)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            smallest = torch.tensor([min(c[1] for c in checks)], dtype=torch.float64)
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN)  # the smallest gradient of any rank
+            largest = float(worst.max())
             seconds = {n: float(m) for n, m in zip(names, medians)}
             parts = profile.ranks_mean(PROFILED, PART_NAMES) if profile is not None else None
             out[key] = {
@@ -316,9 +320,9 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
                 **{f"{a} / {b}": float(r) for (a, b), r in zip(paired, pairs)},
                 **({"torch_impl unchecked: calls without the check": [unchecked.skipped, unchecked.calls]}
                    if "torch_impl unchecked" in names else {}),
-                "values": {"steps compared": len(checks), "max_abs_diff": float(worst[0]),
-                           "identical": float(worst[0]) == 0.0, "grad_abs_max": float(values[1]),
-                           "max_abs_diff by candidate": {n: float(d) for n, d in zip(compared, worst[1:])}},
+                "values": {"steps compared": len(checks), "max_abs_diff": largest,
+                           "identical": largest == 0.0, "grad_abs_max": float(smallest[0]),
+                           "max_abs_diff by candidate": {n: float(d) for n, d in zip(compared, worst)}},
             }
     ps.destroy_model_parallel()
     if rank == 0:

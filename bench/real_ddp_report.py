@@ -82,7 +82,7 @@ def real_ddp_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
                         row["torch_impl / megatron-core"], GOALS["megatron-core"],
                         floor=1.0 / row["megatron-core / floor"] if floored else None))
         out.append(goal(f"{name} {mode}: gradients, max abs diff torch_impl vs megatron-core == 0",
-                        row["values"].get("max_abs_diff by candidate", {}).get("torch_impl", row["values"]["max_abs_diff"]), 0))
+                        row["values"]["max_abs_diff by candidate"]["torch_impl"], 0))
     return out
 
 
