@@ -97,7 +97,7 @@ if [[ $SMOKE -eq 1 ]]; then
   DEVICE=cpu
   WORLD1=(--backend gloo --device cpu --layers 2 --hidden 128)
   FAKE=(--backend fake --device cpu --layers 2 --hidden 128)
-  SIDE=(--no-gloo --layouts gpt-24L-h1024 --rounds 2 --no-scale --no-jax --no-real-ddp --no-at-scale)
+  SIDE=(--no-gloo --layouts gpt-24L-h1024 --rounds 2 --no-scale --no-jax --no-real-ddp --no-fsdp2 --no-at-scale)
   GRAPH=(--device cpu --rounds 2)
 else
   if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
@@ -107,7 +107,7 @@ else
   DEVICE=cuda
   WORLD1=(--backend nccl --device cuda)
   FAKE=(--backend fake --device cuda)
-  SIDE=(--no-gloo --no-jax --no-real-ddp --no-at-scale --no-scale)
+  SIDE=(--no-gloo --no-jax --no-real-ddp --no-fsdp2 --no-at-scale --no-scale)
   GRAPH=(--device cuda)
 fi
 

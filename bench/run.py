@@ -14,6 +14,9 @@
    megatron-core's finalize, torch_impl's (with and without its status round), the floor and
    megatron-core's again (the control) on twin DDPs, in four settings, and the two
    finalizes' gradients compared bit for bit.
+5. A model under torch's ``fully_shard`` (FSDP2) in a gloo world of 2 (``bench.fsdp2``):
+   torch_impl's steady finalize against the floor (the count's all-reduce and the scale of
+   each local shard), gradients compared bit for bit; measured, no goal.
 
 Prints a table and writes JSON (``--json PATH``, default ``bench/results/latest.json``).
 A benchmark, never a timed test: it reports what it measures and checks the goals.
@@ -187,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-gloo", action="store_true", help="skip the gloo world of 4")
     parser.add_argument("--no-jax", action="store_true", help="skip the JAX rows (bench.jax_rows)")
     parser.add_argument("--no-real-ddp", action="store_true", help="skip the real megatron-core DDP rows (bench.real_ddp)")
+    parser.add_argument("--no-fsdp2", action="store_true", help="skip the FSDP2 row (bench.fsdp2)")
     parser.add_argument("--real-ddp-size", metavar="LxH", help="real-DDP MLP: layers x hidden (default 8x256, --quick 4x256)")
     parser.add_argument("--no-scale", action="store_true", help="skip the MoE scale rows")
     parser.add_argument("--no-at-scale", action="store_true",
@@ -251,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
             print(format_gloo(result), flush=True)
     if not args.no_real_ddp:
         report["real_ddp"] = _real_ddp(args, quick)
+    if not args.no_fsdp2:
+        from bench.fsdp2 import format_fsdp2, run_fsdp2
+
+        print("\n== torch's FSDP2, gloo world of 2: a steady finalize against the floor ==", flush=True)
+        report["fsdp2"] = run_fsdp2(rounds=args.rounds or (11 if quick else 21))
+        print(format_fsdp2(report["fsdp2"]), flush=True)
     if not args.no_at_scale:
         from bench.at_scale import format_rows as format_at_scale, run as run_at_scale
 
@@ -281,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(path, "w") as f:
         json.dump(report, f, indent=2, default=str)
     print(f"\nJSON: {path}  ({report['seconds']:.0f} s)")
-    return 1 if "error" in (report["real_ddp"] or {}) else 0
+    failed = "error" in (report["real_ddp"] or {}) or "error" in report.get("fsdp2", {})
+    return 1 if failed or report.get("fsdp2", {}).get("identical") is False else 0
 
 
 if __name__ == "__main__":

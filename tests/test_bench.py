@@ -215,7 +215,7 @@ def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
     import re
 
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "bench", "--quick", "--no-gloo", "--no-real-ddp", "--no-jax", "--no-at-scale", "--layouts", "gpt-24L-h1024", "--rounds", "2",
+    cmd = [sys.executable, "-m", "bench", "--quick", "--no-gloo", "--no-real-ddp", "--no-fsdp2", "--no-jax", "--no-at-scale", "--layouts", "gpt-24L-h1024", "--rounds", "2",
            "--scale-rows", "8x8", "32x8", "16x32", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -27,7 +27,7 @@ pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[1]
 NUMBER = r"-?[0-9]+(?:\.[0-9]+)?(?:e[-+]?[0-9]+)?"
-ONLY_REAL_DDP = ["--no-fake", "--no-scale", "--no-gloo", "--no-jax", "--no-at-scale"]
+ONLY_REAL_DDP = ["--no-fake", "--no-scale", "--no-gloo", "--no-jax", "--no-at-scale", "--no-fsdp2"]
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
 

@@ -146,6 +146,28 @@ def _run_tp_sp(rank: int, mesh: Any, per_token: bool, divide: float | None) -> d
             "kept for the steady path": bool(ModelState.of([model]).steady)}
 
 
+def _local_shards(rank: int, mesh: Any) -> dict[str, Any]:
+    """The run stage's read of DTensor gradients' local shards (``local_shard_grads``)
+    against each gradient's own ``to_local()``, and the inputs it leaves to GradAccess."""
+    from torch_impl.run.grads import local_shard_grads
+
+    model = _tp_sp_model(mesh, True, 1.0)
+    dp, tp = mesh["dp_shard"].get_local_rank(), mesh["tp"].get_local_rank()
+    model(_batch()[dp * B // 2:(dp + 1) * B // 2, tp * S // 2:(tp + 1) * S // 2]).pow(2).sum().backward()
+    params = list(model.parameters())
+    with torch.no_grad():
+        shards = local_shard_grads(params)
+        same = shards is not None and all(s is p.grad.to_local() for s, p in zip(shards, params))
+        params[0].main_grad = params[0].grad
+        with_main_grad = local_shard_grads(params)
+        del params[0].main_grad
+        grad, params[1].grad = params[1].grad, None
+        without_a_grad = local_shard_grads(params)
+        params[1].grad = grad
+    return {"same objects": same, "shards": len(shards or ()), "params": len(params),
+            "declined": [with_main_grad is None, without_a_grad is None, local_shard_grads(params) is None]}
+
+
 def _refused_divide(rank: int, mesh: Any, only_rank: int | None = None) -> dict[str, Any]:
     """Per-token loss with FSDP2's default (averaging) reduction (on ``only_rank`` alone, or
     on every rank): refused on every rank, nothing changed."""
@@ -324,6 +346,7 @@ def case_world(rank: int, world: int) -> dict[str, Any]:
     return {
         "tp_sp_per_token": _run_tp_sp(rank, mesh, True, 1.0),
         "tp_sp_mean": _run_tp_sp(rank, mesh, False, None),
+        "local_shards": _local_shards(rank, mesh),
         "refused_divide": _refused_divide(rank, mesh),
         "refused_divide_rank2": _refused_divide(rank, mesh, only_rank=2),
         "pp_tied": _run_pp(rank),
@@ -372,6 +395,16 @@ def test_fsdp2_router_expert_bias_summed_over_tp_dp() -> None:
     for rank, result in enumerate(_results()):
         for case in ("tp_sp_per_token", "tp_sp_mean"):
             np.testing.assert_array_equal(result[case]["bias"], want, err_msg=f"rank {rank} {case}")
+
+
+def test_local_shard_grads_are_each_gradients_own_shard() -> None:
+    """Every gradient's local shard itself, in order; declined (GradAccess reads them) for a
+    parameter with ``main_grad``, a missing gradient, and with grad mode on."""
+    for rank, result in enumerate(_results()):
+        assert result["local_shards"] == {"same objects": True, "shards": result["local_shards"]["params"],
+                                          "params": result["local_shards"]["params"],
+                                          "declined": [True, True, True]}, rank
+        assert result["local_shards"]["params"] > 4
 
 
 def test_fsdp2_divide_factor_mismatch_refused_on_every_rank_unchanged() -> None:

@@ -13,8 +13,10 @@ for are in :mod:`torch_impl.call.watches` and :mod:`torch_impl.call.model_watch`
 
 from __future__ import annotations
 
+import operator
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -39,6 +41,33 @@ def is_dtensor(tensor: Any) -> bool:
     thread is still importing it, the module lacks ``DTensor`` and no DTensor exists yet)."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return dtensor is not None and isinstance(tensor, dtensor)
+
+
+_GRAD = operator.attrgetter("grad")
+#: A DTensor's local shard as ``to_local()`` gives it with grad mode off (its documented
+#: identity: ``to_local() is self._local_tensor`` there).
+_LOCAL_SHARD = operator.attrgetter("_local_tensor")
+
+
+def local_shard_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Each parameter's ``.grad`` local shard, in order, as :class:`GradAccess` with
+    ``local_shards`` gives it, in a few C-level passes instead of a few calls per parameter
+    (a step of an FSDP2 model binds its gradients anew: FSDP2 makes them anew each step).
+
+    None where that shortcut does not apply: grad mode on, a parameter with ``main_grad``,
+    a gradient that is not a DTensor (None included), or a torch whose DTensor keeps its
+    shard elsewhere; the caller then reads them through :class:`GradAccess`.
+    """
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None or torch.is_grad_enabled() or any(map(hasattr, params, repeat("main_grad"))):
+        return None
+    grads = list(map(_GRAD, params))
+    if not all(map(isinstance, grads, repeat(dtensor))):
+        return None
+    try:
+        return list(map(_LOCAL_SHARD, grads))
+    except AttributeError:
+        return None
 
 
 def unshard(tensor: torch.Tensor) -> torch.Tensor:
@@ -167,6 +196,7 @@ class GradAccess:
 
 
 __all__ = [
-    "GradAccess", "GradRead", "all_finite", "get_grad", "grad_attr", "is_dtensor", "is_own_view", "read_grads", "reshard",
+    "GradAccess", "GradRead", "all_finite", "get_grad", "grad_attr", "is_dtensor", "is_own_view", "local_shard_grads",
+    "read_grads", "reshard",
     "unshard",
 ]

@@ -3,6 +3,7 @@ multiplied by its reciprocal (bound once, on device, no host sync)."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from sys import getrefcount
 from typing import Any
@@ -178,41 +179,66 @@ def scale_grads(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
 
 def coalesce(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The fewest tensors covering ``tensors``: contiguous tensors that lie back to back
-    in one storage are merged into one 1-D span (overlapping ones are kept apart)."""
-    spans: list[tuple[Any, int, torch.Tensor]] = []
+    in one storage are merged into one 1-D span (overlapping ones are kept apart).
+    Spans come storage by storage (in the order each storage first appears), each by
+    offset; the tensors that cannot merge (not contiguous, empty, without storage)
+    follow, in their order. Each tensor's facts are read in C-level passes (an FSDP2 step
+    binds its new gradients with it), one by one only where a tensor refuses one."""
+    try:
+        facts = zip(tensors, map(_STORAGE_PTR, map(torch.Tensor.untyped_storage, tensors)),
+                    map(torch.Tensor.is_contiguous, tensors), map(torch.Tensor.numel, tensors),
+                    map(torch.Tensor.storage_offset, tensors), map(_DTYPE, tensors), map(_DEVICE, tensors))
+        facts = list(facts)
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, ...)
+        facts = list(map(_facts, tensors))
+    by_storage: dict[tuple[Any, torch.dtype, torch.device], list[tuple[int, int, torch.Tensor]]] = {}
     other: list[torch.Tensor] = []
-    for t in tensors:
-        try:
-            ptr = t.untyped_storage().data_ptr() if t.is_contiguous() else None
-        except (RuntimeError, NotImplementedError):
-            ptr = None
-        if ptr is None or t.numel() == 0:
+    for t, ptr, contiguous, numel, offset, dtype, device in facts:
+        if ptr is None or not contiguous or numel == 0:
             other.append(t)
         else:
-            spans.append(((ptr, t.dtype, t.device), t.storage_offset(), t))
-    spans.sort(key=lambda item: (str(item[0]), item[1]))
+            by_storage.setdefault((ptr, dtype, device), []).append((offset, numel, t))
     out: list[torch.Tensor] = []
-    run: list[torch.Tensor] = []
-    end = None
-    for where, offset, t in spans:
-        if run and (where, offset) == end:
+    for spans in by_storage.values():
+        spans.sort(key=_OFFSET)
+        run: list[torch.Tensor] = []
+        start = end = 0
+        for offset, numel, t in spans:
+            if run and offset != end:
+                out.append(_merge(run, start, end))
+                run = []
+            if not run:
+                start = offset
             run.append(t)
-        else:
-            if run:
-                out.append(_merge(run))
-            run = [t]
-        end = (where, offset + t.numel())
-    if run:
-        out.append(_merge(run))
+            end = offset + numel
+        out.append(_merge(run, start, end))
     return out + other
 
 
-def _merge(run: list[torch.Tensor]) -> torch.Tensor:
+_STORAGE_PTR = torch.UntypedStorage.data_ptr
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+#: A span's sort key: its offset in its storage.
+_OFFSET = operator.itemgetter(0)
+
+
+def _facts(t: torch.Tensor) -> tuple[Any, ...]:
+    """:func:`coalesce`'s facts of one tensor; a tensor that refuses its storage or
+    contiguity has no storage pointer (None)."""
+    try:
+        if t.is_contiguous():
+            return t, t.untyped_storage().data_ptr(), True, t.numel(), t.storage_offset(), t.dtype, t.device
+    except (RuntimeError, NotImplementedError):
+        pass
+    return t, None, False, 0, 0, None, None
+
+
+def _merge(run: list[torch.Tensor], start: int, end: int) -> torch.Tensor:
+    """The tensors of ``run``, back to back from ``start`` to ``end`` in one storage, as
+    one 1-D span (a lone tensor as it is)."""
     if len(run) == 1:
         return run[0]
-    first = run[0]
-    total = sum(t.numel() for t in run)
-    return first.as_strided((total,), (1,), first.storage_offset())
+    return run[0].as_strided((end - start,), (1,), start)
 
 
 def bind_scale(tensors: Sequence[torch.Tensor]) -> Callable[[torch.Tensor], None]:

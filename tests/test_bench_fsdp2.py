@@ -1,0 +1,36 @@
+"""bench.fsdp2 inside ``python -m bench``: torch_impl's steady finalize of an FSDP2 model
+against the floor, in a gloo world of 2, its gradients bit-identical to the floor's (no
+timing threshold is asserted)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from launch import launch
+
+from bench.fsdp2 import format_fsdp2
+
+ROOT = Path(__file__).resolve().parents[1]
+ONLY_FSDP2 = ["--no-fake", "--no-scale", "--no-gloo", "--no-jax", "--no-at-scale", "--no-real-ddp"]
+
+
+def test_fsdp2_row_runs_in_the_bench_with_identical_gradients(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    text = launch([sys.executable, "-m", "bench", *ONLY_FSDP2, "--rounds", "2", "--json", str(out)])
+    row = json.loads(out.read_text())["fsdp2"]
+    hidden, layers = 256, 24  # the bench's model: each block a layernorm and two linears
+    assert (row["world"], row["layers"], row["hidden"], row["gradients"]) == (2, layers, hidden, 6 * layers)
+    assert row["parameters"] == layers * (2 * hidden + 2 * (hidden * hidden + hidden))
+    assert row["identical"] is True  # torch_impl's gradients equal the floor's, bit for bit
+    assert row["torch_impl / floor"] > 0 and all(v > 0 for v in row["seconds per call"].values())
+    distinct, calls = row["python functions per call"]
+    assert 0 < distinct <= calls
+    assert "gradients: bit-identical (torch_impl vs floor, after the first call and after the timed ones)" in text
+    assert re.search(r"torch_impl / floor \d+\.\d{3} \(median of same-round ratios", text)
+
+
+def test_a_failed_world_is_reported_as_such() -> None:
+    assert format_fsdp2({"error": "timed out"}) == "fsdp2: failed: timed out"
