@@ -15,14 +15,16 @@ def test_row_compares_equal_outputs_and_counts_collectives():
     assert [jax_rows.compiles(n) for n in (8, 999, 1_000, 3_999, 4_000)] == [8, 8, 4, 4, 1]
     for name in ("meshgrad", "hand"):  # the fastest of the compiles is the row's
         assert len(row[f"{name}_compile_runs_s"]) == 8 and min(row[f"{name}_compile_runs_s"]) == row[f"{name}_compile_s"]
+    pairs = sorted(a / b for a, b in zip(row["meshgrad_compile_runs_s"], row["hand_compile_runs_s"]))
+    assert row["compile_ratio"] == (pairs[3] + pairs[4]) / 2  # the median of the rounds' ratios
     assert jax_rows.format_spread([row]).splitlines()[1].startswith("      8 leaves: step ratio ")
 
 
 def test_goals_from_rows():
     rows = [{"leaves": 10, "step_ratio": 1.0, "compile_ratio": 2.0, "meshgrad_step_ms": 1.0, "hand_step_ms": 1.0,
-             "meshgrad_compile_s": 1.0, "hand_compile_s": 1.0},
-            {"leaves": 100, "step_ratio": 1.2, "compile_ratio": 1.0, "meshgrad_step_ms": 10.0, "hand_step_ms": 10.0,
-             "meshgrad_compile_s": 40.0, "hand_compile_s": 30.0}]
+             "meshgrad_compile_s": 2.0, "hand_compile_s": 1.0},
+            {"leaves": 100, "step_ratio": 1.2, "compile_ratio": 80 / 30, "meshgrad_step_ms": 10.0, "hand_step_ms": 10.0,
+             "meshgrad_compile_s": 80.0, "hand_compile_s": 30.0}]
     from bench.goals import split_goals
 
     kept, bound, stretch = split_goals(jax_rows.goals(rows))
@@ -37,3 +39,6 @@ def test_goals_from_rows():
     assert [g["goal"] for g in bound] == ["jax compile grows no faster than the leaves (10 -> 100 leaves; per-leaf growth)"]
     assert bound[0]["floor"] == 3.0 and bound[0]["value"] == 4.0
     assert goals["jax compile grows no faster than the hand-written one's (10 -> 100 leaves; ours / theirs)"] is False
+    # ours / theirs is how much the rows' paired ratios grew: 1.2 / 1.0 for the step (missed)
+    assert [g["value"] for g in kept if "ours / theirs" in g["goal"]] == [1.2, 80 / 30 / 2.0]
+    assert goals["jax step grows no faster than the hand-written one's (10 -> 100 leaves; ours / theirs)"] is False

@@ -44,8 +44,8 @@ def is_dtensor(tensor: Any) -> bool:
 
 
 _GRAD = operator.attrgetter("grad")
-#: A DTensor's local shard as ``to_local()`` gives it with grad mode off (its documented
-#: identity: ``to_local() is self._local_tensor`` there).
+#: A DTensor's local shard as ``to_local()`` gives it with grad mode off (the identity
+#: ``to_local() is self._local_tensor``, which torch's own code keeps there on purpose).
 _LOCAL_SHARD = operator.attrgetter("_local_tensor")
 
 

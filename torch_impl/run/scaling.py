@@ -185,10 +185,9 @@ def coalesce(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     follow, in their order. Each tensor's facts are read in C-level passes (an FSDP2 step
     binds its new gradients with it), one by one only where a tensor refuses one."""
     try:
-        facts = zip(tensors, map(_STORAGE_PTR, map(torch.Tensor.untyped_storage, tensors)),
-                    map(torch.Tensor.is_contiguous, tensors), map(torch.Tensor.numel, tensors),
-                    map(torch.Tensor.storage_offset, tensors), map(_DTYPE, tensors), map(_DEVICE, tensors))
-        facts = list(facts)
+        facts = list(zip(tensors, map(_STORAGE_PTR, map(torch.Tensor.untyped_storage, tensors)),
+                         map(torch.Tensor.is_contiguous, tensors), map(torch.Tensor.numel, tensors),
+                         map(torch.Tensor.storage_offset, tensors), map(_DTYPE, tensors), map(_DEVICE, tensors)))
     except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, ...)
         facts = list(map(_facts, tensors))
     by_storage: dict[tuple[Any, torch.dtype, torch.device], list[tuple[int, int, torch.Tensor]]] = {}
