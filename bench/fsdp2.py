@@ -53,8 +53,9 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
 
     def build() -> nn.Module:
         torch.manual_seed(0)
-        blocks = [nn.Sequential(nn.LayerNorm(hidden, dtype=torch.float64), nn.Linear(hidden, hidden, dtype=torch.float64),
-                                nn.ReLU(), nn.Linear(hidden, hidden, dtype=torch.float64))
+        f64 = torch.float64
+        blocks = [nn.Sequential(nn.LayerNorm(hidden, dtype=f64), nn.Linear(hidden, hidden, dtype=f64), nn.ReLU(),
+                                nn.Linear(hidden, hidden, dtype=f64))
                   for _ in range(payload["layers"])]
         model = nn.Sequential(*blocks)
         for module in (*blocks, model):  # torchtitan's order: the blocks, then the root
@@ -80,6 +81,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
             torch._foreach_mul_([p.grad.to_local() for p in floor_params], 1.0 / count)
 
     finals: dict[str, Callable[[], None]] = {"torch_impl": ours, "floor": floor}
+
     def identical() -> bool:
         """Whether the twins' gradients are bit-identical (each scaled as often as the other)."""
         ours_now, floor_now = ([p.grad.to_local() for p in model.parameters()] for model in models.values())
@@ -105,8 +107,9 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
     entered = functions_entered(ours)  # one more steady call of each: every rank calls both
     floor()
     agreed.append(identical())  # after every steady call, as often scaled as the floor's
-    per_rank = torch.tensor([paired_ratio(times["torch_impl"], times["floor"]), *(cpu[n][0] / cpu[n][1] for n in finals),
-                             *(times[n]["median"] for n in finals), float(all(agreed))], dtype=torch.float64)
+    per_rank = torch.tensor([paired_ratio(times["torch_impl"], times["floor"]),
+                             *(cpu[n][0] / cpu[n][1] for n in finals), *(times[n]["median"] for n in finals),
+                             float(all(agreed))], dtype=torch.float64)
     dist.all_reduce(per_rank)
     per_rank /= world
     if rank == 0:
@@ -129,9 +132,8 @@ def run_fsdp2(*, world: int = 2, layers: int = 24, hidden: int = 256, rounds: in
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch)
     outcome = spawn_world(world_main, world, payload, timeout=timeout)
-    fatal = next((f for f in outcome.fatal if f), None)
-    if fatal or "result" not in outcome.results[0]:
-        return {"error": "timed out" if outcome.timed_out else str(fatal)}
+    if any(outcome.fatal) or "result" not in outcome.results[0]:
+        return {"error": outcome.why()}
     return outcome.results[0]["result"]
 
 

@@ -11,10 +11,11 @@ step (quick mode: the first two rows), both candidates do the same reductions:
 
 Per row: the jit compile time (trace + lower + XLA compile, the heap collected first; the
 fastest of eight below 1,000 leaves, of four below 4,000: a compile's first runs in a process
-can pay jax's own warm-up, which the smallest row would otherwise count) and the steady step time (median of paired, alternating calls), the ratios
-meshgrad / hand (each the median of the pairs' ratios: compiles alternate round by round),
-the growth of the times against the leaf-count growth and of the ratios from row to row, and the HLO's all-reduce count of each (XLA's
-combiner decides how many collectives run). The spread behind the medians is printed
+can pay jax's own warm-up, which the smallest row would otherwise count) and the steady
+step time (median of paired, alternating calls), the ratios meshgrad / hand (each the
+median of the pairs' ratios: compiles alternate round by round), the growth of the times
+against the leaf-count growth and of the ratios from row to row, and the HLO's all-reduce
+count of each (XLA's combiner decides how many collectives run). The spread behind the medians is printed
 too: the step ratio's paired calls (min, quartiles, max) and every compile time taken;
 the first line names the machine (CPU cores, jax and jaxlib versions). Run alone (it forces 8 host devices before
 jax is imported): ``python -m bench.jax_rows [--quick] [--json PATH]``; ``python -m bench``

@@ -350,9 +350,8 @@ def run_real_ddp(*, world: int = 4, layers: int = 8, hidden: int = 256, rounds: 
     names = tuple(n for n in (*NAMES, *OPT_IN) if n in {*names, "megatron-core", "torch_impl"})
     payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch, names=names, modes=modes, parts=parts)
     outcome = spawn_world(world_main, world, payload, timeout=timeout, prepare=import_megatron_core)
-    fatal = next((f for f in outcome.fatal if f), None)
-    if fatal or "result" not in outcome.results[0]:
-        return {"error": "timed out" if outcome.timed_out else str(fatal)}
+    if any(outcome.fatal) or "result" not in outcome.results[0]:
+        return {"error": outcome.why()}
     return outcome.results[0]["result"]
 
 

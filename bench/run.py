@@ -291,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(path, "w") as f:
         json.dump(report, f, indent=2, default=str)
     print(f"\nJSON: {path}  ({report['seconds']:.0f} s)")
-    failed = "error" in (report["real_ddp"] or {}) or "error" in report.get("fsdp2", {})
-    return 1 if failed or report.get("fsdp2", {}).get("identical") is False else 0
+    fsdp2 = report.get("fsdp2", {})
+    failed = "error" in (report["real_ddp"] or {}) or "error" in fsdp2 or fsdp2.get("identical") is False
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

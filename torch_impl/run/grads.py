@@ -58,7 +58,8 @@ def local_shard_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor] | No
     a gradient that is not a DTensor (None included), or a torch whose DTensor keeps its
     shard elsewhere; the caller then reads them through :class:`GradAccess`.
     """
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # as is_dtensor finds it
+    # grad_attr's rule: a parameter with main_grad is read through it
     if dtensor is None or torch.is_grad_enabled() or any(map(hasattr, params, repeat("main_grad"))):
         return None
     grads = list(map(_GRAD, params))
@@ -195,8 +196,19 @@ class GradAccess:
         self._work.clear()
 
 
+def local_grad_shards(params: Mapping[ParamKey, torch.Tensor], keys: Sequence[ParamKey]) -> list[torch.Tensor]:
+    """The local shards of the gradients of ``keys`` (of ``params``), as :class:`GradAccess`
+    with ``local_shards`` reads them: by :func:`local_shard_grads` where it applies, else
+    through :class:`GradAccess` (which raises for a gradient lost after planning)."""
+    shards = local_shard_grads(list(map(params.__getitem__, keys)))
+    if shards is None:
+        access = GradAccess(params, local_shards=True)
+        shards = [access[k] for k in keys]
+    return shards
+
+
 __all__ = [
-    "GradAccess", "GradRead", "all_finite", "get_grad", "grad_attr", "is_dtensor", "is_own_view", "local_shard_grads",
-    "read_grads", "reshard",
+    "GradAccess", "GradRead", "all_finite", "get_grad", "grad_attr", "is_dtensor", "is_own_view", "local_grad_shards",
+    "local_shard_grads", "read_grads", "reshard",
     "unshard",
 ]
