@@ -11,13 +11,15 @@ count's reciprocal. torch_impl's call also runs what its contract adds: the read
 FSDP2 state (which ``set_*`` calls may change between steps) and the checks, the status
 round that carries the count, and the plan's actions.
 
-Per call: wall time (median of interleaved rounds), torch_impl / floor (median of the
-rounds' paired ratios, mean of the ranks), the calling thread's CPU, and the Python
-functions one steady call enters (exact). Values: twin models (same seed, same input)
-must hold bit-identical gradients after the first call of each and again after every
-timed call (each twin scaled as often as the other; the global count is a power of two,
-so the scales are exact). Float64, as gloo has no PREMUL_SUM for FSDP2's float32
-reduction.
+Two measures: the steady call, repeated on the same gradients; and the call of a training
+step, each after ``zero_grad(set_to_none=True)`` (torch's default), a forward and a backward
+(untimed): FSDP2 makes every gradient anew, as in training. Per call: wall time (median of
+interleaved rounds), torch_impl / floor (median of the rounds' paired ratios, mean of the
+ranks), the calling thread's CPU, and the Python functions one steady call enters (exact).
+Values: twin models (same seed, same input) must hold bit-identical gradients after the
+first call of each, after the steady calls and after the training steps (each twin scaled
+as often as the other; the global count is a power of two, so the scales are exact).
+Float64, as gloo has no PREMUL_SUM for FSDP2's float32 reduction.
 """
 
 from __future__ import annotations
@@ -90,47 +92,64 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
     for fn in finals.values():  # the first call of each (torch_impl's plans), from the same gradients
         fn()
     agreed = [identical()]
-    cpu = {name: [0.0, 0] for name in finals}
 
-    def timed(name: str) -> Callable[[], None]:
-        fn, spent = finals[name], cpu[name]
+    def measure(prepare: Callable[[str], None] | None, batch: int) -> list[float]:
+        """torch_impl / floor, then each one's CPU and median wall seconds per call."""
+        cpu = {name: [0.0, 0] for name in finals}
 
-        def run() -> None:
-            start = time.thread_time()
-            fn()
-            spent[0] += time.thread_time() - start
-            spent[1] += 1
+        def timed(name: str) -> Callable[[], None]:
+            fn, spent = finals[name], cpu[name]
 
-        return run
+            def run() -> None:
+                start = time.thread_time()
+                fn()
+                spent[0] += time.thread_time() - start
+                spent[1] += 1
 
-    times = interleaved({name: timed(name) for name in finals}, rounds=payload["rounds"], batch=payload["batch"])
+            return run
+
+        times = interleaved({name: timed(name) for name in finals}, rounds=payload["rounds"],
+                            batch=batch, prepare=prepare)
+        return [paired_ratio(times["torch_impl"], times["floor"]), *(cpu[n][0] / cpu[n][1] for n in finals),
+                *(times[n]["median"] for n in finals)]
+
+    def training_step(name: str) -> None:  # FSDP2 makes every gradient anew
+        models[name].zero_grad(set_to_none=True)
+        models[name](x).sum().backward()
+
+    steady = measure(None, payload["batch"])
     entered = functions_entered(ours)  # one more steady call of each: every rank calls both
     floor()
     agreed.append(identical())  # after every steady call, as often scaled as the floor's
-    per_rank = torch.tensor([paired_ratio(times["torch_impl"], times["floor"]),
-                             *(cpu[n][0] / cpu[n][1] for n in finals), *(times[n]["median"] for n in finals),
-                             float(all(agreed))], dtype=torch.float64)
+    training = measure(training_step, payload["training_batch"])
+    agreed.append(identical())  # after the training steps (each twin's last: a finalize)
+    per_rank = torch.tensor([*steady, *training, float(all(agreed))], dtype=torch.float64)
     dist.all_reduce(per_rank)
     per_rank /= world
     if rank == 0:
-        ratio, cpu_ours, cpu_floor, wall_ours, wall_floor, every_rank = per_rank.tolist()
+        values = per_rank.tolist()
+
+        def row(ratio: float, cpu_ours: float, cpu_floor: float, wall_ours: float, wall_floor: float) -> dict[str, Any]:
+            return {"seconds per call": {"torch_impl": wall_ours, "floor": wall_floor},
+                    "cpu seconds per call": {"torch_impl": cpu_ours, "floor": cpu_floor}, "torch_impl / floor": ratio}
+
         sink.put("result", {
             "world": world, "layers": payload["layers"], "hidden": hidden,
-            "parameters": sum(p.numel() for p in models["floor"].parameters()),
-            "gradients": len(floor_params), "seconds per call": {"torch_impl": wall_ours, "floor": wall_floor},
-            "cpu seconds per call": {"torch_impl": cpu_ours, "floor": cpu_floor}, "torch_impl / floor": ratio,
-            "python functions per call": list(entered), "identical": every_rank == 1.0,
+            "parameters": sum(p.numel() for p in models["floor"].parameters()), "gradients": len(floor_params),
+            **row(*values[:5]), "training steps": row(*values[5:10]),
+            "python functions per call": list(entered), "identical": values[10] == 1.0,
         })
     dist.barrier()
 
 
 def run_fsdp2(*, world: int = 2, layers: int = 24, hidden: int = 256, rounds: int = 21, batch: int = 10,
+              training_batch: int = 2,
               timeout: float = 600.0) -> dict[str, Any]:
     """Run the benchmark world; its result, or ``{"error": ...}`` when the world failed."""
     from parity_tests.process_world import spawn_world
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch)
+    payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch, training_batch=training_batch)
     outcome = spawn_world(world_main, world, payload, timeout=timeout)
     if any(outcome.fatal) or "result" not in outcome.results[0]:
         return {"error": outcome.why()}
@@ -141,17 +160,26 @@ def format_fsdp2(result: dict[str, Any]) -> str:
     """The result as a few lines."""
     if "error" in result:
         return f"fsdp2: failed: {result['error']}"
-    wall, cpu = result["seconds per call"], result["cpu seconds per call"]
     distinct, calls = result["python functions per call"]
+    lines = [f"fsdp2-{result['layers']}L-h{result['hidden']}-dp_shard{result['world']}  (torch's fully_shard per "
+             f"block and root, {result['gradients']} gradients, {result['parameters']} parameters, per-token loss, "
+             "float64)"]
+    for what, row in (("steady call (the same gradients)", result),
+                      ("after each training step (zero_grad(set_to_none=True), forward, backward: new gradients)",
+                       result["training steps"])):
+        wall, cpu = row["seconds per call"], row["cpu seconds per call"]
+        lines += [
+            f"  {what}:",
+            f"    torch_impl {1e3 * wall['torch_impl']:.3f} ms, floor {1e3 * wall['floor']:.3f} ms per call; "
+            f"torch_impl / floor {row['torch_impl / floor']:.3f} (median of same-round ratios, mean of the ranks)",
+            f"    CPU of the calling thread: torch_impl {1e6 * cpu['torch_impl']:.0f} us, floor "
+            f"{1e6 * cpu['floor']:.0f} us per call",
+        ]
     return "\n".join([
-        f"fsdp2-{result['layers']}L-h{result['hidden']}-dp_shard{result['world']}  (torch's fully_shard per block and "
-        f"root, {result['gradients']} gradients, {result['parameters']} parameters, per-token loss, float64)",
-        f"  torch_impl {1e3 * wall['torch_impl']:.3f} ms, floor {1e3 * wall['floor']:.3f} ms per call; "
-        f"torch_impl / floor {result['torch_impl / floor']:.3f} (median of same-round ratios, mean of the ranks)",
-        f"  CPU of the calling thread: torch_impl {1e6 * cpu['torch_impl']:.0f} us, floor {1e6 * cpu['floor']:.0f} us "
-        f"per call; torch_impl enters {distinct} Python functions ({calls} calls) per steady call",
+        *lines,
+        f"  torch_impl enters {distinct} Python functions ({calls} calls) per steady call",
         f"  gradients: {'bit-identical' if result['identical'] else 'DIFFERENT'} (torch_impl vs floor, after the first "
-        "call and after the timed ones)",
+        "call, after the steady calls and after the training steps)",
     ])
 
 
@@ -161,10 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=21)
-    parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=10, help="steady calls per round")
+    parser.add_argument("--training-batch", type=int, default=2,
+                        help="training steps per round (each a forward and backward, untimed, and a finalize)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
-    result = run_fsdp2(world=args.world, layers=args.layers, hidden=args.hidden, rounds=args.rounds, batch=args.batch)
+    result = run_fsdp2(world=args.world, layers=args.layers, hidden=args.hidden, rounds=args.rounds, batch=args.batch,
+                        training_batch=args.training_batch)
     print(format_fsdp2(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -27,6 +27,7 @@ def interleaved(
     batch: int | Mapping[str, int] = 20,
     warmup: int = 3,
     sync: Callable[[], object] | None = None,
+    prepare: Callable[[str], object] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Median / min / max seconds per call of each candidate.
 
@@ -36,13 +37,18 @@ def interleaved(
       batch: calls per round (one count for all, or one per candidate name).
       warmup: untimed calls of each candidate first (plans, caches).
       sync: called before reading the clock (e.g. ``torch.cuda.synchronize``).
+      prepare: called with the candidate's name before each of its calls, warm-up calls
+        too, untimed (a training step's backward before its finalize, say); then each call
+        is timed alone and a round's time is their sum.
 
     Returns:
       name -> {"median", "min", "max"} in seconds per call, and "samples" (one per round,
       in round order: see :func:`paired_ratio`).
     """
-    for fn in candidates.values():
+    for name, fn in candidates.items():
         for _ in range(warmup):
+            if prepare is not None:
+                prepare(name)
             fn()
     if sync is not None:
         sync()
@@ -55,12 +61,25 @@ def interleaved(
         for r in range(rounds):
             for name in rotated(names, r):
                 fn = candidates[name]
-                start = time.perf_counter()
+                if prepare is None:
+                    start = time.perf_counter()
+                    for _ in range(calls[name]):
+                        fn()
+                    if sync is not None:
+                        sync()
+                    samples[name].append((time.perf_counter() - start) / calls[name])
+                    continue
+                spent = 0.0
                 for _ in range(calls[name]):
+                    prepare(name)
+                    if sync is not None:
+                        sync()
+                    start = time.perf_counter()
                     fn()
-                if sync is not None:
-                    sync()
-                samples[name].append((time.perf_counter() - start) / calls[name])
+                    if sync is not None:
+                        sync()
+                    spent += time.perf_counter() - start
+                samples[name].append(spent / calls[name])
     finally:
         if enabled:
             gc.enable()

@@ -1,6 +1,6 @@
-"""bench.fsdp2 inside ``python -m bench``: torch_impl's steady finalize of an FSDP2 model
-against the floor, in a gloo world of 2, its gradients bit-identical to the floor's (no
-timing threshold is asserted)."""
+"""bench.fsdp2 inside ``python -m bench``: torch_impl's finalize of an FSDP2 model against
+the floor, steady and after each training step, in a gloo world of 2, its gradients
+bit-identical to the floor's (no timing threshold is asserted)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,16 @@ def test_fsdp2_row_runs_in_the_bench_with_identical_gradients(tmp_path: Path) ->
     assert (row["world"], row["layers"], row["hidden"], row["gradients"]) == (2, layers, hidden, 6 * layers)
     assert row["parameters"] == layers * (2 * hidden + 2 * (hidden * hidden + hidden))
     assert row["identical"] is True  # torch_impl's gradients equal the floor's, bit for bit
-    assert row["torch_impl / floor"] > 0 and all(v > 0 for v in row["seconds per call"].values())
+    for measure in (row, row["training steps"]):
+        assert measure["torch_impl / floor"] > 0 and all(v > 0 for v in measure["seconds per call"].values())
+        assert all(v > 0 for v in measure["cpu seconds per call"].values())
     distinct, calls = row["python functions per call"]
     assert 0 < distinct <= calls
-    assert "gradients: bit-identical (torch_impl vs floor, after the first call and after the timed ones)" in text
-    assert re.search(r"torch_impl / floor \d+\.\d{3} \(median of same-round ratios", text)
+    assert ("gradients: bit-identical (torch_impl vs floor, after the first call, after the steady calls and "
+            "after the training steps)") in text
+    assert "  steady call (the same gradients):" in text
+    assert "  after each training step (zero_grad(set_to_none=True), forward, backward: new gradients):" in text
+    assert len(re.findall(r"torch_impl / floor \d+\.\d{3} \(median of same-round ratios", text)) == 2
 
 
 def test_a_failed_world_is_reported_as_such() -> None:

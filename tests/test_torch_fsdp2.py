@@ -168,6 +168,99 @@ def _local_shards(rank: int, mesh: Any) -> dict[str, Any]:
             "declined": [with_main_grad is None, without_a_grad is None, local_shard_grads(params) is None]}
 
 
+def _training_steps(rank: int, mesh: Any) -> dict[str, Any]:
+    """Steps as a training loop runs them: ``zero_grad(set_to_none=True)`` (torch's default),
+    forward, backward (FSDP2 makes every gradient anew), finalize. Each step's gradients and
+    the discovery and watch the model state keeps; whether the last step's gradients are
+    gone after the next ``zero_grad``; then a step whose ``up.weight`` gradient is a new
+    DTensor of an equal but new spec (a new gradient FSDP2 did not make), and two steps of
+    FSDP2's own gradients again."""
+    import gc
+    import weakref
+
+    from torch.distributed.tensor import DTensor
+
+    from torch_impl import finalize_model_grads
+    from torch_impl.call.model_state import ModelState
+
+    model = _tp_sp_model(mesh, True, 1.0)
+    dp, tp = mesh["dp_shard"].get_local_rank(), mesh["tp"].get_local_rank()
+    x = _batch()[dp * B // 2:(dp + 1) * B // 2, tp * S // 2:(tp + 1) * S // 2]
+    steps, kept = [], []
+
+    def step(respec: bool = False) -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).pow(2).sum().backward()
+        if respec:
+            g = model.up.weight.grad
+            model.up.weight.grad = DTensor.from_local(g.to_local().clone(), g.device_mesh, g.placements,
+                                                      shape=g.shape, stride=g.stride())
+        model.router.local_tokens_per_expert.copy_(torch.tensor([rank, 2.0, 3.0 * rank, 1.0]))
+        finalize_model_grads([model], num_tokens=torch.tensor([B // 2 * S]), pg_collection=mesh)
+        steps.append(_full_grads(model))
+        ((_, found, watch, _),) = ModelState.of([model]).found.values()
+        kept.append((found, watch))
+
+    for _ in range(3):
+        step()
+    last = [weakref.ref(p.grad) for p in model.parameters()]
+    step(respec=True)
+    gc.collect()
+    freed = [ref() is None for ref in last]
+    step()  # FSDP2's own spec again: read again
+    step()
+    return {
+        "steps": steps, "bias": model.router.expert_bias.numpy().copy(),
+        "kept": [found is kept[0][0] and watch is kept[0][1] for found, watch in kept],
+        "read again": [kept[i][0] is not kept[i - 1][0] for i in range(1, len(kept))],
+        "last step's gradients freed": freed,
+    }
+
+
+def _sharded_watch(rank: int, mesh: Any) -> dict[str, bool]:
+    """``GradWatch.same()`` over an FSDP2 model's parameters, after each change of one
+    DTensor gradient (then put back): the answers, in order."""
+    from torch.distributed.tensor import DTensor
+
+    from torch_impl.call.watches import GradWatch
+
+    model = _tp_sp_model(mesh, True, 1.0)
+    dp, tp = mesh["dp_shard"].get_local_rank(), mesh["tp"].get_local_rank()
+    x = _batch()[dp * B // 2:(dp + 1) * B // 2, tp * S // 2:(tp + 1) * S // 2]
+    model(x).pow(2).sum().backward()
+    watch = GradWatch(model.parameters())
+    param = model.up.weight
+    out = {"unchanged": watch.same()}
+    model.zero_grad(set_to_none=True)
+    model(x).pow(2).sum().backward()
+    out["new gradients of FSDP2's backward"] = watch.same()
+    grad = param.grad
+    local = grad._local_tensor
+
+    def changed(what: str, value: Any) -> None:
+        param.grad = value
+        out[what] = watch.same()
+        param.grad = grad
+        out[f"{what}, put back"] = watch.same()
+
+    changed("gradient gone", None)
+    changed("a plain tensor", torch.zeros(grad.shape, dtype=local.dtype))
+    changed("a DTensor of a new spec", DTensor.from_local(local.clone(), grad.device_mesh, grad.placements,
+                                                          shape=grad.shape, stride=grad.stride()))
+    for what, shard in (("local shard of another shape", local[:1]),
+                        ("local shard of another dtype", local.to(torch.float32))):
+        grad._local_tensor = shard
+        out[what] = watch.same()
+        grad._local_tensor = local
+    with torch.inference_mode():
+        frozen = local.clone()
+    grad._local_tensor = frozen
+    out["an inference shard"] = watch.same()
+    grad._local_tensor = local
+    out["all put back"] = watch.same()
+    return out
+
+
 def _refused_divide(rank: int, mesh: Any, only_rank: int | None = None) -> dict[str, Any]:
     """Per-token loss with FSDP2's default (averaging) reduction (on ``only_rank`` alone, or
     on every rank): refused on every rank, nothing changed."""
@@ -347,6 +440,8 @@ def case_world(rank: int, world: int) -> dict[str, Any]:
         "tp_sp_per_token": _run_tp_sp(rank, mesh, True, 1.0),
         "tp_sp_mean": _run_tp_sp(rank, mesh, False, None),
         "local_shards": _local_shards(rank, mesh),
+        "training_steps": _training_steps(rank, mesh),
+        "sharded_watch": _sharded_watch(rank, mesh),
         "refused_divide": _refused_divide(rank, mesh),
         "refused_divide_rank2": _refused_divide(rank, mesh, only_rank=2),
         "pp_tied": _run_pp(rank),
@@ -405,6 +500,39 @@ def test_local_shard_grads_are_each_gradients_own_shard() -> None:
                                           "params": result["local_shards"]["params"],
                                           "declined": [True, True, True]}, rank
         assert result["local_shards"]["params"] > 4
+
+
+def test_fsdp2_training_steps_keep_the_plan_and_hold_no_gradient() -> None:
+    """Steps after ``zero_grad(set_to_none=True)``: FSDP2's new gradients (the same spec
+    object, dtype, device, local shapes) keep the discovery and its watch, and every step's
+    gradients equal the single-process ones; the watch holds none of them (the last step's
+    are freed by the next ``zero_grad``); a new DTensor of a new spec object is seen (the
+    discovery is read again, and again when FSDP2's own spec is back) and scaled as the
+    others."""
+    want = _reference_grads(True)
+    counts = sum(np.array([r, 2.0, 3.0 * r, 1.0]) for r in range(WORLD))
+    for rank, result in enumerate(_results()):
+        got = result["training_steps"]
+        for index, grads in enumerate(got["steps"]):
+            for name, value in want.items():
+                _close(grads[name], value, f"rank {rank} step {index} {name}")
+        assert got["kept"] == [True, True, True, False, False, False], rank
+        assert got["read again"] == [False, False, True, True, False], rank
+        assert all(got["last step's gradients freed"]), rank
+        np.testing.assert_array_equal(got["bias"], (6 * RATE * np.sign(counts.mean() - counts)).astype(np.float32))
+
+
+def test_a_dtensor_gradient_is_watched_by_its_facts() -> None:
+    """FSDP2's new gradients read as unchanged; a gradient gone, a plain one, a DTensor of
+    another spec object, a local shard of another shape or dtype, or an inference shard,
+    read as changed (and unchanged once put back)."""
+    want = {"unchanged": True, "new gradients of FSDP2's backward": True}
+    for what in ("gradient gone", "a plain tensor", "a DTensor of a new spec"):
+        want |= {what: False, f"{what}, put back": True}
+    want |= {"local shard of another shape": False, "local shard of another dtype": False,
+             "an inference shard": False, "all put back": True}
+    for rank, result in enumerate(_results()):
+        assert result["sharded_watch"] == want, rank
 
 
 def test_fsdp2_divide_factor_mismatch_refused_on_every_rank_unchanged() -> None:

@@ -21,6 +21,11 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
 _SHAPE = operator.attrgetter("shape")  # a little cheaper than Tensor.size()
 _DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_LAYOUT = operator.attrgetter("layout")
+#: A DTensor's sharding spec (mesh, placements, global shape and strides) and local shard.
+_SPEC = operator.attrgetter("_spec")
+_LOCAL_SHARD = operator.attrgetter("_local_tensor")
 MODULES = operator.itemgetter("_modules")
 PARAMETERS = operator.itemgetter("_parameters")
 BUFFERS = operator.itemgetter("_buffers")
@@ -184,6 +189,14 @@ class GradWatch:
     tensor guard
     (:func:`~torch_impl.call.tensor_guard.metadata_guard`).
 
+    A DTensor gradient (FSDP2 makes one anew on every step after
+    ``zero_grad(set_to_none=True)``) is not held: no bound program uses it (a step binds
+    its DTensor gradients' local shards anew), and holding it would keep a step's
+    gradients alive past ``zero_grad``. It is watched by what the plan and the checks
+    read of it (:meth:`_sharded_same`): its class, its sharding spec object (FSDP2 keeps
+    one per parameter: the mesh, placements and global shape), and its local shard's
+    dtype, device, layout, shape and inference flag.
+
     A gradient that is one of meshgrad's own buffer views (``own_views``, made by
     :func:`torch_impl.buffers.attach_grad_buffers`) is watched by identity only: the
     parameter still holding that view is what the bound program depends on; the view's
@@ -201,9 +214,26 @@ class GradWatch:
         self.requires = list(map(_REQUIRES_GRAD, self.params))
         dicts = list(map(vars, self.params))
         self.attributes = DictWatch(dicts)
-        # .grad matters where main_grad is absent (its appearing changes the dict).
-        self.grad_params = [p for p, d in zip(self.params, dicts) if "main_grad" not in d]
-        self.grads = list(map(_GRAD, self.grad_params))
+        # .grad matters where main_grad is absent (its appearing changes the dict): held
+        # and compared by identity, but a DTensor gradient, watched by its facts.
+        grad_params = [p for p, d in zip(self.params, dicts) if "main_grad" not in d]
+        grads = list(map(_GRAD, grad_params))
+        sharded = list(map(is_dtensor, grads))
+        self.grad_params = [p for p, dtensor in zip(grad_params, sharded) if not dtensor]
+        self.grads = [g for g, dtensor in zip(grads, sharded) if not dtensor]
+        self.sharded_params = [p for p, dtensor in zip(grad_params, sharded) if dtensor]
+        held = [g for g, dtensor in zip(grads, sharded) if dtensor]
+        shards = list(map(_LOCAL_SHARD, held))
+        self.sharded_types = list(map(type, held))
+        self.specs = list(map(_SPEC, held))
+        # the local shard's dtype, device and layout: a DTensor takes its own from it when
+        # made, and they are read without the subclass's dispatch
+        self.shard_dtypes = list(map(_DTYPE, shards))
+        self.shard_devices = list(map(_DEVICE, shards))
+        self.shard_layouts = list(map(_LAYOUT, shards))
+        self.shard_sizes = list(map(_SHAPE, shards))
+        self.shard_inference = list(map(torch.Tensor.is_inference, shards))
+        del held, shards
         own = own_views if own_views is not None else {}
         self.tensors = [
             g for g in map(get_grad, self.params)
@@ -240,9 +270,29 @@ class GradWatch:
             ((guard is not None and guard.check(*params)) or self._params_same())
             and self.attributes.same()
             and all(map(operator.is_, map(_GRAD, self.grad_params), self.grads))
+            and (not self.sharded_params or self._sharded_same())
             and list(map(torch.Tensor.data_ptr, tensors)) == self.ptrs
             and (not tensors or (grad_guard is not None and grad_guard.check(*tensors)) or self._grad_layouts_same())
             and list(map(torch.Tensor.data_ptr, self.plain_params)) == self.param_ptrs
+        )
+
+    def _sharded_same(self) -> bool:
+        """The DTensor gradients' facts (class docstring) as at construction: the same
+        classes (a gradient gone, or now a plain tensor, differs), each sharding spec the
+        same object, and local shards of the same dtypes, devices, layouts, shapes and
+        inference flags (a DTensor's dtype, device and layout are its local shard's when
+        it is made; a shard changed in place since, ``.data = ...``, is seen on the shard)."""
+        grads = list(map(_GRAD, self.sharded_params))
+        if list(map(type, grads)) != self.sharded_types:
+            return False
+        shards = list(map(_LOCAL_SHARD, grads))
+        return (
+            all(map(operator.is_, map(_SPEC, grads), self.specs))
+            and all(map(operator.is_, map(_DTYPE, shards), self.shard_dtypes))
+            and list(map(_DEVICE, shards)) == self.shard_devices
+            and all(map(operator.is_, map(_LAYOUT, shards), self.shard_layouts))
+            and _sizes_same(shards, self.shard_sizes)
+            and list(map(torch.Tensor.is_inference, shards)) == self.shard_inference
         )
 
     def _params_same(self) -> bool:
