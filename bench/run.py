@@ -15,8 +15,9 @@
    megatron-core's again (the control) on twin DDPs, in four settings, and the two
    finalizes' gradients compared bit for bit.
 5. A model under torch's ``fully_shard`` (FSDP2) in a gloo world of 2 (``bench.fsdp2``):
-   torch_impl's steady finalize against the floor (the count's all-reduce and the scale of
-   each local shard), gradients compared bit for bit; measured, no goal.
+   torch_impl's finalize against the floor (the count's all-reduce and the scale of each
+   local shard), steady and after each training step, gradients compared bit for bit;
+   measured, no goal.
 
 Prints a table and writes JSON (``--json PATH``, default ``bench/results/latest.json``).
 A benchmark, never a timed test: it reports what it measures and checks the goals.
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_fsdp2:
         from bench.fsdp2 import format_fsdp2, run_fsdp2
 
-        print("\n== torch's FSDP2, gloo world of 2: a steady finalize against the floor ==", flush=True)
+        print("\n== torch's FSDP2, gloo world of 2: finalize against the floor, steady and after each training step ==", flush=True)
         report["fsdp2"] = run_fsdp2(rounds=args.rounds or (11 if quick else 21))
         print(format_fsdp2(report["fsdp2"]), flush=True)
     if not args.no_at_scale:

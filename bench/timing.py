@@ -60,32 +60,42 @@ def interleaved(
     try:
         for r in range(rounds):
             for name in rotated(names, r):
-                fn = candidates[name]
-                if prepare is None:
-                    start = time.perf_counter()
-                    for _ in range(calls[name]):
-                        fn()
-                    if sync is not None:
-                        sync()
-                    samples[name].append((time.perf_counter() - start) / calls[name])
-                    continue
-                spent = 0.0
-                for _ in range(calls[name]):
-                    prepare(name)
-                    if sync is not None:
-                        sync()
-                    start = time.perf_counter()
-                    fn()
-                    if sync is not None:
-                        sync()
-                    spent += time.perf_counter() - start
-                samples[name].append(spent / calls[name])
+                fn, n = candidates[name], calls[name]
+                per_call = _batched(fn, n, sync) if prepare is None else _prepared(fn, n, sync, name, prepare)
+                samples[name].append(per_call)
     finally:
         if enabled:
             gc.enable()
     return {
         name: {"median": statistics.median(s), "min": min(s), "max": max(s), "samples": s} for name, s in samples.items()
     }
+
+
+def _batched(fn: Callable[[], object], calls: int, sync: Callable[[], object] | None) -> float:
+    """Seconds per call of ``calls`` calls of ``fn`` back to back, timed as one batch."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if sync is not None:
+        sync()
+    return (time.perf_counter() - start) / calls
+
+
+def _prepared(fn: Callable[[], object], calls: int, sync: Callable[[], object] | None, name: str,
+              prepare: Callable[[str], object]) -> float:
+    """Seconds per call of ``calls`` calls of ``fn``, each after an untimed ``prepare(name)``
+    and timed alone."""
+    spent = 0.0
+    for _ in range(calls):
+        prepare(name)
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        spent += time.perf_counter() - start
+    return spent / calls
 
 
 def paired_ratio(a: Mapping[str, object], b: Mapping[str, object]) -> float | None:

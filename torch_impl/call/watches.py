@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from torch_impl.call.tensor_guard import GuardedCheck
-from torch_impl.run.grads import get_grad, is_dtensor, is_own_view
+from torch_impl.run.grads import LOCAL_SHARD, get_grad, is_dtensor, is_own_view
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -23,9 +23,8 @@ _SHAPE = operator.attrgetter("shape")  # a little cheaper than Tensor.size()
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 _LAYOUT = operator.attrgetter("layout")
-#: A DTensor's sharding spec (mesh, placements, global shape and strides) and local shard.
+#: A DTensor's sharding spec (mesh, placements, global shape and strides).
 _SPEC = operator.attrgetter("_spec")
-_LOCAL_SHARD = operator.attrgetter("_local_tensor")
 MODULES = operator.itemgetter("_modules")
 PARAMETERS = operator.itemgetter("_parameters")
 BUFFERS = operator.itemgetter("_buffers")
@@ -219,13 +218,11 @@ class GradWatch:
         grad_params = [p for p, d in zip(self.params, dicts) if "main_grad" not in d]
         grads = list(map(_GRAD, grad_params))
         sharded = list(map(is_dtensor, grads))
-        self.grad_params = [p for p, dtensor in zip(grad_params, sharded) if not dtensor]
-        self.grads = [g for g, dtensor in zip(grads, sharded) if not dtensor]
-        self.sharded_params = [p for p, dtensor in zip(grad_params, sharded) if dtensor]
-        held = [g for g, dtensor in zip(grads, sharded) if dtensor]
-        shards = list(map(_LOCAL_SHARD, held))
-        self.sharded_types = list(map(type, held))
-        self.specs = list(map(_SPEC, held))
+        self.sharded_params, self.grad_params = split(grad_params, sharded)
+        sharded_grads, self.grads = split(grads, sharded)
+        shards = list(map(LOCAL_SHARD, sharded_grads))
+        self.sharded_types = list(map(type, sharded_grads))
+        self.specs = list(map(_SPEC, sharded_grads))
         # the local shard's dtype, device and layout: a DTensor takes its own from it when
         # made, and they are read without the subclass's dispatch
         self.shard_dtypes = list(map(_DTYPE, shards))
@@ -233,7 +230,6 @@ class GradWatch:
         self.shard_layouts = list(map(_LAYOUT, shards))
         self.shard_sizes = list(map(_SHAPE, shards))
         self.shard_inference = list(map(torch.Tensor.is_inference, shards))
-        del held, shards
         own = own_views if own_views is not None else {}
         self.tensors = [
             g for g in map(get_grad, self.params)
@@ -285,7 +281,7 @@ class GradWatch:
         grads = list(map(_GRAD, self.sharded_params))
         if list(map(type, grads)) != self.sharded_types:
             return False
-        shards = list(map(_LOCAL_SHARD, grads))
+        shards = list(map(LOCAL_SHARD, grads))
         return (
             all(map(operator.is_, map(_SPEC, grads), self.specs))
             and all(map(operator.is_, map(_DTYPE, shards), self.shard_dtypes))

@@ -46,7 +46,7 @@ def is_dtensor(tensor: Any) -> bool:
 _GRAD = operator.attrgetter("grad")
 #: A DTensor's local shard as ``to_local()`` gives it with grad mode off (the identity
 #: ``to_local() is self._local_tensor``, which torch's own code keeps there on purpose).
-_LOCAL_SHARD = operator.attrgetter("_local_tensor")
+LOCAL_SHARD = operator.attrgetter("_local_tensor")
 
 
 def local_shard_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -66,7 +66,7 @@ def local_shard_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor] | No
     if not all(map(isinstance, grads, repeat(dtensor))):
         return None
     try:
-        return list(map(_LOCAL_SHARD, grads))
+        return list(map(LOCAL_SHARD, grads))
     except AttributeError:
         return None
 
@@ -208,7 +208,8 @@ def local_grad_shards(params: Mapping[ParamKey, torch.Tensor], keys: Sequence[Pa
 
 
 __all__ = [
-    "GradAccess", "GradRead", "all_finite", "get_grad", "grad_attr", "is_dtensor", "is_own_view", "local_grad_shards",
+    "LOCAL_SHARD", "GradAccess", "GradRead", "all_finite", "get_grad", "grad_attr", "is_dtensor", "is_own_view",
+    "local_grad_shards",
     "local_shard_grads", "read_grads", "reshard",
     "unshard",
 ]
