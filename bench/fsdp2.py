@@ -1,19 +1,21 @@
 """``python -m bench.fsdp2``: a steady finalize of a model under torch's ``fully_shard``
 (FSDP2), torchtitan's way (each block, then the root, on a ``dp_shard`` DeviceMesh given as
 ``pg_collection``), against the floor, in a gloo world (real collectives, one process per
-rank).
+rank). ``--wrap ddp``: the same model under torch's ``DistributedDataParallel`` instead
+(its defaults: gradients not views of its buckets; ``ddp_sum_hook``; a ``dp`` mesh).
 
-FSDP2 has reduce-scattered every gradient in backward, so with a per-token loss what is
-left is the token count's all-reduce and the scale of each local shard. The floor is that,
-as a training loop writes it per step: the count all-reduced, each gradient's
-``to_local()`` (FSDP2 makes new gradients every step) and one ``_foreach_mul_`` by the
-count's reciprocal. torch_impl's call also runs what its contract adds: the read of the
+FSDP2 has reduce-scattered every gradient in backward (DDP has all-reduced it), so with
+a per-token loss what is left is the token count's all-reduce and the scale of each local
+shard. The floor is that, as a training loop writes it per step: the count all-reduced,
+each gradient's ``to_local()`` (FSDP2 makes new gradients every step; DDP's ``.grad``
+itself) and one ``_foreach_mul_`` by the count's reciprocal. torch_impl's call also runs what its contract adds: the read of the
 FSDP2 state (which ``set_*`` calls may change between steps) and the checks, the status
 round that carries the count, and the plan's actions.
 
 Two measures: the steady call, repeated on the same gradients; and the call of a training
 step, each after ``zero_grad(set_to_none=True)`` (torch's default), a forward and a backward
-(untimed): FSDP2 makes every gradient anew, as in training. Per call: wall time (median of
+(untimed): FSDP2 (and DDP, whose gradients are not bucket views) makes every gradient
+anew, as in training. Per call: wall time (median of
 interleaved rounds), torch_impl / floor (median of the rounds' paired ratios, mean of the
 ranks), the calling thread's CPU, and the Python functions one steady call enters (exact).
 Values: twin models (same seed, same input) must hold bit-identical gradients after the
@@ -43,6 +45,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
 
     import torch_impl
     from bench.cpu_parts import functions_entered
@@ -50,8 +53,8 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
     from meshgrad import FinalizeConfig
 
     warnings.simplefilter("ignore")
-    hidden = payload["hidden"]
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    hidden, ddp = payload["hidden"], payload["wrap"] == "ddp"
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp" if ddp else "dp_shard",))
 
     def build() -> nn.Module:
         torch.manual_seed(0)
@@ -60,11 +63,18 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
                                 nn.Linear(hidden, hidden, dtype=f64))
                   for _ in range(payload["layers"])]
         model = nn.Sequential(*blocks)
+        model.config = FinalizeConfig(calculate_per_token_loss=True)
+        if ddp:  # per-token loss: DDP sums (the hook), finalize scales
+            wrapped = DistributedDataParallel(model, process_group=mesh.get_group())
+            wrapped.register_comm_hook(wrapped.process_group, torch_impl.ddp_sum_hook)
+            return wrapped
         for module in (*blocks, model):  # torchtitan's order: the blocks, then the root
             fully_shard(module, mesh=mesh)
             module.set_gradient_divide_factor(1.0)  # per-token loss: FSDP2 sums, finalize scales
-        model.config = FinalizeConfig(calculate_per_token_loss=True)
         return model
+
+    def local(grad: torch.Tensor) -> torch.Tensor:
+        return grad if ddp else grad.to_local()
 
     x = torch.randn(4, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     models = {name: build() for name in ("torch_impl", "floor")}
@@ -80,13 +90,13 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         count = torch.tensor(TOKENS)
         dist.all_reduce(count, group=mesh.get_group())
         with torch.no_grad():
-            torch._foreach_mul_([p.grad.to_local() for p in floor_params], 1.0 / count)
+            torch._foreach_mul_([local(p.grad) for p in floor_params], 1.0 / count)
 
     finals: dict[str, Callable[[], None]] = {"torch_impl": ours, "floor": floor}
 
     def identical() -> bool:
         """Whether the twins' gradients are bit-identical (each scaled as often as the other)."""
-        ours_now, floor_now = ([p.grad.to_local() for p in model.parameters()] for model in models.values())
+        ours_now, floor_now = ([local(p.grad) for p in model.parameters()] for model in models.values())
         return all(map(torch.equal, ours_now, floor_now))
 
     for fn in finals.values():  # the first call of each (torch_impl's plans), from the same gradients
@@ -113,7 +123,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
         return [paired_ratio(times["torch_impl"], times["floor"]), *(cpu[n][0] / cpu[n][1] for n in finals),
                 *(times[n]["median"] for n in finals)]
 
-    def training_step(name: str) -> None:  # FSDP2 makes every gradient anew
+    def training_step(name: str) -> None:  # FSDP2 (DDP: its gradients not bucket views) makes every gradient anew
         models[name].zero_grad(set_to_none=True)
         models[name](x).sum().backward()
 
@@ -134,7 +144,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
                     "cpu seconds per call": {"torch_impl": cpu_ours, "floor": cpu_floor}, "torch_impl / floor": ratio}
 
         sink.put("result", {
-            "world": world, "layers": payload["layers"], "hidden": hidden,
+            "wrap": payload["wrap"], "world": world, "layers": payload["layers"], "hidden": hidden,
             "parameters": sum(p.numel() for p in models["floor"].parameters()), "gradients": len(floor_params),
             **row(*values[:5]), "training steps": row(*values[5:10]),
             "python functions per call": list(entered), "identical": values[10] == 1.0,
@@ -143,13 +153,13 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
 
 
 def run_fsdp2(*, world: int = 2, layers: int = 24, hidden: int = 256, rounds: int = 21, batch: int = 10,
-              training_batch: int = 2,
-              timeout: float = 600.0) -> dict[str, Any]:
-    """Run the benchmark world; its result, or ``{"error": ...}`` when the world failed."""
+              training_batch: int = 2, wrap: str = "fully_shard", timeout: float = 600.0) -> dict[str, Any]:
+    """Run the benchmark world (``wrap``: ``"fully_shard"`` or ``"ddp"``); its result, or
+    ``{"error": ...}`` when the world failed."""
     from parity_tests.process_world import spawn_world
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch, training_batch=training_batch)
+    payload = dict(layers=layers, hidden=hidden, rounds=rounds, batch=batch, training_batch=training_batch, wrap=wrap)
     outcome = spawn_world(world_main, world, payload, timeout=timeout)
     if any(outcome.fatal) or "result" not in outcome.results[0]:
         return {"error": outcome.why()}
@@ -161,9 +171,12 @@ def format_fsdp2(result: dict[str, Any]) -> str:
     if "error" in result:
         return f"fsdp2: failed: {result['error']}"
     distinct, calls = result["python functions per call"]
-    lines = [f"fsdp2-{result['layers']}L-h{result['hidden']}-dp_shard{result['world']}  (torch's fully_shard per "
-             f"block and root, {result['gradients']} gradients, {result['parameters']} parameters, per-token loss, "
-             "float64)"]
+    how = ("torch DDP, gradients not bucket views, ddp_sum_hook" if result["wrap"] == "ddp"
+           else "torch's fully_shard per block and root")
+    name = f"ddp-{result['layers']}L-h{result['hidden']}-dp" if result["wrap"] == "ddp" else (
+        f"fsdp2-{result['layers']}L-h{result['hidden']}-dp_shard")
+    lines = [f"{name}{result['world']}  ({how}, {result['gradients']} gradients, {result['parameters']} parameters, "
+             "per-token loss, float64)"]
     for what, row in (("steady call (the same gradients)", result),
                       ("after each training step (zero_grad(set_to_none=True), forward, backward: new gradients)",
                        result["training steps"])):
@@ -192,10 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=10, help="steady calls per round")
     parser.add_argument("--training-batch", type=int, default=2,
                         help="training steps per round (each a forward and backward, untimed, and a finalize)")
+    parser.add_argument("--wrap", choices=("fully_shard", "ddp"), default="fully_shard",
+                        help="torch's fully_shard (FSDP2), or its DistributedDataParallel")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     result = run_fsdp2(world=args.world, layers=args.layers, hidden=args.hidden, rounds=args.rounds, batch=args.batch,
-                        training_batch=args.training_batch)
+                        training_batch=args.training_batch, wrap=args.wrap)
     print(format_fsdp2(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -209,6 +209,46 @@ def _run_dp4(rank: int) -> dict[str, Any]:
     return out
 
 
+def _run_training_steps(rank: int) -> dict[str, Any]:
+    """dp = 4, a per-token loss, five training steps each after ``zero_grad(set_to_none=True)``
+    (torch's default): the plain model (finalize's DP sync) and torch DDP with its defaults
+    (``ddp_sum_hook``; gradients not views of its buckets), so each step's gradients are new
+    tensors. Per step: the finalized gradients, the model state's discovery and watch, the
+    plans built, and how many of the last step's gradients ``zero_grad`` left alive."""
+    import weakref
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from meshgrad import FinalizeConfig
+    from torch_impl import ddp_sum_hook, execution_stats, finalize_model_grads
+    from torch_impl.call.model_state import ModelState
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    tokens = _batch().reshape(B * S, H)[rank * S:(rank + 1) * S]
+    out = {}
+    for name in ("plain", "ddp"):
+        torch.manual_seed(4)
+        inner = torch.nn.Linear(H, 2, dtype=torch.float64)
+        inner.config = FinalizeConfig(calculate_per_token_loss=True)
+        model = inner
+        if name == "ddp":
+            model = DistributedDataParallel(inner, process_group=mesh.get_group())
+            model.register_comm_hook(model.process_group, ddp_sum_hook)
+        steps, last = [], []
+        for _ in range(5):
+            model.zero_grad(set_to_none=True)
+            alive = sum(ref() is not None for ref in last)
+            model(tokens).pow(2).sum().backward()
+            finalize_model_grads([model], num_tokens=torch.tensor([S]), pg_collection=mesh)
+            (_, found, watch, _), = ModelState.existing([model]).found.values()
+            steps.append({"grads": _grads(inner), "alive": alive, "watch": id(watch),
+                          "specs": found.params, "plans": execution_stats([model]).plans_built})
+            last = [weakref.ref(p.grad) for p in inner.parameters()]
+        out[name] = steps
+    return out
+
+
 def _reference_dp4() -> dict[str, np.ndarray]:
     torch.manual_seed(4)
     model = torch.nn.Linear(H, 2, dtype=torch.float64)
@@ -306,6 +346,7 @@ def case_world(rank: int, world: int) -> dict[str, Any]:
         "dp_tp_mean": _run_dp_tp(rank, mesh, False),
         "refused": _refused(rank, mesh),
         "dp4": _run_dp4(rank),
+        "training_steps": _run_training_steps(rank),
         "pp_tied": _run_pp(rank),
         "experts": _run_experts(rank),
     }
@@ -364,6 +405,24 @@ def test_ddp_mean_loss_no_second_dp_all_reduce() -> None:
             np.testing.assert_array_equal(ddp["after"][name], ddp["before"][name], err_msg=f"rank {rank} {name}")
             _close(ddp["after"][name], value, f"rank {rank} ddp {name}")
             _close(plain["after"][name], value, f"rank {rank} plain {name}")
+
+
+def test_training_steps_keep_the_plan_and_hold_no_gradient() -> None:
+    """Five training steps whose gradients are new tensors each step (plain model and torch
+    DDP, ``zero_grad(set_to_none=True)``): every step's gradients equal the single-process
+    ones; one discovery watch and one plan serve every step (the new gradients are checked
+    and bound anew, not re-discovered); from the third step on, the last step's gradients
+    are freed by ``zero_grad`` (renewed twice running, they are no longer held)."""
+    want = _reference_dp4()
+    for rank, result in enumerate(_results()):
+        for name, steps in result["training_steps"].items():
+            for index, got in enumerate(steps):
+                for param, value in want.items():
+                    _close(got["grads"][param], value, f"rank {rank} {name} step {index} {param}")
+            assert len({got["watch"] for got in steps}) == 1, (rank, name)
+            assert all(got["specs"] == steps[0]["specs"] for got in steps), (rank, name)
+            assert [got["plans"] for got in steps] == [1] * 5, (rank, name)
+            assert [got["alive"] for got in steps] == [0, 2, 2, 0, 0], (rank, name)
 
 
 def test_ddp_pipeline_tied_embedding_summed_across_stages() -> None:

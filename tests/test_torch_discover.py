@@ -16,7 +16,8 @@ from torch_impl import (  # noqa: E402
     _unshard_if_dtensor,
     discover,
 )
-from torch_impl.sources.discover import get_grad, router_spec  # noqa: E402
+from torch_impl.sources.discover import get_grad  # noqa: E402
+from torch_impl.sources.routers import router_spec  # noqa: E402
 from torch_impl.sources.wrappers import find_attr, unwrap  # noqa: E402
 
 

@@ -164,10 +164,17 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
     mode, nan_check = config.consistency_check, nan_checked(spec, config)
     round_due = not (mode == "off" and not nan_check) and not capturing()
     fresh = record is None or mode == "every_step" or record.found is not found
+    # Renewed gradients (the discovery's lineage: Discovered.renewal) read as those checked:
+    # only the NaN scan's spans are theirs.
+    renewed = fresh and record is not None and mode != "every_step" and (
+        getattr(record.found, "lineage", None) is found.lineage)
+    fresh = fresh and not renewed
     nonfinite, bad_tokens = None, False
     nan_due = round_due and nan_check
-    spans = None if fresh else record.nan_spans
+    spans = None if fresh or renewed else record.nan_spans
     try:
+        if renewed and nan_check:
+            spans = scan_spans(read_grads(found.tensors, spec.nan_keys))
         if fresh:
             reads = read_grads(found.tensors, spec.keys)
             device = check_gradients(reads, groups, config)
@@ -192,6 +199,8 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
     record.device, record.found = device, found
     if fresh:
         record.nan_spans, record.inference_tensor = spans, inference
+    elif renewed:
+        record.nan_spans = spans
     if not round_due:
         return Findings(None, record)
     # The kind of num_tokens (a change is compared: it decides the token collectives).

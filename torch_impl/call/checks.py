@@ -11,6 +11,7 @@ together live in :mod:`torch_impl.call.agree`.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,12 +32,25 @@ from torch_impl.run.status import backend
 GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def extent_bytes(t: torch.Tensor) -> int:
+    """The bytes from a strided tensor's first element to past its last (0 when empty)."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
+    return span * t.element_size()
+
+
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """Byte range [start, stop) of ``t`` within its storage."""
-    size = t.element_size()
-    start = t.storage_offset() * size
-    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
-    return start, start + span * size
+    start = t.storage_offset() * t.element_size()
+    return start, start + extent_bytes(t)
+
+
+def disjoint_ranges(starts: list[int], extents: list[int]) -> bool:
+    """Whether the address ranges ``[start, start + extent)`` overlap nowhere, in C-level
+    passes: then no two tensors share an element (one that did would lie in both ranges).
+    Views of one buffer side by side pass; interleaved ones answer False (the full check
+    of :func:`check_gradients` decides those)."""
+    ranges = sorted(zip(starts, map(operator.add, starts, extents)))
+    return all(map(operator.le, map(operator.itemgetter(1), ranges[:-1]), map(operator.itemgetter(0), ranges[1:])))
 
 
 def _element_offsets(t: torch.Tensor) -> torch.Tensor:

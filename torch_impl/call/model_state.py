@@ -89,6 +89,7 @@ class ModelState:
     def __init__(self, chunks: Sequence[Any]) -> None:
         self.chunk_ids = tuple(map(id, chunks))
         self.found: dict[tuple[bool, bool], tuple[int, Discovered, ModelWatch, tuple[Any, ...]]] = {}
+        self.renewed: Discovered | None = None  # the discovery of this call's renewed gradients
         self.tokens: dict[_Fingerprint, int] = {}  # specs -> token
         self.next_token = 0
         self.embeddings: dict[tuple[Any, ...], tuple[Any, Any, tuple[Any, ...], Discovered]] = {}
@@ -172,6 +173,16 @@ class ModelState:
         if cached is not None and _CHECKS[reads](cached[2]):
             return cached[0], cached[1], cached[3]  # the watch's chunk facts hold the DDP objects
         self.programs.clear()
+        if cached is not None and reads != "routers" and cached[2].renewed():
+            # New .grad tensors like the old (zero_grad(set_to_none=True)): the specs, plans
+            # and checks hold; the discovery as a new object of its lineage, so that the
+            # binding and NaN scan of the old gradients (keyed on it) are redone for the new
+            # ones. Renewed twice running, they are not held past the call (release_renewed).
+            found = cached[1].renewal()
+            if cached[2].renew(found):
+                self.renewed = found
+            self.found[slot] = (cached[0], found, cached[2], cached[3])
+            return cached[0], found, cached[3]
         ddp = tuple(ddp_object(c) for c in chunks)
         if cached is None or not cached[2].structure_same():
             found = discover(chunks, config, () if slot[1] else [obj is not None for obj in ddp])
@@ -188,6 +199,22 @@ class ModelState:
         )
         self.found[slot] = (token, found, watch, ddp)
         return token, found, ddp
+
+    def release_renewed(self, bound: BoundPlan, found: Discovered) -> None:
+        """After a call on renewed gradients (:meth:`discovered`; ``found``: its discovery):
+        hold none of them until the next call -- not in the watch, not in a bound program,
+        not in the spans of the plan's NaN scan -- so that ``zero_grad(set_to_none=True)``
+        frees them. The next call checks and binds its own (it would anyway: they are new)."""
+        if self.renewed is not found:
+            return
+        self.renewed = None
+        kept = self.kept(found)
+        if kept is not None:
+            kept[1][2].release()
+        self.programs.pop(id(bound), None)
+        record = self.plan_memo.record(bound)
+        if record is not None:
+            record.nan_spans = None
 
     def still_kept(self, slot: tuple[bool, bool], kept: tuple[Any, ...], complete_kept: bool, reads: Reads) -> bool:
         """Whether :meth:`discovered` would return the entry ``kept`` of ``slot`` again (for

@@ -180,6 +180,7 @@ class ModelWatch:
         self.param_edges = self._parameter_edges()
         self.router_edges = _Edges(found.chunks, [(k[0], k[1], None) for k in found.router_modules])
         self.dirty = [False]
+        self.renewing = False  # the last change seen was a renewal of the gradients (renew)
         self._hooks = register(set(self.module_ids), self.dirty)
         self._finalizer = weakref.finalize(self, retire, self._hooks)  # collected anywhere: only retired
 
@@ -272,6 +273,35 @@ class ModelWatch:
             self._helper = (full, DictWatch(map(vars, rest)))
         full, rest = self._helper
         return self.structure_same(roles=False) and self._routers_unchanged() and full.same() and rest.same()
+
+    def renewed(self) -> bool:
+        """Whether the model is what :meth:`same` watches but for new plain ``.grad``
+        tensors that read as the old ones (:meth:`~torch_impl.call.watches.GradWatch.renewed`):
+        the discovery's specs, and every plan made from them, still hold."""
+        return self.structure_same() and self._routers_unchanged() and self.grads.renewed()
+
+    def renew(self, found: Any) -> bool:
+        """Watch the renewed gradients from now on, for ``found``: the same discovery
+        as a new object (what was checked or bound against the old gradients is keyed on
+        the old one).
+
+        Returns:
+          Whether to release them after the call: renewed twice running, they are renewed
+          every step. False where they are the very tensors released after the last call
+          (:meth:`~torch_impl.call.watches.GradWatch.returned`: ``set_to_none=False``, or
+          DDP's bucket views): they are held, and watched by identity, again.
+        """
+        returned = self.grads.returned()
+        self.found = found
+        self.grads.renew()
+        self._helper = None  # a seed helper's own watch holds the old gradients
+        again, self.renewing = self.renewing and not returned, not returned
+        return again
+
+    def release(self) -> None:
+        """Hold no gradient tensor past the call (:meth:`~torch_impl.call.watches.GradWatch.release`)."""
+        self.grads.release()
+        self._helper = None
 
     def _grad_watch(self, keys: set[ParamKey]) -> GradWatch:
         return GradWatch((self.found.tensors[k] for k in self.found.tensors if k in keys), self.own_views)

@@ -96,14 +96,18 @@ def call(model: Any, source: Any, request: Request = Request(), fence: Callable[
     """
     bound, inputs, total = _agreed(model, source, request)
     finalize = not request.steps  # Request.finalize, without a property's call on every step
-    if not finalize and not bound.plan.actions:
-        return
-    if finalize:
-        inputs.state.stats.calls += 1
-        fence = (fence or gtp_fence()) if inputs.requested.gtp_active else None
-        if fence is not None:
-            fence()
-    without_grad(_run, request, bound, inputs, total)
+    try:
+        if not finalize and not bound.plan.actions:
+            return
+        if finalize:
+            inputs.state.stats.calls += 1
+            fence = (fence or gtp_fence()) if inputs.requested.gtp_active else None
+            if fence is not None:
+                fence()
+        without_grad(_run, request, bound, inputs, total)
+    finally:  # gradients renewed every step (zero_grad(set_to_none=True)) are not held past the call
+        if inputs.state.renewed is not None:
+            inputs.state.release_renewed(bound, inputs.found)
 
 
 def _run(request: Request, bound: BoundPlan, inputs: CallInputs, total: Any) -> None:

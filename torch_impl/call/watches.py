@@ -6,13 +6,15 @@ parameters), :class:`DictWatch` / :class:`ExactDicts` (dicts compared with copie
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any
 
 import torch
 from torch import nn
 
+from torch_impl.call.checks import disjoint_ranges, extent_bytes
 from torch_impl.call.tensor_guard import GuardedCheck
 from torch_impl.run.grads import LOCAL_SHARD, get_grad, is_dtensor, is_own_view
 
@@ -28,6 +30,8 @@ _SPEC = operator.attrgetter("_spec")
 MODULES = operator.itemgetter("_modules")
 PARAMETERS = operator.itemgetter("_parameters")
 BUFFERS = operator.itemgetter("_buffers")
+#: What a released :class:`GradWatch` holds in place of each gradient: no tensor is it.
+_RELEASED = object()
 
 
 #: Attribute values whose ``==`` tells a replacement from the same object: plain values
@@ -239,6 +243,18 @@ class GradWatch:
         self.sizes = list(map(_SHAPE, self.tensors))
         self.strides = list(map(torch.Tensor.stride, self.tensors))
         self.dtypes = list(map(_DTYPE, self.tensors))
+        # Renewable (:meth:`renewed`): every gradient is a plain ``.grad`` tensor of its own
+        # (or None): no main_grad, DTensor or meshgrad buffer view among them.
+        self.grad_types = list(map(type, self.grads))
+        self.renewable = (
+            bool(self.grads) and len(self.grad_params) == len(self.params)
+            and len(self.tensors) == len(self.grads) - self.grad_types.count(type(None))
+            and all(kind is torch.Tensor or kind is type(None) for kind in self.grad_types)
+        )
+        self.devices = list(map(_DEVICE, self.tensors)) if self.renewable else []
+        self.inference = list(map(torch.Tensor.is_inference, self.tensors)) if self.renewable else []
+        self.extents = list(map(extent_bytes, self.tensors)) if self.renewable else []
+        self.weak: list[weakref.ref[torch.Tensor]] | None = None  # set by release()
         # ``param.data = ...``: every parameter by its shape, a plain one also by its data
         # pointer (another tensor of any dtype or device; the shape as well, because a
         # storage freed by an earlier replacement can come back at the same address).
@@ -247,6 +263,8 @@ class GradWatch:
         self.param_sizes = list(map(_SHAPE, self.params))
         # a parameter without a gradient is described by its own dtype (``param_spec``)
         self.param_dtypes = list(map(_DTYPE, self.params))
+        # its class may define flags (read once per discovery: ``_class_flags``)
+        self.param_types = list(map(type, self.params))
         # requires_grad, shapes and dtypes in one C++ call where torch has the guard (the
         # parameters' strides are no question of the watch; the gradients' are).
         self.param_check, self.grad_check = GuardedCheck(strides=False), GuardedCheck()
@@ -272,6 +290,65 @@ class GradWatch:
             and list(map(torch.Tensor.data_ptr, self.plain_params)) == self.param_ptrs
         )
 
+    def renewed(self) -> bool:
+        """Whether the parameters are as at construction (:meth:`same`) but for new
+        ``.grad`` tensors of the same presence, class, dtype, device, layout, shape,
+        strides and inference flag, whose memory ranges overlap nowhere: a training step
+        after ``zero_grad(set_to_none=True)`` where the gradients are not views of one
+        buffer (torch DDP's default). What the plan, the specs and the once-per-binding
+        checks read of them is then what they read of the old ones (internal overlap is a
+        matter of shape and strides; no two share an element); a bound program holds the
+        old ones, and the NaN scan's spans are theirs: the caller redoes those. Only for a
+        watch of plain ``.grad`` gradients (:attr:`renewable`)."""
+        if not self.renewable:
+            return False
+        params = self.params
+        guard = self.param_check.guard
+        grads = list(map(_GRAD, self.grad_params))
+        if list(map(type, grads)) != self.grad_types:
+            return False
+        tensors = [g for g in grads if g is not None]
+        return (
+            ((guard is not None and guard.check(*params)) or self._params_same())
+            and self.attributes.same()
+            and list(map(torch.Tensor.data_ptr, self.plain_params)) == self.param_ptrs
+            and list(map(_DEVICE, tensors)) == self.devices
+            and all(map(operator.is_, map(_LAYOUT, tensors), repeat(torch.strided)))
+            and _layouts_same(tensors, self.sizes, self.strides, self.dtypes)
+            and list(map(torch.Tensor.is_inference, tensors)) == self.inference
+            and disjoint_ranges(list(map(torch.Tensor.data_ptr, tensors)), self.extents)
+        )
+
+    def renew(self) -> None:
+        """Watch (and hold) the gradients :meth:`renewed` has just accepted: their facts
+        are the recorded ones, the objects and data pointers new."""
+        self.grads = list(map(_GRAD, self.grad_params))
+        self.tensors = [g for g in self.grads if g is not None]
+        self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
+        self.weak = None
+
+    def release(self) -> None:
+        """Hold no gradient tensor, only weak references (a model whose gradients are
+        renewed every step: the last step's would stay alive past ``zero_grad`` through
+        forward and backward). :meth:`same` then answers False; :meth:`returned` tells
+        whether a call finds the released tensors themselves."""
+        self.weak = list(map(weakref.ref, self.tensors))
+        self.grads = [_RELEASED] * len(self.grads)
+        self.tensors = []
+
+    def returned(self) -> bool:
+        """Whether the watch was released and the parameters hold the released gradient
+        tensors, at their data pointers (asked after :meth:`renewed` answered True: with
+        it, what :meth:`same` would have answered for them)."""
+        if self.weak is None:
+            return False
+        tensors = [g for g in map(_GRAD, self.grad_params) if g is not None]
+        return (
+            len(tensors) == len(self.weak)
+            and all(map(operator.is_, tensors, map(operator.call, self.weak)))
+            and list(map(torch.Tensor.data_ptr, tensors)) == self.ptrs
+        )
+
     def _sharded_same(self) -> bool:
         """The DTensor gradients' facts (class docstring) as at construction: the same
         classes (a gradient gone, or now a plain tensor, differs), each sharding spec the
@@ -292,10 +369,12 @@ class GradWatch:
         )
 
     def _params_same(self) -> bool:
-        """The parameters' requires_grad, shapes and dtypes, attribute by attribute (the
-        guard, asked by :meth:`same`, was not armed or did not pass; re-armed here)."""
+        """The parameters' requires_grad, classes, shapes and dtypes, attribute by attribute
+        (the guard, asked by :meth:`same`, was not armed or did not pass; re-armed here)."""
         return self.param_check.same(self.params, lambda: (
-            list(map(_REQUIRES_GRAD, self.params)) == self.requires and _sizes_same(self.params, self.param_sizes)
+            list(map(_REQUIRES_GRAD, self.params)) == self.requires
+            and all(map(operator.is_, map(type, self.params), self.param_types))
+            and _sizes_same(self.params, self.param_sizes)
             and all(map(operator.is_, map(_DTYPE, self.params), self.param_dtypes))
         ), asked=True)
 
@@ -307,4 +386,6 @@ class GradWatch:
         )
 
     def has_dtensor(self) -> bool:
-        return any(is_dtensor(g) for g in map(get_grad, self.params))
+        """Whether a watched gradient is a DTensor (asked after :meth:`same` or
+        :meth:`renewed` answered True: a renewable watch's gradients are plain)."""
+        return not self.renewable and any(is_dtensor(g) for g in map(get_grad, self.params))

@@ -11,7 +11,7 @@ Conventions read (all optional):
   ``share_embeddings_and_output_weights`` is True or the config has MTP layers;
   position embedding: ``module.position_embeddings.weight``.
 * routers: modules with ``expert_bias`` / ``qb_beta`` buffers or a
-  ``reset_global_aux_loss_tracker()`` method.
+  ``reset_global_aux_loss_tracker()`` method (:mod:`torch_impl.sources.routers`).
 * a ``torch.compile(module)`` wrapper (``OptimizedModule``) is seen through wherever it
   sits in the ``.module`` chain: names come from the module it compiled (no
   ``_orig_mod.`` prefix), so they match the uncompiled twin on other ranks and chunks.
@@ -31,12 +31,13 @@ from torch import nn
 from meshgrad.config import FinalizeConfig
 from meshgrad.params import ParamKey, ParamSpec, Role, RouterSpec
 from meshgrad.steps import QK_MARK, is_qk_layernorm, may_touch
-from meshgrad.errors import FinalizeInputError, FinalizeTypeError
+from meshgrad.errors import FinalizeTypeError
 from torch_impl.call.probes import Probes
 from torch_impl.run.grads import get_grad
 from torch_impl.sources.fsdp2 import FsdpGroup, fsdp_groups
 from torch_impl.sources.torch_ddp import TorchDdp, ddp_wrappers
 from torch_impl.sources.config import chunk_configs
+from torch_impl.sources.routers import router_spec
 from torch_impl.sources.wrappers import NO_ATTR, ReadRecorder, attr_or, param_name, unwrap
 
 #: Parameter attributes copied into ParamSpec flags.
@@ -143,45 +144,6 @@ def position_embedding(module: Any, read: Callable[..., Any] = attr_or) -> torch
     return read(emb, "weight", None) if emb is not None else None
 
 
-def router_spec(name: str, chunk: int, module: nn.Module) -> RouterSpec | None:
-    """The RouterSpec of a module, or None when it holds no router state.
-
-    Raises:
-      ValueError: its per-expert buffers disagree in length, or expert_bias comes
-        without local_tokens_per_expert.
-    """
-    # attr_or: a miss costs no AttributeError (every submodule is asked, once per discovery)
-    bias = attr_or(module, "expert_bias", NO_ATTR)
-    qb = attr_or(module, "qb_beta", NO_ATTR)
-    reset = attr_or(module, "reset_global_aux_loss_tracker", None)
-    if bias is NO_ATTR and qb is NO_ATTR and not callable(reset):
-        return None
-    bias = None if bias is NO_ATTR else bias
-    qb = None if qb is NO_ATTR else qb
-    local = attr_or(module, "local_tokens_per_expert", None)
-    accum = attr_or(module, "qb_beta_accum", None)
-    buffers = {"expert_bias": bias, "local_tokens_per_expert": local, "qb_beta": qb, "qb_beta_accum": accum}
-    lengths = {
-        attr: int(value.shape[-1]) if value.dim() else 1
-        for attr, value in buffers.items() if isinstance(value, torch.Tensor)
-    }
-    if len(set(lengths.values())) > 1:
-        raise FinalizeInputError(f"router {name!r} (chunk {chunk}): per-expert buffers differ in length: {lengths}")
-    if bias is not None and not isinstance(local, torch.Tensor):
-        raise FinalizeInputError(f"router {name!r} (chunk {chunk}) has expert_bias but no local_tokens_per_expert tensor")
-    return RouterSpec(
-        name=name,
-        chunk=chunk,
-        num_experts=next(iter(lengths.values()), 1),
-        training=bool(attr_or(module, "training", True)),
-        has_expert_bias=bias is not None,
-        frozen_expert_bias=bool(attr_or(module, "frozen_expert_bias", False)),
-        has_qb_beta=qb is not None,
-        qb_accum_present=accum is not None,
-        has_aux_loss_tracker=callable(reset),
-    )
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Discovered:
     """What discovery found in a model list.
@@ -197,6 +159,8 @@ class Discovered:
       untouched_experts: some left-out parameter is a trained expert parameter.
       fsdp: the FSDP2 parameter groups of the chunks (:func:`torch_impl.sources.fsdp2.fsdp_groups`).
       torch_ddp: the torch DDP wrappers of the chunks (:func:`torch_impl.sources.torch_ddp.ddp_wrappers`).
+      lineage: shared by this discovery and its :meth:`renewal` copies only (what the checks
+        found for one holds for the others, but for the NaN scan's spans).
     """
 
     params: tuple[ParamSpec, ...]
@@ -208,6 +172,7 @@ class Discovered:
     untouched_experts: bool = False
     fsdp: tuple[FsdpGroup, ...] = ()
     torch_ddp: tuple[TorchDdp, ...] = ()
+    lineage: object = dataclasses.field(default_factory=object)
 
     def fingerprint(self) -> tuple[Any, ...]:
         """What may change between steps and changes the plan: requires_grad, gradient
@@ -227,7 +192,13 @@ class Discovered:
             param_spec(s.name, s.chunk, self.tensors[s.key], s.role) for s in self.params
         )
         routers = tuple(router_spec(r.name, r.chunk, self.router_modules[r.key]) for r in self.routers)
-        return dataclasses.replace(self, params=params, routers=routers)  # type: ignore[arg-type]
+        return dataclasses.replace(self, params=params, routers=routers, lineage=object())  # type: ignore[arg-type]
+
+    def renewal(self) -> "Discovered":
+        """This discovery as a new object of the same :attr:`lineage`, for gradients renewed
+        under the same specs (:meth:`~torch_impl.call.watches.GradWatch.renewed`: the same
+        facts, inference flags and disjoint memory as the gradients the checks passed)."""
+        return dataclasses.replace(self)
 
 
 def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[bool] = ()) -> Discovered:
