@@ -39,3 +39,19 @@ def test_fsdp2_row_runs_in_the_bench_with_identical_gradients(tmp_path: Path) ->
 
 def test_a_failed_world_is_reported_as_such() -> None:
     assert format_fsdp2({"error": "timed out"}) == "fsdp2: failed: timed out"
+
+
+def test_the_ddp_wrap_times_torch_ddp_with_identical_gradients() -> None:
+    """``--wrap ddp``: the same model under torch's DistributedDataParallel (gradients new
+    every training step), small, in a gloo world of 2: both measures, bit-identical twins."""
+    from bench.fsdp2 import run_fsdp2
+
+    row = run_fsdp2(wrap="ddp", layers=2, hidden=16, rounds=2, batch=2, training_batch=1, timeout=240)
+    assert (row["wrap"], row["world"], row["layers"], row["hidden"], row["gradients"]) == ("ddp", 2, 2, 16, 12)
+    assert row["parameters"] == 2 * (2 * 16 + 2 * (16 * 16 + 16))
+    assert row["identical"] is True
+    for measure in (row, row["training steps"]):
+        assert measure["torch_impl / floor"] > 0 and all(v > 0 for v in measure["cpu seconds per call"].values())
+    text = format_fsdp2(row)
+    assert text.startswith("ddp-2L-h16-dp2  (torch DDP, gradients not bucket views, ddp_sum_hook, 12 gradients")
+    assert "gradients: bit-identical" in text

@@ -66,21 +66,22 @@ def _params() -> list[nn.Parameter]:
     return params
 
 
-def _renewed(params: list[nn.Parameter], watch: GradWatch) -> tuple[bool, bool]:
+def _answers(watch: GradWatch) -> tuple[bool, bool]:
+    """(same, renewed): what the watch answers now."""
     return watch.same(), watch.renewed()
 
 
 def test_new_gradients_of_the_same_facts_read_as_renewed_not_same():
     params = _params()
     watch = GradWatch(params)
-    assert watch.renewable and _renewed(params, watch) == (True, True)
+    assert watch.renewable and _answers(watch) == (True, True)
     for p in params:
         p.grad = torch.full(p.shape, 7.0)
-    assert _renewed(params, watch) == (False, True)
+    assert _answers(watch) == (False, True)
     watch.renew()
-    assert _renewed(params, watch) == (True, True)
+    assert _answers(watch) == (True, True)
     params[0].grad = None  # presence is a fact of the plan: not renewed
-    assert _renewed(params, watch) == (False, False)
+    assert _answers(watch) == (False, False)
 
 
 @pytest.mark.parametrize("change", [
@@ -113,16 +114,16 @@ def test_new_gradients_of_other_facts_are_not_renewed(change):
         b.__class__ = type("Flagged", (nn.Parameter,), {"sequence_parallel": property(lambda self: True)})
     else:
         b.requires_grad_(False)
-    assert _renewed(params, watch) == (False, False), change
+    assert _answers(watch) == (False, False), change
     b.__class__ = nn.Parameter
     b.requires_grad_(True)
     if change == "overlapping":  # side by side in one buffer: no element shared
         buffer = torch.ones(7)
         params[0].grad, params[2].grad = buffer[:3], buffer[3:]
-        assert _renewed(params, watch) == (False, True)
+        assert _answers(watch) == (False, True)
     for p in params:
         p.grad = torch.zeros(p.shape)
-    assert _renewed(params, watch) == (False, True), change
+    assert _answers(watch) == (False, True), change
 
 
 def test_a_renewal_keeps_the_lineage_a_refresh_does_not():
@@ -152,16 +153,16 @@ def test_a_released_watch_holds_no_gradient_and_knows_them_when_they_return():
     grads = [weakref.ref(p.grad) for p in params]
     kept = [p.grad for p in params]
     watch.release()
-    assert _renewed(params, watch) == (False, True) and watch.returned()
+    assert _answers(watch) == (False, True) and watch.returned()
     del kept
     for p in params:
         p.grad = None
     assert [ref() for ref in grads] == [None] * 3  # nothing of them held
     for p in params:
         p.grad = torch.ones(p.shape)
-    assert _renewed(params, watch) == (False, True) and not watch.returned()
+    assert _answers(watch) == (False, True) and not watch.returned()
     watch.renew()
-    assert _renewed(params, watch) == (True, True) and watch.weak is None
+    assert _answers(watch) == (True, True) and watch.weak is None
 
 
 # ============================================================ finalize on renewed gradients

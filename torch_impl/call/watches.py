@@ -200,6 +200,12 @@ class GradWatch:
     one per parameter: the mesh, placements and global shape), and its local shard's
     dtype, device, layout, shape and inference flag.
 
+    Plain ``.grad`` gradients renewed every step (``zero_grad(set_to_none=True)`` without
+    bucket views: torch DDP's default) make :meth:`same` answer False; :meth:`renewed`
+    then tells whether the new ones read as the old (facts, inference flags, memory ranges
+    that overlap nowhere), :meth:`renew` watches them, and :meth:`release` lets them go
+    after the call, keeping weak references (:meth:`returned`: the same tensors again).
+
     A gradient that is one of meshgrad's own buffer views (``own_views``, made by
     :func:`torch_impl.buffers.attach_grad_buffers`) is watched by identity only: the
     parameter still holding that view is what the bound program depends on; the view's
