@@ -287,3 +287,20 @@ def test_renewed_gradients_with_nan_are_found():
         finalize_model_grads(model, num_tokens=torch.tensor(2))
     for name, p in model[0].named_parameters():  # nothing scaled (NaN read as NaN)
         assert torch.equal(p.grad.nan_to_num(), before[name].nan_to_num()), name
+
+
+def test_renewed_gradients_with_a_new_parameter_rediscover():
+    """New gradients of the old facts and a parameter registered since: not a renewal (the
+    structure changed); the model is discovered again and the new parameter is scaled too."""
+    model = [Chunk()]
+    for step in range(3):
+        renew(model, float(step))
+        finalize_model_grads(model, num_tokens=torch.tensor(2))
+    found, _ = watch_of(model)
+    model[0].d = nn.Parameter(torch.zeros(2))
+    before = renew(model, 4.0)
+    assert set(before) == {"a", "b", "c", "d"}
+    finalize_model_grads(model, num_tokens=torch.tensor(2))
+    assert_scaled(model, before, 2)
+    assert watch_of(model)[0].lineage is not found.lineage
+    assert execution_stats(model).plans_built == 2

@@ -278,7 +278,8 @@ class ModelWatch:
         """Whether the model is what :meth:`same` watches but for new plain ``.grad``
         tensors that read as the old ones (:meth:`~torch_impl.call.watches.GradWatch.renewed`):
         the discovery's specs, and every plan made from them, still hold."""
-        return self.structure_same() and self._routers_unchanged() and self.grads.renewed()
+        # the gradients first: a watch that cannot be renewed answers at once
+        return self.grads.renewed() and self.structure_same() and self._routers_unchanged()
 
     def renew(self, found: Any) -> bool:
         """Watch the renewed gradients from now on, for ``found``: the same discovery
