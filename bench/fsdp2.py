@@ -36,6 +36,9 @@ from typing import Any
 
 #: Each rank's token count: the global count is 4 x world, a power of two for a world of 2 or 4.
 TOKENS = 4
+#: Per wrap: the row's name, the mesh dimension's name, and what the model runs under.
+WRAPS = {"fully_shard": ("fsdp2", "dp_shard", "torch's fully_shard per block and root"),
+         "ddp": ("ddp", "dp", "torch DDP, gradients not bucket views, ddp_sum_hook")}
 
 
 def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> None:
@@ -54,7 +57,7 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
 
     warnings.simplefilter("ignore")
     hidden, ddp = payload["hidden"], payload["wrap"] == "ddp"
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp" if ddp else "dp_shard",))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(WRAPS[payload["wrap"]][1],))
 
     def build() -> nn.Module:
         torch.manual_seed(0)
@@ -171,12 +174,9 @@ def format_fsdp2(result: dict[str, Any]) -> str:
     if "error" in result:
         return f"fsdp2: failed: {result['error']}"
     distinct, calls = result["python functions per call"]
-    how = ("torch DDP, gradients not bucket views, ddp_sum_hook" if result["wrap"] == "ddp"
-           else "torch's fully_shard per block and root")
-    name = f"ddp-{result['layers']}L-h{result['hidden']}-dp" if result["wrap"] == "ddp" else (
-        f"fsdp2-{result['layers']}L-h{result['hidden']}-dp_shard")
-    lines = [f"{name}{result['world']}  ({how}, {result['gradients']} gradients, {result['parameters']} parameters, "
-             "per-token loss, float64)"]
+    name, dim, how = WRAPS[result["wrap"]]
+    lines = [f"{name}-{result['layers']}L-h{result['hidden']}-{dim}{result['world']}  ({how}, {result['gradients']} "
+             f"gradients, {result['parameters']} parameters, per-token loss, float64)"]
     for what, row in (("steady call (the same gradients)", result),
                       ("after each training step (zero_grad(set_to_none=True), forward, backward: new gradients)",
                        result["training steps"])):
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=10, help="steady calls per round")
     parser.add_argument("--training-batch", type=int, default=2,
                         help="training steps per round (each a forward and backward, untimed, and a finalize)")
-    parser.add_argument("--wrap", choices=("fully_shard", "ddp"), default="fully_shard",
+    parser.add_argument("--wrap", choices=tuple(WRAPS), default="fully_shard",
                         help="torch's fully_shard (FSDP2), or its DistributedDataParallel")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)

@@ -163,12 +163,12 @@ def check_call(spec: CheckSpec, found: Discovered, groups: TorchGroups, config: 
     """
     mode, nan_check = config.consistency_check, nan_checked(spec, config)
     round_due = not (mode == "off" and not nan_check) and not capturing()
-    fresh = record is None or mode == "every_step" or record.found is not found
-    # Renewed gradients (the discovery's lineage: Discovered.renewal) read as those checked:
-    # only the NaN scan's spans are theirs.
-    renewed = fresh and record is not None and mode != "every_step" and (
-        getattr(record.found, "lineage", None) is found.lineage)
-    fresh = fresh and not renewed
+    # A record of this discovery or of one of its renewals (Discovered.renewal: the same
+    # lineage, gradients that read as those checked) holds; for a renewal only the NaN
+    # scan's spans are not the call's.
+    kept = record is not None and mode != "every_step"
+    fresh = not kept or getattr(record.found, "lineage", None) is not found.lineage
+    renewed = not fresh and record.found is not found
     nonfinite, bad_tokens = None, False
     nan_due = round_due and nan_check
     spans = None if fresh or renewed else record.nan_spans
