@@ -249,6 +249,68 @@ def _run_training_steps(rank: int) -> dict[str, Any]:
     return out
 
 
+def _steady_steps(rank: int) -> dict[str, Any]:
+    """dp = 4, a mean loss, torch DDP with gradients that stay the same tensors
+    (``zero_grad(set_to_none=False)``) over a DeviceMesh: per step, whether the call went
+    through the read stage, the gradients before and after and the error. Steps: three
+    synced ones (the steady path from the second on); one whose forward ran under
+    ``no_sync()`` (the wrapper's settings changed: refused on every rank, nothing changed);
+    one synced (the settings as kept again); a call of another model over another layout of the same mesh (ep = 2);
+    then two synced steps of the first model (the mesh's layout changed back: read again)."""
+    import importlib
+    import types
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from meshgrad import FinalizeConfig
+    from torch_impl import finalize_model_grads
+
+    pipeline = importlib.import_module("torch_impl.call.pipeline")
+    original, reads = pipeline.read, []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(1)
+        return original(*args, **kwargs)
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    tokens = _batch().reshape(B * S, H)[rank * S:(rank + 1) * S]
+    torch.manual_seed(4)
+    inner = torch.nn.Linear(H, 2, dtype=torch.float64)
+    inner.config = FinalizeConfig()
+    model = DistributedDataParallel(inner, process_group=mesh.get_group())
+    other = torch.nn.Linear(H, 2, dtype=torch.float64)
+    other.config = types.SimpleNamespace(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    steps: list[dict[str, Any]] = []
+
+    def step(synced: bool = True) -> None:
+        model.zero_grad(set_to_none=False)
+        if synced:
+            model(tokens).pow(2).sum().div(S).backward()
+        else:
+            with model.no_sync():
+                model(tokens).pow(2).sum().div(S).backward()
+        grads = [p.grad for p in inner.parameters()]
+        before, count = _grads(inner), len(reads)
+        got = _attempt(model, mesh, None)
+        steps.append({"read": len(reads) - count, "before": before, "after": _grads(inner), **got,
+                      "same tensors": all(p.grad is g for p, g in zip(inner.parameters(), grads))})
+
+    pipeline.read = counted
+    try:
+        for _ in range(3):
+            step()
+        step(synced=False)
+        step()
+        other(tokens).sum().backward()
+        finalize_model_grads([other], pg_collection=mesh)
+        step()
+        step()
+    finally:
+        pipeline.read = original
+    return {"steps": steps, "same tensors": steps[0]["same tensors"] and inner.weight.grad is not None}
+
+
 def _reference_dp4() -> dict[str, np.ndarray]:
     torch.manual_seed(4)
     model = torch.nn.Linear(H, 2, dtype=torch.float64)
@@ -347,6 +409,7 @@ def case_world(rank: int, world: int) -> dict[str, Any]:
         "refused": _refused(rank, mesh),
         "dp4": _run_dp4(rank),
         "training_steps": _run_training_steps(rank),
+        "steady_steps": _steady_steps(rank),
         "pp_tied": _run_pp(rank),
         "experts": _run_experts(rank),
     }
@@ -423,6 +486,29 @@ def test_training_steps_keep_the_plan_and_hold_no_gradient() -> None:
             assert all(got["specs"] == steps[0]["specs"] for got in steps), (rank, name)
             assert [got["plans"] for got in steps] == [1] * 5, (rank, name)
             assert [got["alive"] for got in steps] == [0, 2, 2, 0, 0], (rank, name)
+
+
+def test_steady_calls_see_a_no_sync_step_and_a_layout_switch() -> None:
+    """torch DDP over a DeviceMesh, gradients kept in place: from the second step on a call
+    takes the steady path (no read stage) with DDP's gradients left bit for bit, equal to the
+    single-process ones; a step whose forward ran under ``no_sync()`` is read again and
+    refused on every rank with nothing changed (the step after it, synced again, is steady);
+    after another model's call over another layout of the mesh, the next call reads again
+    (its layout's round)."""
+    want = _reference_dp4()
+    for rank, result in enumerate(_results()):
+        steps = result["steady_steps"]["steps"]
+        assert [s["read"] for s in steps] == [1, 0, 0, 1, 0, 1, 0], rank
+        assert all(s["same tensors"] for s in steps), rank
+        refused = steps[3]
+        assert "no_sync()" in refused["message"] and f"rank {rank}" in refused["message"], refused["message"]
+        assert refused["unchanged"], rank
+        for index in (0, 1, 2, 4, 5, 6):
+            got = steps[index]
+            assert got["message"] == "no error", (rank, index, got["message"])
+            for name, value in want.items():
+                np.testing.assert_array_equal(got["after"][name], got["before"][name], err_msg=f"rank {rank} {name}")
+                _close(got["after"][name], value, f"rank {rank} step {index} {name}")
 
 
 def test_ddp_pipeline_tied_embedding_summed_across_stages() -> None:

@@ -174,8 +174,11 @@ def _training_steps(rank: int, mesh: Any) -> dict[str, Any]:
     the discovery and watch the model state keeps; whether the last step's gradients are
     gone after the next ``zero_grad``; then a step whose ``up.weight`` gradient is a new
     DTensor of an equal but new spec (a new gradient FSDP2 did not make), and two steps of
-    FSDP2's own gradients again."""
+    FSDP2's own gradients again; per step, whether it went through the read stage. Then a
+    step after ``set_gradient_divide_factor(2)`` (FSDP2 averages where the per-token loss
+    needs a sum: refused) and one after the factor is set back."""
     import gc
+    import importlib
     import weakref
 
     from torch.distributed.tensor import DTensor
@@ -186,7 +189,19 @@ def _training_steps(rank: int, mesh: Any) -> dict[str, Any]:
     model = _tp_sp_model(mesh, True, 1.0)
     dp, tp = mesh["dp_shard"].get_local_rank(), mesh["tp"].get_local_rank()
     x = _batch()[dp * B // 2:(dp + 1) * B // 2, tp * S // 2:(tp + 1) * S // 2]
-    steps, kept = [], []
+    steps, kept, reads = [], [], []
+    pipeline = importlib.import_module("torch_impl.call.pipeline")
+    original = pipeline.read
+
+    calls = [0]  # finalize calls made
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(calls[0])  # the call it read for
+        return original(*args, **kwargs)
+
+    def finalize() -> None:
+        calls[0] += 1
+        finalize_model_grads([model], num_tokens=torch.tensor([B // 2 * S]), pg_collection=mesh)
 
     def step(respec: bool = False) -> None:
         model.zero_grad(set_to_none=True)
@@ -196,21 +211,41 @@ def _training_steps(rank: int, mesh: Any) -> dict[str, Any]:
             model.up.weight.grad = DTensor.from_local(g.to_local().clone(), g.device_mesh, g.placements,
                                                       shape=g.shape, stride=g.stride())
         model.router.local_tokens_per_expert.copy_(torch.tensor([rank, 2.0, 3.0 * rank, 1.0]))
-        finalize_model_grads([model], num_tokens=torch.tensor([B // 2 * S]), pg_collection=mesh)
+        finalize()
         steps.append(_full_grads(model))
         ((_, found, watch, _),) = ModelState.of([model]).found.values()
         kept.append((found, watch))
 
-    for _ in range(3):
+    pipeline.read = counted
+    try:
+        for _ in range(3):
+            step()
+        last = [weakref.ref(p.grad) for p in model.parameters()]
+        step(respec=True)
+        gc.collect()
+        freed = [ref() is None for ref in last]
+        step()  # FSDP2's own spec again: read again
         step()
-    last = [weakref.ref(p.grad) for p in model.parameters()]
-    step(respec=True)
-    gc.collect()
-    freed = [ref() is None for ref in last]
-    step()  # FSDP2's own spec again: read again
-    step()
+        bias = model.router.expert_bias.numpy().copy()
+        model.set_gradient_divide_factor(2.0)
+        model.zero_grad(set_to_none=True)
+        model(x).pow(2).sum().backward()
+        before = _full_grads(model)
+        try:
+            finalize()
+            refused = "no error"
+        except ValueError as err:
+            refused = str(err)
+        after = _full_grads(model)
+        unchanged = all(np.array_equal(before[k], after[k]) for k in before) and np.array_equal(
+            bias, model.router.expert_bias.numpy())
+        model.set_gradient_divide_factor(1.0)
+        step()
+        step()
+    finally:
+        pipeline.read = original
     return {
-        "steps": steps, "bias": model.router.expert_bias.numpy().copy(),
+        "steps": steps, "bias": bias, "reads": reads, "refused": refused, "refused unchanged": unchanged,
         "kept": [found is kept[0][0] and watch is kept[0][1] for found, watch in kept],
         "read again": [kept[i][0] is not kept[i - 1][0] for i in range(1, len(kept))],
         "last step's gradients freed": freed,
@@ -477,7 +512,7 @@ def test_fsdp2_tp_sp_matches_single_process(case: str) -> None:
         got = result[case]
         for name, value in want.items():
             _close(got["after"][name], value, f"rank {rank} {case} {name}")
-        assert not got["kept for the steady path"]  # an FSDP2 model and a mesh: read per call
+        assert got["kept for the steady path"]  # an FSDP2 model over a mesh: its next call may take it
         if case == "tp_sp_per_token":
             assert got["num_tokens"] == B * S
             # Before finalize the FSDP-reduced gradient was the token SUM: reduced once only.
@@ -508,7 +543,9 @@ def test_fsdp2_training_steps_keep_the_plan_and_hold_no_gradient() -> None:
     gradients equal the single-process ones; the watch holds none of them (the last step's
     are freed by the next ``zero_grad``); a new DTensor of a new spec object is seen (the
     discovery is read again, and again when FSDP2's own spec is back) and scaled as the
-    others."""
+    others. Steps whose model is unchanged take the steady path (no read stage); a step
+    after ``set_gradient_divide_factor(2)`` is read again and refused on every rank with
+    nothing changed, and the steps after the factor is set back are steady again."""
     want = _reference_grads(True)
     counts = sum(np.array([r, 2.0, 3.0 * r, 1.0]) for r in range(WORLD))
     for rank, result in enumerate(_results()):
@@ -516,8 +553,13 @@ def test_fsdp2_training_steps_keep_the_plan_and_hold_no_gradient() -> None:
         for index, grads in enumerate(got["steps"]):
             for name, value in want.items():
                 _close(grads[name], value, f"rank {rank} step {index} {name}")
-        assert got["kept"] == [True, True, True, False, False, False], rank
-        assert got["read again"] == [False, False, True, True, False], rank
+        assert got["kept"] == [True, True, True, False, False, False, False, False], rank
+        assert got["read again"] == [False, False, True, True, False, False, False], rank
+        # Calls 2-3 and 6 took the steady path; 7 (the factor changed) read again, 8 (the
+        # factor back) was steady again.
+        assert got["reads"] == [1, 4, 5, 7], rank
+        assert f"rank {rank}" in got["refused"] and "set_gradient_divide_factor(1)" in got["refused"], got["refused"]
+        assert got["refused unchanged"], rank
         assert all(got["last step's gradients freed"]), rank
         np.testing.assert_array_equal(got["bias"], (6 * RATE * np.sign(counts.mean() - counts)).astype(np.float32))
 

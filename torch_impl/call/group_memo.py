@@ -21,7 +21,7 @@ from torch_impl.sources.megatron import (
 from torch_impl.sources.config import Requested
 from torch_impl.call.memo import Snapshot, put
 from torch_impl.call.probes import Probes
-from torch_impl.sources.mesh_groups import mesh_groups
+from torch_impl.sources.mesh_groups import live_mesh_groups, mesh_groups
 
 _GROUP_NAMES = tuple(g.value for g in Group)
 
@@ -50,6 +50,15 @@ def probe_world_size(probes: Probes, size: int) -> None:
         probes.same(partial(getattr, world, "_default_pg"), pg)
     else:
         probes.equal(world_size, size)
+
+
+def mesh_unchanged(source: Any, groups: TorchGroups) -> bool:
+    """Whether resolving a mesh source (a DeviceMesh or MeshGroups) again for the layout
+    that gave ``groups`` gives them again without a layout round: its MeshGroups is the live
+    one and the layout its last call used is that one (each layout resolves to its own
+    TorchGroups, once)."""
+    known = live_mesh_groups(source)
+    return known is not None and known.last_resolved() is groups
 
 
 class GroupMemo:
@@ -97,8 +106,9 @@ class GroupMemo:
 
     def unchanged(self, source: Any, config: FinalizeConfig, groups: TorchGroups) -> bool:
         """Whether :meth:`parallel_state_groups` then :meth:`resolve_groups` (as a call with
-        ``source`` and ``config`` makes them) would give ``groups`` again. A mesh source is
-        resolved per call: False."""
+        ``source`` and ``config`` makes them) would give ``groups`` again. A mesh source,
+        resolved per call, by its MeshGroups (:func:`mesh_unchanged`: the config, and so the
+        layout, is the caller's to compare)."""
         if source is None:  # parallel_state's groups, or none when it is not initialized
             memo = self.parallel_state
             if memo is not None and memo.groups is groups:
@@ -109,13 +119,12 @@ class GroupMemo:
         if kind == "torch_groups":
             return source is groups
         if kind in MESH_KINDS:
-            return False
+            return mesh_unchanged(source, groups)
         return self._hit(source, _key(config)) and self.groups[2] is groups  # type: ignore[index]
 
     def probe(self, probes: Probes, source: Any, config: FinalizeConfig, groups: TorchGroups) -> bool:
         """Write :meth:`unchanged` down as probes, for a call it has just answered True
-        (``source`` itself is the caller's to compare). False: it cannot be (a mesh
-        source is resolved per call)."""
+        (``source`` itself is the caller's to compare); a mesh source's as its one check."""
         if source is None:
             memo = self.parallel_state
             probes.same(partial(getattr, self, "parallel_state"), memo)
@@ -127,7 +136,8 @@ class GroupMemo:
         if kind == "torch_groups":
             return True  # the source is the groups
         if kind in MESH_KINDS:
-            return False
+            probes.check(partial(mesh_unchanged, source, groups))
+            return True
         probes.same(partial(getattr, self, "groups"), self.groups)
         probe_world_size(probes, self.groups[1][0])  # type: ignore[index]  # _key's one read (the config is fixed)
         self.groups[0].probe(probes)  # type: ignore[index]

@@ -24,8 +24,8 @@ from torch_impl.call.read import CallInputs, Request
 from torch_impl.run.groups import TorchGroups
 from torch_impl.sources.config import Requested, accepts
 from torch_impl.sources.discover import Discovered
-from torch_impl.sources.fsdp2 import fingerprint as fsdp_fingerprint, synced_steps
-from torch_impl.sources.torch_ddp import fingerprint as ddp_fingerprint, synced_steps as ddp_synced_steps
+from torch_impl.sources.fsdp2 import synced_steps
+from torch_impl.sources.torch_ddp import synced_steps as ddp_synced_steps
 from torch_impl.sources.group_sources import LISTED_KINDS, MEGATRON_KINDS, source_kind
 
 
@@ -34,8 +34,7 @@ def plan(inputs: CallInputs, request: Request, source: Any) -> tuple[BoundPlan, 
     what its once-per-plan checks found on an earlier call (None on its first)."""
     state, config, groups, found, ddp = inputs.state, inputs.config, inputs.groups, inputs.found, inputs.ddp
     key = (request.steps, inputs.token, config, groups, inputs.requested, request.force_all_reduce,
-           request.num_tokens is not None, tuple(map(id, ddp)), fsdp_fingerprint(found.fsdp),
-           ddp_fingerprint(found.torch_ddp))
+           request.num_tokens is not None, tuple(map(id, ddp)), found.wrapper_settings())
     if request.finalize:
         return state.plan_memo.plan(
             key, lambda: _finalize_plan(found, config, groups, inputs.requested, ddp, request, source)

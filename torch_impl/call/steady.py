@@ -16,9 +16,13 @@ call. An embedding helper reads its one weight its own way, through a getter it 
 per call: the path runs that read in full on every call (the getter called on the chunk
 Megatron's rule picks, the weight, its gradient tensor and ``requires_grad`` compared
 with the kept discovery's, :meth:`~torch_impl.call.model_state.ModelState.embedding`) and
-takes the kept plan only when it gives the kept discovery itself. A torch FSDP2 / DDP
-model (their hooks' settings are read per call) and a mesh group source (resolved per
-call) always take the stages.
+takes the kept plan only when it gives the kept discovery itself. A model under torch's
+FSDP2 or DDP also has its wrappers' settings compared with the kept call's
+(:meth:`~torch_impl.sources.discover.Discovered.wrapper_settings`: the part of the plan's
+key the stages read from the wrappers on every call, such as a forward run under
+``no_sync()`` or a comm hook registered since); a mesh group source (a DeviceMesh, resolved
+per call) is checked by its MeshGroups (:func:`~torch_impl.call.group_memo.mesh_unchanged`:
+the same layout as the last call, so no layout round is due).
 
 Inside a distributed world that check costs far more than its own work: after each
 step's collectives the code and objects of each function it runs come back cold from
@@ -50,7 +54,6 @@ from torch_impl.call.model_state import ModelState
 from torch_impl.call.plan_memo import BoundPlan
 from torch_impl.call.probes import Probes
 from torch_impl.call.read import EMBEDDING_FOUND, CallInputs, Request, as_chunks, config_sources, helper_groups
-from torch_impl.sources.group_sources import MESH_KINDS, source_kind
 
 
 class SteadyCall(NamedTuple):
@@ -65,6 +68,7 @@ class SteadyCall(NamedTuple):
         empty for an embedding helper).
       inputs: what the read stage read.
       bound: the plan.
+      settings: the FSDP2 / DDP wrappers' settings it planned with (() without wrappers).
     """
 
     raw: tuple[Any, Any]
@@ -73,6 +77,7 @@ class SteadyCall(NamedTuple):
     kept: tuple[Any, ...]
     inputs: CallInputs
     bound: BoundPlan
+    settings: tuple[Any, ...] = ()
 
 
 #: The slot of an embedding helper's kept call: it reads no discovery slot of the model
@@ -141,6 +146,8 @@ def _write_probes(state: ModelState, last: SteadyCall, source: Any, request: Req
             return None
         if request.embedding is None and not state.probe_kept(probes, slot, last.kept, complete_kept, request.reads):
             return None
+        if last.settings:
+            probes.equal(inputs.found.wrapper_settings, last.settings)
     except Exception:  # noqa: BLE001 -- a read that raises now: no probes, the full check stays
         return None
     return probes
@@ -259,6 +266,7 @@ def _full_check(
         or not state.config_memo.unchanged(kept_raw[0], raw[1], last.config, stated)
         or not _groups_unchanged(state, source, request, inputs)
         or request.embedding is None and not state.still_kept(slot, last.kept, complete_kept, request.reads)
+        or last.settings and inputs.found.wrapper_settings() != last.settings
     ):
         return None
     return raw
@@ -276,10 +284,10 @@ def keep_steady(inputs: CallInputs, bound: BoundPlan, source: Any, request: Requ
         kept = state.kept(found)
         slot, entry = ((kept[0], state.complete_kept(kept[0])), kept[1]) if kept is not None else (None, None)
     config = state.config_memo.last_resolved_config(*raw)  # before a helper's rules
-    if slot is None or found.fsdp or found.torch_ddp or source_kind(source) in MESH_KINDS or config is None:
+    if slot is None or config is None:
         state.steady.pop(kind, None)
         return
-    put(state.steady, kind, SteadyCall(raw, config, slot, entry, inputs, bound))
+    put(state.steady, kind, SteadyCall(raw, config, slot, entry, inputs, bound, found.wrapper_settings()))
 
 
 __all__ = [

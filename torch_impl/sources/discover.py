@@ -34,8 +34,8 @@ from meshgrad.steps import QK_MARK, is_qk_layernorm, may_touch
 from meshgrad.errors import FinalizeTypeError
 from torch_impl.call.probes import Probes
 from torch_impl.run.grads import get_grad
-from torch_impl.sources.fsdp2 import FsdpGroup, fsdp_groups
-from torch_impl.sources.torch_ddp import TorchDdp, ddp_wrappers
+from torch_impl.sources.fsdp2 import FsdpGroup, fingerprint as fsdp_settings, fsdp_groups
+from torch_impl.sources.torch_ddp import TorchDdp, ddp_wrappers, fingerprint as ddp_settings
 from torch_impl.sources.config import chunk_configs
 from torch_impl.sources.routers import router_spec
 from torch_impl.sources.wrappers import NO_ATTR, ReadRecorder, attr_or, param_name, unwrap
@@ -184,6 +184,12 @@ class Discovered:
         for module in self.router_modules.values():
             out.append((module.training, getattr(module, "qb_beta_accum", None) is None))
         return tuple(out)
+
+    def wrapper_settings(self) -> tuple[Any, ...]:
+        """What torch's FSDP2 and DDP wrappers of the chunks are set to do to the gradients
+        now, as far as it changes what finalize leaves to them: part of the plan's key
+        (() for a model without them)."""
+        return (fsdp_settings(self.fsdp), ddp_settings(self.torch_ddp)) if self.fsdp or self.torch_ddp else ()
 
     def refresh(self) -> "Discovered":
         """Re-read the per-step facts (grad presence, dtype, router mode) of the same

@@ -190,6 +190,11 @@ class MeshGroups:
             self._last_key = key
         return self._resolved[key]
 
+    def last_resolved(self) -> TorchGroups | None:
+        """The groups of the layout the last :meth:`resolve` used: what it gives again for
+        that layout without a round (None before the first)."""
+        return self._resolved.get(self._last_key)  # type: ignore[arg-type]
+
     @staticmethod
     def default_timeout() -> Any:
         """The default process group's timeout (a timedelta), or None when unknown."""
@@ -293,6 +298,16 @@ def mesh_groups(mesh: Any) -> MeshGroups:
         hit = _BY_MESH[id(mesh)] = MeshGroups(mesh)
         weakref.finalize(mesh, _BY_MESH.pop, id(mesh), None)
     return hit
+
+
+def live_mesh_groups(mesh: Any) -> MeshGroups | None:
+    """The :class:`MeshGroups` :func:`mesh_groups` gives for ``mesh`` where it holds one
+    already (a MeshGroups is returned as it is), else None: nothing is built, no process
+    group is created."""
+    if isinstance(mesh, MeshGroups):
+        return mesh
+    hit = _BY_MESH.get(id(mesh))
+    return hit if hit is not None and hit.mesh is mesh else None
 
 
 def is_device_mesh(obj: Any) -> bool:
