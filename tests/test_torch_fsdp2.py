@@ -174,7 +174,7 @@ def _training_steps(rank: int, mesh: Any) -> dict[str, Any]:
     the discovery and watch the model state keeps; whether the last step's gradients are
     gone after the next ``zero_grad``; then a step whose ``up.weight`` gradient is a new
     DTensor of an equal but new spec (a new gradient FSDP2 did not make), and two steps of
-    FSDP2's own gradients again; per step, whether it went through the read stage. Then a
+    FSDP2's own gradients again; the calls (by number) that went through the read stage. Then a
     step after ``set_gradient_divide_factor(2)`` (FSDP2 averages where the per-token loss
     needs a sum: refused) and one after the factor is set back."""
     import gc

@@ -34,8 +34,8 @@ from meshgrad.steps import QK_MARK, is_qk_layernorm, may_touch
 from meshgrad.errors import FinalizeTypeError
 from torch_impl.call.probes import Probes
 from torch_impl.run.grads import get_grad
-from torch_impl.sources.fsdp2 import FsdpGroup, fingerprint as fsdp_settings, fsdp_groups
-from torch_impl.sources.torch_ddp import TorchDdp, ddp_wrappers, fingerprint as ddp_settings
+from torch_impl.sources.fsdp2 import FsdpGroup, fsdp_groups, settings as fsdp_settings
+from torch_impl.sources.torch_ddp import TorchDdp, ddp_wrappers, settings as ddp_settings
 from torch_impl.sources.config import chunk_configs
 from torch_impl.sources.routers import router_spec
 from torch_impl.sources.wrappers import NO_ATTR, ReadRecorder, attr_or, param_name, unwrap

@@ -89,8 +89,10 @@ def fsdp_groups(chunks: Sequence[nn.Module]) -> tuple[FsdpGroup, ...]:
     return tuple(out)
 
 
-def fingerprint(groups: Sequence[FsdpGroup]) -> tuple[Any, ...]:
-    """What may change between steps and changes :func:`synced_steps`' answer."""
+def settings(groups: Sequence[FsdpGroup]) -> tuple[Any, ...]:
+    """The FSDP2 parameter groups' settings that may change between steps and change
+    :func:`synced_steps`' answer (part of the plan's key:
+    :meth:`~torch_impl.sources.discover.Discovered.wrapper_settings`)."""
     return tuple(
         (getattr(g.group, "gradient_divide_factor", None), getattr(g.group, "reduce_grads", True),
          getattr(g.group, "all_reduce_grads", True))
@@ -211,4 +213,4 @@ def synced_steps(
     return out
 
 
-__all__ = ["FsdpGroup", "FsdpReduction", "fingerprint", "fsdp_groups", "reduction", "synced_steps"]
+__all__ = ["FsdpGroup", "FsdpReduction", "fsdp_groups", "reduction", "settings", "synced_steps"]

@@ -291,10 +291,8 @@ def mesh_groups(mesh: Any) -> MeshGroups:
     Raises:
       ValueError: a dim name meshgrad does not read, or a repeated one (with the mapping).
     """
-    if isinstance(mesh, MeshGroups):
-        return mesh
-    hit = _BY_MESH.get(id(mesh))
-    if hit is None or hit.mesh is not mesh:
+    hit = live_mesh_groups(mesh)
+    if hit is None:
         hit = _BY_MESH[id(mesh)] = MeshGroups(mesh)
         weakref.finalize(mesh, _BY_MESH.pop, id(mesh), None)
     return hit

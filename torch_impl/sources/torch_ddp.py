@@ -98,8 +98,10 @@ def _builtin_hook(wrapper: Any) -> str:
         return ""
 
 
-def fingerprint(found: Sequence[TorchDdp]) -> tuple[Any, ...]:
-    """What may change between steps and changes :func:`synced_steps`' answer."""
+def settings(found: Sequence[TorchDdp]) -> tuple[Any, ...]:
+    """The DDP wrappers' settings that may change between steps and change
+    :func:`synced_steps`' answer (part of the plan's key:
+    :meth:`~torch_impl.sources.discover.Discovered.wrapper_settings`)."""
     return tuple(
         (id(d.wrapper), bool(getattr(d.wrapper, "require_forward_param_sync", True)),
          tuple((id(h), id(s)) for h, s in getattr(d.wrapper, "_comm_hooks", ())), _builtin_hook(d.wrapper))
@@ -266,4 +268,4 @@ def synced_steps(
     return out
 
 
-__all__ = ["DdpReduction", "TorchDdp", "ddp_wrappers", "fingerprint", "managed", "reduction", "synced_steps"]
+__all__ = ["DdpReduction", "TorchDdp", "ddp_wrappers", "managed", "reduction", "settings", "synced_steps"]
