@@ -26,6 +26,7 @@ discover_module = importlib.import_module("torch_impl.sources.discover")
 plan_module = importlib.import_module("torch_impl.call.plan")
 state_module = importlib.import_module("torch_impl.call.model_state")
 check_module = importlib.import_module("torch_impl.call.check")
+pipeline_module = importlib.import_module("torch_impl.call.pipeline")
 
 SHAPES = {"a": (3,), "b": (2, 2), "c": (4,)}
 
@@ -169,8 +170,10 @@ def test_a_released_watch_holds_no_gradient_and_knows_them_when_they_return():
 
 
 def test_renewed_gradients_keep_the_discovery_and_plan(monkeypatch):
-    """Steps on new gradients: each scaled right, without discovery, spec or plan work; the
-    watch kept; each step's gradients bound anew; the old ones left alone."""
+    """Steps on new gradients: each scaled right, on the steady path (no read stage), without
+    discovery, spec or plan work; the watch kept; each step's gradients bound anew; the old
+    ones left alone. A call on the same gradients between them (its probes written) and the
+    renewed steps after it take the steady path too."""
     model = [Chunk()]
     before = renew(model, 1.0)
     finalize_model_grads(model, num_tokens=torch.tensor(2))
@@ -185,6 +188,7 @@ def test_renewed_gradients_keep_the_discovery_and_plan(monkeypatch):
     monkeypatch.setattr(discover_module.Discovered, "refresh", boom)
     monkeypatch.setattr(plan_module, "plan_finalize", boom)
     monkeypatch.setattr(check_module, "check_gradients", boom)  # what it judged holds for them
+    monkeypatch.setattr(pipeline_module, "read", boom)  # the steady path renews them
     old = model[0].a.grad
     for step, n in enumerate((4, 8, 16), start=1):
         before = renew(model, 10.0 * step)
@@ -192,8 +196,18 @@ def test_renewed_gradients_keep_the_discovery_and_plan(monkeypatch):
         assert_scaled(model, before, n)
         assert watch_of(model)[1] is watch
     assert torch.equal(old, torch.full((3,), 0.5))  # the first step's tensor is left alone
+    for n in (2, 4):  # the same gradients again: steady, then replayed
+        before = {name: p.grad.clone() for name, p in model[0].named_parameters()}
+        finalize_model_grads(model, num_tokens=torch.tensor(n))
+        assert_scaled(model, before, n)
+    before = renew(model, 100.0)
+    finalize_model_grads(model, num_tokens=torch.tensor(8))
+    assert_scaled(model, before, 8)
+    assert watch_of(model)[1] is watch
     stats = execution_stats(model)
-    assert (stats.calls, stats.plans_built, stats.programs_bound) == (4, 1, 4)
+    # bound: the first call, each renewal, and the first call on the same gradients again
+    # (the renewed ones' program was let go after their call)
+    assert (stats.calls, stats.plans_built, stats.programs_bound) == (7, 1, 6)
 
 
 @pytest.mark.parametrize("nan_check", [False, True])

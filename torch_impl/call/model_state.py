@@ -173,16 +173,9 @@ class ModelState:
         if cached is not None and _CHECKS[reads](cached[2]):
             return cached[0], cached[1], cached[3]  # the watch's chunk facts hold the DDP objects
         self.programs.clear()
-        if cached is not None and reads != "routers" and cached[2].renewed():
-            # New .grad tensors like the old (zero_grad(set_to_none=True)): the specs, plans
-            # and checks hold; the discovery as a new object of its lineage, so that the
-            # binding and NaN scan of the old gradients (keyed on it) are redone for the new
-            # ones. Renewed twice running, they are not held past the call (release_renewed).
-            found = cached[1].renewal()
-            if cached[2].renew(found):
-                self.renewed = found
-            self.found[slot] = (cached[0], found, cached[2], cached[3])
-            return cached[0], found, cached[3]
+        renewed = self._renew(slot, cached) if cached is not None and reads != "routers" else None
+        if renewed is not None:
+            return renewed[0], renewed[1], renewed[3]
         ddp = tuple(ddp_object(c) for c in chunks)
         if cached is None or not cached[2].structure_same():
             found = discover(chunks, config, () if slot[1] else [obj is not None for obj in ddp])
@@ -200,6 +193,23 @@ class ModelState:
         self.found[slot] = (token, found, watch, ddp)
         return token, found, ddp
 
+    def _renew(self, slot: tuple[bool, bool], cached: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """The entry ``cached`` of ``slot`` with its discovery renewed, where its watch sees
+        the model unchanged but for new ``.grad`` tensors like the old
+        (:meth:`~torch_impl.call.model_watch.ModelWatch.renewed`: ``zero_grad(set_to_none=True)``);
+        else None. The specs, plans and checks hold; the discovery becomes a new object of
+        its lineage, so that the binding and NaN scan of the old gradients (keyed on it)
+        are redone for the new ones. Renewed twice running, they are not held past the call
+        (:meth:`release_renewed`)."""
+        if not cached[2].renewed():
+            return None
+        self.programs.clear()
+        found = cached[1].renewal()
+        if cached[2].renew(found):
+            self.renewed = found
+        entry = self.found[slot] = (cached[0], found, cached[2], cached[3])
+        return entry
+
     def release_renewed(self, bound: BoundPlan, found: Discovered) -> None:
         """After a call on renewed gradients (:meth:`discovered`; ``found``: its discovery):
         hold none of them until the next call -- not in the watch, not in a bound program,
@@ -216,15 +226,22 @@ class ModelState:
         if record is not None:
             record.nan_spans = None
 
-    def still_kept(self, slot: tuple[bool, bool], kept: tuple[Any, ...], complete_kept: bool, reads: Reads) -> bool:
-        """Whether :meth:`discovered` would return the entry ``kept`` of ``slot`` again (for
-        a call that chose that slot while the complete slot was kept or not, as then): it
-        is still there, and its watch sees what a plan of ``reads`` depends on."""
-        return self.found.get(slot) is kept and self.complete_kept(slot) == complete_kept and _CHECKS[reads](kept[2])
+    def current(self, slot: tuple[bool, bool], kept: tuple[Any, ...], complete_kept: bool,
+                reads: Reads) -> tuple[Any, ...] | None:
+        """The entry of ``slot`` that :meth:`discovered` would return for a call that chose
+        that slot while the complete slot was kept or not, as then, without reading the
+        model again: ``kept`` itself (its watch sees what a plan of ``reads`` depends on),
+        or ``kept`` renewed where its watch sees new gradients like the old
+        (:meth:`_renew`, done here); None where it would read again."""
+        if self.found.get(slot) is not kept or self.complete_kept(slot) != complete_kept:
+            return None
+        if _CHECKS[reads](kept[2]):
+            return kept
+        return self._renew(slot, kept) if reads != "routers" else None
 
     def probe_kept(self, probes: Probes, slot: tuple[bool, bool], kept: tuple[Any, ...], complete_kept: bool,
                    reads: Reads) -> bool:
-        """Write :meth:`still_kept` down as probes, for a call it has just answered True.
+        """Write :meth:`current` down as probes, for a call it has just answered with ``kept`` itself.
         False where it cannot be (see :meth:`~torch_impl.call.model_watch.ModelWatch.probe`)."""
         probes.same(partial(self.found.get, slot), kept)
         probes.same(partial(operator.contains, self.found, (slot[0], True)), complete_kept)

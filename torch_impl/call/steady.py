@@ -224,10 +224,15 @@ def steady_read(
     if guard is not None and guard.holds(last, source, request):
         raw = guard.raw
     else:
-        raw = _full_check(state, last, chunks, source, request)
-        if raw is None:
+        checked = _full_check(state, last, chunks, source, request)
+        if checked is None:
             return None
-        _keep_guard(state, kind, last, source, request, raw)
+        raw, entry = checked
+        if entry is last.kept:
+            _keep_guard(state, kind, last, source, request, raw)
+        else:  # renewed gradients: the renewed discovery kept; no probes (the next step renews again)
+            last = put(state.steady, kind, last._replace(kept=entry, inputs=last.inputs._replace(found=entry[1])))
+            state.steady_guards.pop(kind, None)
     inputs = last.inputs
     known.update(raw=raw, config=inputs.config, groups=inputs.groups)
     if request.embedding is not None and not _embedding_unchanged(state, chunks, request, inputs, known):
@@ -254,9 +259,10 @@ def _embedding_unchanged(
 
 def _full_check(
     state: ModelState, last: SteadyCall, chunks: Any, source: Any, request: Request
-) -> tuple[Any, Any] | None:
-    """The memos' own checks of ``last`` (module doc): the config and DDP config this call
-    resolves when they all hold, else None."""
+) -> tuple[tuple[Any, Any], tuple[Any, ...]] | None:
+    """The memos' own checks of ``last`` (module doc) when they all hold: the config and
+    DDP config this call resolves, and the model state's entry it reads (the kept one, or
+    it renewed: :meth:`~torch_impl.call.model_state.ModelState.current`); else None."""
     raw = config_sources(chunks, request)
     inputs = last.inputs
     (slot, complete_kept), kept_raw = last.slot, last.raw
@@ -265,11 +271,13 @@ def _full_check(
         not _same_raw(raw[0], kept_raw[0]) or raw[1] is not kept_raw[1]
         or not state.config_memo.unchanged(kept_raw[0], raw[1], last.config, stated)
         or not _groups_unchanged(state, source, request, inputs)
-        or request.embedding is None and not state.still_kept(slot, last.kept, complete_kept, request.reads)
         or last.settings and inputs.found.wrapper_settings() != last.settings
     ):
         return None
-    return raw
+    if request.embedding is not None:
+        return raw, last.kept
+    entry = state.current(slot, last.kept, complete_kept, request.reads)  # last: it may renew
+    return (raw, entry) if entry is not None else None
 
 
 def keep_steady(inputs: CallInputs, bound: BoundPlan, source: Any, request: Request, raw: tuple[Any, Any]) -> None:
