@@ -173,9 +173,9 @@ class ModelState:
         if cached is not None and _CHECKS[reads](cached[2]):
             return cached[0], cached[1], cached[3]  # the watch's chunk facts hold the DDP objects
         self.programs.clear()
-        renewed = self._renew(slot, cached) if cached is not None and reads != "routers" else None
-        if renewed is not None:
-            return renewed[0], renewed[1], renewed[3]
+        entry = self._renew(slot, cached) if cached is not None and reads != "routers" else None
+        if entry is not None:
+            return entry[0], entry[1], entry[3]
         ddp = tuple(ddp_object(c) for c in chunks)
         if cached is None or not cached[2].structure_same():
             found = discover(chunks, config, () if slot[1] else [obj is not None for obj in ddp])
@@ -241,8 +241,8 @@ class ModelState:
 
     def probe_kept(self, probes: Probes, slot: tuple[bool, bool], kept: tuple[Any, ...], complete_kept: bool,
                    reads: Reads) -> bool:
-        """Write :meth:`current` down as probes, for a call it has just answered with ``kept`` itself.
-        False where it cannot be (see :meth:`~torch_impl.call.model_watch.ModelWatch.probe`)."""
+        """Write :meth:`current` down as probes, for a call it has just answered with
+        ``kept`` itself. False where it cannot be (see :meth:`~torch_impl.call.model_watch.ModelWatch.probe`)."""
         probes.same(partial(self.found.get, slot), kept)
         probes.same(partial(operator.contains, self.found, (slot[0], True)), complete_kept)
         return kept[2].probe(probes, reads)
