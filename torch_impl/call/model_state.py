@@ -272,8 +272,9 @@ class ModelState:
 
     def program(self, bound: BoundPlan, found: Discovered, groups: TorchGroups, config: FinalizeConfig) -> Program | None:
         """The plan bound to this step's gradient tensors (cached until the watch fires),
-        or None when gradients are DTensors (they are unsharded per step). The pipeline's
-        run stage writes out its first lines, the kept binding's lookup."""
+        or None when gradients are DTensors (they are unsharded per step; that answer is
+        kept the same way). The pipeline's run stage writes out its first lines, the kept
+        binding's lookup."""
         hit = self.programs.get(id(bound))  # (plan, program, the discovery it was bound to)
         if hit is not None and hit[0] is bound and hit[2] is found:
             return hit[1]
@@ -281,7 +282,8 @@ class ModelState:
         cached = kept[1] if kept is not None else None
         if cached is not None:
             cached[2].cover(bound.plan.gradient_keys(bound.plain_scale_keys), bound.helper)  # what the plan reads is watched
-            if cached[2].has_dtensor():
+            if cached[2].has_dtensor():  # kept: the watch's DTensor facts hold while the discovery does
+                put(self.programs, id(bound), (bound, None, found))
                 return None
         elif any(is_dtensor(get_grad(t)) for t in found.tensors.values()):  # a helper's own discovery
             return None

@@ -123,7 +123,7 @@ def _run(request: Request, bound: BoundPlan, inputs: CallInputs, total: Any) -> 
     if program is not None:
         if program.ops:  # none bound where the DDP does the whole step: no call to make
             program.run()
-    else:  # DTensor gradients: each action bound as it runs
+    elif bound.plan.actions:  # DTensor gradients: each action bound as it runs
         execute_local(bound.plan.actions, GradAccess(found.tensors, config.use_megatron_fsdp),
                       found.router_modules, groups, stats=state.stats)
     if request.num_tokens is not None:

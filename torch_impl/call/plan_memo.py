@@ -53,7 +53,7 @@ class PlanMemo:
     def __init__(self, stats: ExecStats) -> None:
         self.stats = stats
         self.plans: dict[tuple[Any, ...], BoundPlan] = {}
-        self.programs: dict[int, tuple[BoundPlan, Program, Discovered]] = {}
+        self.programs: dict[int, tuple[BoundPlan, Program | None, Discovered]] = {}  # None: DTensor gradients
         self.records: dict[int, tuple[BoundPlan, PlanRecord]] = {}
 
     def bind(self, bound: BoundPlan, found: Discovered, groups: TorchGroups, config: FinalizeConfig,
