@@ -11,7 +11,6 @@ the changed step. Data are small integers: every comparison is bit-exact.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -121,18 +120,11 @@ def _steps(rank: int, scenario: Any, helper: Callable[[list[Any], Any, int], Non
     """A live model stepped through the change, and a fresh one given it before its first
     call. Returns the live outcomes per call, the read stage's calls before each, and the
     fresh model's outcome."""
-    pipeline = importlib.import_module("torch_impl.call.pipeline")
-    reads: list[int] = []
-    original = pipeline.read
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        reads.append(1)
-        return original(*args, **kwargs)
+    from stage_counts import counted_reads
 
     live, pgc, data = _prepare(scenario, rank)
     outcomes, read_counts = [], []
-    pipeline.read = counted
-    try:
+    with counted_reads() as reads:
         for index in range(STEADY + 2):
             _refill(live, data)
             if index == STEADY:
@@ -141,8 +133,6 @@ def _steps(rank: int, scenario: Any, helper: Callable[[list[Any], Any, int], Non
             outcomes.append(_outcome(lambda: helper(live, pgc, index), live, scenario, data))
             if outcomes[-1][0] == "error":
                 break
-    finally:
-        pipeline.read = original
     fresh, pgc, data = _prepare(scenario, rank)
     CHANGES[change](fresh, name)
     return {"live": outcomes, "reads": read_counts + [len(reads)],

@@ -9,9 +9,9 @@ counted.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
+from collections.abc import Iterator
 
 import pytest
 
@@ -26,8 +26,7 @@ from torch_impl.call.model_state import ModelState  # noqa: E402
 from torch_impl.run.groups import TorchGroups  # noqa: E402
 from torch_impl.sources.config import Requested  # noqa: E402
 from torch_impl.sources.megatron import PARALLEL_STATE  # noqa: E402
-
-pipeline = importlib.import_module("torch_impl.call.pipeline")
+from stage_counts import counted_reads  # noqa: E402
 
 #: Attributes no result reads: a Megatron config holds hundreds (then it is checked by name).
 FILLER = {f"unread_{i}": i for i in range(60)}
@@ -54,17 +53,10 @@ class Chunk(nn.Module):
 
 
 @pytest.fixture
-def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def reads() -> Iterator[list[int]]:
     """Counts the calls that went through the read stage."""
-    seen: list[int] = []
-    original = pipeline.read
-
-    def counted(*args: object, **kwargs: object) -> object:
-        seen.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "read", counted)
-    return seen
+    with counted_reads() as seen:
+        yield seen
 
 
 def step(model: list[Chunk], n: int = 2, **kwargs: object) -> dict[str, torch.Tensor]:

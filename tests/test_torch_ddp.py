@@ -257,21 +257,14 @@ def _steady_steps(rank: int) -> dict[str, Any]:
     ``no_sync()`` (the wrapper's settings changed: refused on every rank, nothing changed);
     one synced (the settings as kept again); a call of another model over another layout of the same mesh (ep = 2);
     then two synced steps of the first model (the mesh's layout changed back: read again)."""
-    import importlib
     import types
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
     from meshgrad import FinalizeConfig
+    from stage_counts import counted_reads
     from torch_impl import finalize_model_grads
-
-    pipeline = importlib.import_module("torch_impl.call.pipeline")
-    original, reads = pipeline.read, []
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        reads.append(1)
-        return original(*args, **kwargs)
 
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
     tokens = _batch().reshape(B * S, H)[rank * S:(rank + 1) * S]
@@ -283,7 +276,7 @@ def _steady_steps(rank: int) -> dict[str, Any]:
     other.config = types.SimpleNamespace(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
     steps: list[dict[str, Any]] = []
 
-    def step(synced: bool = True) -> None:
+    def step(reads: list[int], synced: bool = True) -> None:
         model.zero_grad(set_to_none=False)
         if synced:
             model(tokens).pow(2).sum().div(S).backward()
@@ -296,18 +289,15 @@ def _steady_steps(rank: int) -> dict[str, Any]:
         steps.append({"read": len(reads) - count, "before": before, "after": _grads(inner), **got,
                       "same tensors": all(p.grad is g for p, g in zip(inner.parameters(), grads))})
 
-    pipeline.read = counted
-    try:
+    with counted_reads() as reads:
         for _ in range(3):
-            step()
-        step(synced=False)
-        step()
+            step(reads)
+        step(reads, synced=False)
+        step(reads)
         other(tokens).sum().backward()
         finalize_model_grads([other], pg_collection=mesh)
-        step()
-        step()
-    finally:
-        pipeline.read = original
+        step(reads)
+        step(reads)
     return {"steps": steps, "same tensors": steps[0]["same tensors"] and inner.weight.grad is not None}
 
 

@@ -178,11 +178,11 @@ def _training_steps(rank: int, mesh: Any) -> dict[str, Any]:
     step after ``set_gradient_divide_factor(2)`` (FSDP2 averages where the per-token loss
     needs a sum: refused) and one after the factor is set back."""
     import gc
-    import importlib
     import weakref
 
     from torch.distributed.tensor import DTensor
 
+    from stage_counts import counted_reads
     from torch_impl import finalize_model_grads
     from torch_impl.call.model_state import ModelState
 
@@ -190,18 +190,16 @@ def _training_steps(rank: int, mesh: Any) -> dict[str, Any]:
     dp, tp = mesh["dp_shard"].get_local_rank(), mesh["tp"].get_local_rank()
     x = _batch()[dp * B // 2:(dp + 1) * B // 2, tp * S // 2:(tp + 1) * S // 2]
     steps, kept, reads = [], [], []
-    pipeline = importlib.import_module("torch_impl.call.pipeline")
-    original = pipeline.read
-
     calls = [0]  # finalize calls made
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        reads.append(calls[0])  # the call it read for
-        return original(*args, **kwargs)
 
     def finalize() -> None:
         calls[0] += 1
-        finalize_model_grads([model], num_tokens=torch.tensor([B // 2 * S]), pg_collection=mesh)
+        count = len(seen)
+        try:
+            finalize_model_grads([model], num_tokens=torch.tensor([B // 2 * S]), pg_collection=mesh)
+        finally:
+            if len(seen) > count:
+                reads.append(calls[0])  # this call went through the read stage
 
     def step(respec: bool = False) -> None:
         model.zero_grad(set_to_none=True)
@@ -216,8 +214,7 @@ def _training_steps(rank: int, mesh: Any) -> dict[str, Any]:
         ((_, found, watch, _),) = ModelState.of([model]).found.values()
         kept.append((found, watch))
 
-    pipeline.read = counted
-    try:
+    with counted_reads() as seen:
         for _ in range(3):
             step()
         last = [weakref.ref(p.grad) for p in model.parameters()]
@@ -242,8 +239,6 @@ def _training_steps(rank: int, mesh: Any) -> dict[str, Any]:
         model.set_gradient_divide_factor(1.0)
         step()
         step()
-    finally:
-        pipeline.read = original
     return {
         "steps": steps, "bias": bias, "reads": reads, "refused": refused, "refused unchanged": unchanged,
         "kept": [found is kept[0][0] and watch is kept[0][1] for found, watch in kept],

@@ -170,12 +170,10 @@ class ModelState:
         # A complete discovery serves a call that needs less (an audit keeps one).
         slot = full if complete or full in self.found else (config.has_mtp, False)
         cached = self.found.get(slot)
-        if cached is not None and _CHECKS[reads](cached[2]):
-            return cached[0], cached[1], cached[3]  # the watch's chunk facts hold the DDP objects
-        self.programs.clear()
-        entry = self._renew(slot, cached) if cached is not None and reads != "routers" else None
-        if entry is not None:
+        entry = self.current(slot, cached, self.complete_kept(slot), reads) if cached is not None else None
+        if entry is not None:  # kept, or renewed; the watch's chunk facts hold the DDP objects
             return entry[0], entry[1], entry[3]
+        self.programs.clear()
         ddp = tuple(ddp_object(c) for c in chunks)
         if cached is None or not cached[2].structure_same():
             found = discover(chunks, config, () if slot[1] else [obj is not None for obj in ddp])
