@@ -16,8 +16,9 @@ touches (the experts) grow. Models per row:
   parameter (meshgrad's DP sync stages every gradient: per-step work proportional to
   the parameters is inherent there).
 
-Per model: the first ``finalize_model_grads`` call (plan, checks, binding) and the
-steady-state step, as ratios to megatron-core and to the same model at the reference row
+Per model: the first ``finalize_model_grads`` call (plan, checks, binding; for the DDP
+chunks and megatron-core also the Python functions one more fresh model's first call
+enters, counted, not timed: exact whatever the machine's load) and the steady-state step, as ratios to megatron-core and to the same model at the reference row
 (32 x 8, 673 parameters). The DDP chunks' rows also time their **copy floor** in the
 same run: the non-TP gradients staged into one buffer and back (``_foreach_copy_``) around
 one collective, which any drop-in step pays; the router weights (experts x hidden each)
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from bench.counting import megatron_finalize_module
+from bench.cpu_parts import functions_entered
 from bench.ddp import MiniDDP
 from bench.goals import goal
 from bench.fake import _GROUPS, _per_call, copy_floor, fake_groups, init_fake
@@ -109,6 +111,7 @@ class _Row:
     first: dict[str, list[float]]
     keep: dict[str, Any]
     attach: float | None = None
+    first_functions: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 def _build_row(layers: int, experts: int, fmg: Any, repeats: int) -> _Row:
@@ -116,7 +119,8 @@ def _build_row(layers: int, experts: int, fmg: Any, repeats: int) -> _Row:
     rounds, each building one fresh model of every kind (megatron-core's too) in a rotating
     order, so a first call and megatron-core's are timed next to each other whatever the
     machine's load does meanwhile; the last model of each kind is kept for the steady
-    state."""
+    state. Then one more fresh model of the DDP chunks and of megatron-core each has its
+    first call's Python functions counted (:func:`bench.cpu_parts.functions_entered`)."""
     import torch_impl
     from torch_impl.buffers import attach_grad_buffers
 
@@ -137,6 +141,11 @@ def _build_row(layers: int, experts: int, fmg: Any, repeats: int) -> _Row:
             _user_grads(chunk)
         return [chunk]
 
+    def finalize(kind: str, model: list[Any]) -> Callable[[], object]:
+        if kind == "megatron":
+            return lambda: fmg.finalize_model_grads(model, None, mpgc)
+        return lambda: torch_impl.finalize_model_grads(model, pg_collection=pgc)
+
     kinds = [*MODELS, "megatron"] if fmg is not None else list(MODELS)
     for repeat in range(repeats):
         for kind in rotated(kinds, repeat):
@@ -145,14 +154,14 @@ def _build_row(layers: int, experts: int, fmg: Any, repeats: int) -> _Row:
                 start = time.perf_counter()
                 keep[kind] = attach_grad_buffers(model, pgc, lazy=True, device="cpu")
                 attach.append(time.perf_counter() - start)
-            if kind == "megatron":
-                fn = lambda model=model: fmg.finalize_model_grads(model, None, mpgc)  # noqa: E731
-            else:
-                fn = lambda model=model: torch_impl.finalize_model_grads(model, pg_collection=pgc)  # noqa: E731
+            fn = finalize(kind, model)
             first.setdefault(kind, []).append(_timed_first(fn))
             models[kind], steps[kind] = model, fn
     steps["floor"] = copy_floor([p.main_grad for p in non_tp_params(models["DDP chunks"][0].module)], pgc.tp)
-    return _Row(lay, pgc, models, steps, first, keep, statistics.median(attach) if attach else None)
+    # What a first call runs, counted (not timed) on one more fresh model: exact, whatever the load.
+    counted = {kind: functions_entered(finalize(kind, make(kind))) for kind in ("DDP chunks", "megatron") if kind in kinds}
+    gc.collect()  # those models now, not inside the timed rounds
+    return _Row(lay, pgc, models, steps, first, keep, statistics.median(attach) if attach else None, counted)
 
 
 def measure_scale(
@@ -203,6 +212,8 @@ def measure_scale(
             "first_call_vs_megatron": paired_ratio({"samples": row.first["DDP chunks"]},
                                                    {"samples": row.first.get("megatron")}),
             "attach_grad_buffers": row.attach,
+            # Python functions one first call enters: (distinct, calls), per kind
+            "first_call_functions": dict(row.first_functions),
             "step": {k: timed[f"{row.lay.name}/{k}"] for k in row.steps},
             "batch": {k: estimate[f"{row.lay.name}/{k}"] for k in row.steps},
             "collectives": {},
@@ -261,6 +272,13 @@ def format_scale(result: dict[str, Any]) -> str:
             if kind == "buffers" and big.get("attach_grad_buffers") is not None:
                 extra += f"; attach_grad_buffers at {big['row']}: {1e3 * big['attach_grad_buffers']:.1f} ms"
             lines.append(extra)
+        counted = big.get("first_call_functions", {})
+        if kind in counted:
+            distinct, calls = counted[kind]
+            line = f"    first call at {big['row']}: enters {distinct} Python functions ({calls} calls)"
+            if "megatron" in counted:
+                line += " (megatron-core's first call: {} ({} calls))".format(*counted["megatron"])
+            lines.append(line)
     return "\n".join(lines)
 
 

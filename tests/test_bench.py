@@ -257,7 +257,14 @@ def test_bench_prints_scale_rows_and_copy_floor(tmp_path):
         ours, theirs = r["first_call_samples"]["DDP chunks"], r["first_call_samples"]["megatron"]
         assert len(ours) == len(theirs) == 3 and r["first_call"]["DDP chunks"] == statistics.median(ours)
         assert r["first_call_vs_megatron"] == statistics.median(a / b for a, b in zip(ours, theirs))
+        # the first call's Python functions, counted on one more fresh model: (distinct, calls)
+        for kind in ("DDP chunks", "megatron"):
+            distinct, calls = r["first_call_functions"][kind]
+            assert 0 < distinct <= calls, (kind, r["first_call_functions"])
     big = rows["16x32"]
+    (ours, mcore) = (big["first_call_functions"][k] for k in ("DDP chunks", "megatron"))
+    assert (f"first call at 16x32: enters {ours[0]} Python functions ({ours[1]} calls) "
+            f"(megatron-core's first call: {mcore[0]} ({mcore[1]} calls))") in text, text
     (first_goal,) = [g for g in report["goals"] if g["goal"].endswith("first call / megatron-core's first call <= 2")]
     assert first_goal["value"] == big["first_call_vs_megatron"]
     (layout,) = report["fake"]

@@ -206,3 +206,50 @@ def test_dtensor_helpers_pass_plain_tensors_through():
     t, ref = torch.ones(2), torch.zeros(2)
     assert _unshard_if_dtensor(t) is t
     assert _reshard_if_dtensor(t, ref) is ref
+
+
+def _torch_ddp(module: nn.Module) -> nn.Module:
+    """A torch ``DistributedDataParallel`` object around ``module`` for discovery's walk
+    alone (built without a process group: only its class and its submodule are read)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel.__new__(DistributedDataParallel)
+    nn.Module.__init__(ddp)
+    ddp.module = module
+    return ddp
+
+
+def _with_expert_ddp(model: Model) -> Model:
+    model.experts = _torch_ddp(nn.Linear(2, 2))
+    return model
+
+
+def _beside_the_chain(model: Model) -> nn.Module:
+    wrapper = Wrapper(model)
+    wrapper.side = _torch_ddp(nn.Linear(2, 2))  # a second submodule: not on the .module chain
+    return wrapper
+
+
+@pytest.mark.parametrize("build,names", [
+    (lambda: Model(), []),
+    (lambda: Wrapper(Wrapper(Model())), []),
+    (lambda: _torch_ddp(Model()), [""]),
+    (lambda: Wrapper(_torch_ddp(Model())), ["module"]),
+    (lambda: _with_expert_ddp(Model()), ["experts"]),
+    (lambda: _torch_ddp(_with_expert_ddp(Model())), ["", "module.experts"]),
+    (lambda: _beside_the_chain(Model()), ["side"]),
+], ids=["plain", "wrappers", "ddp", "ddp-in-wrapper", "inner-ddp", "outer-and-inner", "beside-the-chain"])
+def test_discovery_finds_the_torch_ddp_wrappers_a_walk_of_each_chunk_finds(build, names):
+    """Discovery reads the torch DDP wrappers from its own walk of the unwrapped chunks (the
+    wrapper chain above them checked apart) and gives what a walk of the chunk as given
+    gives: the same wrapper objects under the same names; its module ids are the unwrapped
+    chunk's modules in ``modules()`` order (what the model watch's hooks filter by)."""
+    from torch_impl.sources.torch_ddp import ddp_wrappers
+
+    chunk = build()
+    found = discover([chunk], FinalizeConfig())
+    walked = dict(chunk.named_modules())
+    assert [d.module for d in found.torch_ddp] == names
+    assert [d.wrapper for d in found.torch_ddp] == [walked[name] for name in names]
+    assert found.torch_ddp == ddp_wrappers([chunk])
+    assert found.module_ids == tuple(map(id, unwrap(chunk).modules()))

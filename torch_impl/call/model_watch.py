@@ -91,7 +91,8 @@ def _watched_module_ids(chunks: Sequence[Any], found: Any) -> list[int]:
 
     Args:
       chunks: the chunks as given (each one's ``.module`` wrapper chain is walked).
-      found: the discovered model (every module of its unwrapped chunks).
+      found: the discovered model (every module of its unwrapped chunks: the discovery's
+        ``module_ids`` where it walked them).
 
     Returns:
       The module ids, wrapper chains first.
@@ -105,6 +106,9 @@ def _watched_module_ids(chunks: Sequence[Any], found: Any) -> list[int]:
             if not isinstance(inner, nn.Module):
                 break
             module_ids.append(id(inner))
+    if found.module_ids is not None:
+        module_ids.extend(found.module_ids)
+        return module_ids
     for root in found.chunks:
         if isinstance(root, nn.Module):
             module_ids.extend(id(m) for m in root.modules())

@@ -159,6 +159,8 @@ class Discovered:
       untouched_experts: some left-out parameter is a trained expert parameter.
       fsdp: the FSDP2 parameter groups of the chunks (:func:`torch_impl.sources.fsdp2.fsdp_groups`).
       torch_ddp: the torch DDP wrappers of the chunks (:func:`torch_impl.sources.torch_ddp.ddp_wrappers`).
+      module_ids: the ids of every module of the unwrapped chunks, in ``modules()`` order
+        (discovery's one walk of the module tree); None: not walked.
       lineage: shared by this discovery and its :meth:`renewal` copies only (what the checks
         found for one holds for the others, but for the NaN scan's spans).
     """
@@ -172,6 +174,7 @@ class Discovered:
     untouched_experts: bool = False
     fsdp: tuple[FsdpGroup, ...] = ()
     torch_ddp: tuple[TorchDdp, ...] = ()
+    module_ids: tuple[int, ...] | None = None
     lineage: object = dataclasses.field(default_factory=object)
 
     def fingerprint(self) -> tuple[Any, ...]:
@@ -229,6 +232,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
     tensors: dict[ParamKey, torch.Tensor] = {}
     router_modules: dict[ParamKey, nn.Module] = {}
     chunks = []
+    walks: list[list[tuple[str, nn.Module]]] = []  # per chunk, its named_modules()
     by_class: dict[type, dict[str, Any]] = {}
     step_defaults: dict[type, tuple[Any, ...]] = {}  # per class, its step flags' values
     per_instance: set[type] = set()  # classes defining a flag as a property (read per parameter)
@@ -246,6 +250,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
         if pos is not None:
             roles.setdefault(id(pos), Role.POSITION_EMBEDDING)
         submodules = list(module.named_modules())
+        walks.append(submodules)
         seen: set[int] = set()
         # named_parameters() from the one walk of the module tree: its order, a shared
         # parameter once under its first name, None entries skipped; names made only for
@@ -290,7 +295,9 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
                 routers.append(spec)
                 router_modules[spec.key] = sub
     found = (tuple(params), tuple(routers), tensors, router_modules, tuple(chunks))
-    return Discovered(*found, not left_out, experts, fsdp_groups(chunks), ddp_wrappers(model))
+    module_ids = tuple(id(sub) for root, walk in zip(chunks, walks) if isinstance(root, nn.Module) for _, sub in walk)
+    return Discovered(*found, not left_out, experts, fsdp_groups(chunks, walks), ddp_wrappers(model, chunks, walks),
+                      module_ids)
 
 
 def _flag(attrs: Mapping[str, Any], class_flags: Mapping[str, Any], name: str) -> Any:

@@ -66,10 +66,17 @@ class FsdpReduction(NamedTuple):
     reduced: bool
 
 
-def fsdp_groups(chunks: Sequence[nn.Module]) -> tuple[FsdpGroup, ...]:
+def fsdp_groups(chunks: Sequence[nn.Module],
+                walks: Sequence[Sequence[tuple[str, nn.Module]]] | None = None) -> tuple[FsdpGroup, ...]:
     """Every FSDP2 parameter group in the (unwrapped) chunks; none without FSDP2 loaded (no
     FSDP module exists before its package is imported: torch 2.6+ ``torch.distributed.fsdp``,
-    2.5 ``torch.distributed._composable.fsdp``)."""
+    2.5 ``torch.distributed._composable.fsdp``).
+
+    Args:
+      chunks: the unwrapped chunks.
+      walks: per chunk, its ``named_modules()`` where the caller has them (discovery's walk),
+        else None: walked here.
+    """
     classes = tuple(
         cls for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
         if (cls := getattr(sys.modules.get(name), "FSDPModule", None)) is not None
@@ -78,7 +85,7 @@ def fsdp_groups(chunks: Sequence[nn.Module]) -> tuple[FsdpGroup, ...]:
         return ()
     out = []
     for index, chunk in enumerate(chunks):
-        for name, sub in chunk.named_modules():
+        for name, sub in (chunk.named_modules() if walks is None else walks[index]):
             if isinstance(sub, classes):
                 state = sub._get_fsdp_state()
                 groups = getattr(state, "_fsdp_param_groups", None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from meshgrad.axes import Group
@@ -68,10 +69,18 @@ class DdpReduction(NamedTuple):
     hook: str
 
 
-def ddp_wrappers(model: Sequence[Any]) -> tuple[TorchDdp, ...]:
+def ddp_wrappers(model: Sequence[Any], inner: Sequence[Any] = (),
+                 walks: Sequence[Sequence[tuple[str, Any]]] = ()) -> tuple[TorchDdp, ...]:
     """Every torch ``DistributedDataParallel`` in ``model``'s (wrapped) chunks, outermost
     first: the wrapper of a chunk and any inside it (a submodule under its own DDP, e.g.
-    experts over expt_dp); a ``torch.compile`` wrapper is read through."""
+    experts over expt_dp); a ``torch.compile`` wrapper is read through.
+
+    Args:
+      model: the chunks as given.
+      inner: per chunk, the unwrapped chunk, where the caller walked it (discovery).
+      walks: per chunk, ``inner``'s ``named_modules()``: a chunk whose walk holds no DDP and
+        whose modules above ``inner`` hold none either is not walked again (:func:`_without_ddp`).
+    """
     out = []
     for index, chunk in enumerate(model):
         megatron, obj = False, chunk
@@ -81,11 +90,35 @@ def ddp_wrappers(model: Sequence[Any]) -> tuple[TorchDdp, ...]:
             if not has_attr(obj, "module"):
                 break
             obj = obj.module
+        if index < len(walks) and _without_ddp(chunk, inner[index], walks[index]):
+            continue
         out += [
             TorchDdp(index, name, sub, megatron)
             for name, sub in chunk.named_modules() if isinstance(sub, DistributedDataParallel)
         ]
     return tuple(out)
+
+
+def _without_ddp(chunk: Any, inner: Any, walk: Sequence[tuple[str, Any]]) -> bool:
+    """Whether ``chunk.named_modules()`` holds no DDP, known without walking it again: ``walk``
+    (``inner``'s modules) holds none, and the modules from ``chunk`` down to ``inner`` are a
+    path of one registered child each (the wrappers), none a DDP. Anything else (a wrapper
+    with two submodules, a chain deeper than 64): False, and the caller walks the chunk."""
+    if any(isinstance(sub, DistributedDataParallel) for _, sub in walk):
+        return False
+    node = chunk
+    for _ in range(64):
+        if node is inner:
+            return True
+        if isinstance(node, DistributedDataParallel) or not isinstance(node, nn.Module):
+            return False
+        children = [m for m in node._modules.values() if m is not None]
+        if not children:  # the path ends above inner: it was the whole tree
+            return True
+        if len(children) > 1:
+            return False
+        node = children[0]
+    return False
 
 
 def _builtin_hook(wrapper: Any) -> str:
