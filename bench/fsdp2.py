@@ -17,7 +17,8 @@ step, each after ``zero_grad(set_to_none=True)`` (torch's default), a forward an
 (untimed): FSDP2 (and DDP, whose gradients are not bucket views) makes every gradient
 anew, as in training. Per call: wall time (median of
 interleaved rounds), torch_impl / floor (median of the rounds' paired ratios, mean of the
-ranks), the calling thread's CPU, and the Python functions one steady call enters (exact).
+ranks), the calling thread's CPU, and the Python functions one steady call, and one call
+after a training step, enter (exact).
 Values: twin models (same seed, same input) must hold bit-identical gradients after the
 first call of each, after the steady calls and after the training steps (each twin scaled
 as often as the other; the global count is a power of two, so the scales are exact).
@@ -135,6 +136,10 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
     floor()
     agreed.append(identical())  # after every steady call, as often scaled as the floor's
     training = measure(training_step, payload["training_batch"])
+    for name in finals:  # one more training step of each, its finalize counted for torch_impl's
+        training_step(name)
+    trained = functions_entered(ours)
+    floor()
     agreed.append(identical())  # after the training steps (each twin's last: a finalize)
     per_rank = torch.tensor([*steady, *training, float(all(agreed))], dtype=torch.float64)
     dist.all_reduce(per_rank)
@@ -150,7 +155,8 @@ def world_main(rank: int, world: int, payload: dict[str, Any], sink: Any) -> Non
             "wrap": payload["wrap"], "world": world, "layers": payload["layers"], "hidden": hidden,
             "parameters": sum(p.numel() for p in models["floor"].parameters()), "gradients": len(floor_params),
             **row(*values[:5]), "training steps": row(*values[5:10]),
-            "python functions per call": list(entered), "identical": values[10] == 1.0,
+            "python functions per call": list(entered), "python functions per training-step call": list(trained),
+            "identical": values[10] == 1.0,
         })
     dist.barrier()
 
@@ -190,7 +196,8 @@ def format_fsdp2(result: dict[str, Any]) -> str:
         ]
     return "\n".join([
         *lines,
-        f"  torch_impl enters {distinct} Python functions ({calls} calls) per steady call",
+        f"  torch_impl enters {distinct} Python functions ({calls} calls) per steady call, "
+        "{} ({}) per call after a training step".format(*result["python functions per training-step call"]),
         f"  gradients: {'bit-identical' if result['identical'] else 'DIFFERENT'} (torch_impl vs floor, after the first "
         "call, after the steady calls and after the training steps)",
     ])

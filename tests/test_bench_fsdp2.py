@@ -30,6 +30,10 @@ def test_fsdp2_row_runs_in_the_bench_with_identical_gradients(tmp_path: Path) ->
         assert all(v > 0 for v in measure["cpu seconds per call"].values())
     distinct, calls = row["python functions per call"]
     assert 0 < distinct <= calls
+    trained = row["python functions per training-step call"]  # FSDP2 binds its new shards on every call
+    assert distinct <= trained[0] <= trained[1]
+    assert (f"torch_impl enters {distinct} Python functions ({calls} calls) per steady call, "
+            f"{trained[0]} ({trained[1]}) per call after a training step") in text
     assert ("gradients: bit-identical (torch_impl vs floor, after the first call, after the steady calls and "
             "after the training steps)") in text
     assert "  steady call (the same gradients):" in text

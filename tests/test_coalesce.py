@@ -39,6 +39,24 @@ def test_gaps_overlaps_storages_dtypes_and_strides_are_kept_apart() -> None:
     ]
 
 
+def test_tensors_of_their_own_storages_come_back_as_they_are() -> None:
+    """Gradients allocated one by one (a training step's new ``.grad`` tensors): nothing
+    merges; each comes back itself, in its order, the empty and strided ones after; one
+    storage holding two of them (even apart) groups those by storage, as always."""
+    own = [torch.arange(4.0), torch.arange(6.0).view(2, 3), torch.arange(3.0, dtype=torch.float64)]
+    strided, empty = torch.arange(8.0)[::2], torch.zeros(0)
+    got = coalesce([own[0], strided, own[1], empty, own[2]])
+    assert [id(t) for t in got] == [id(t) for t in (*own, strided, empty)]
+    want = [t * 0.5 for t in own]
+    bind_scale(own)(torch.tensor(0.5))
+    assert all(map(torch.equal, own, want))
+    flat = torch.arange(10.0)
+    apart = [flat[6:10], own[0], flat[0:3]]  # one storage, a gap between its two views
+    ptr = flat.untyped_storage().data_ptr()
+    assert _spans(apart) == [(ptr, 0, 3, torch.float32), (ptr, 6, 4, torch.float32),
+                             (own[0].untyped_storage().data_ptr(), 0, 4, torch.float32)]
+
+
 def test_a_tensor_without_storage_is_kept_apart_and_the_rest_still_merge() -> None:
     flat = torch.arange(8, dtype=torch.float32)
     sparse = torch.eye(3).to_sparse()

@@ -225,8 +225,11 @@ class ModelWatch:
         )
 
     def same(self) -> bool:
-        """True when the cached discovery (and every plan made from it) still holds."""
-        return self.structure_same() and self._routers_unchanged() and self.grads.same()
+        """True when the cached discovery (and every plan made from it) still holds. At
+        once False after :meth:`release` (the gradients' watch holds none of them: its own
+        ``same`` answers False), with nothing else compared: a training step's call then
+        asks :meth:`renewed`, which compares the rest."""
+        return self.grads.weak is None and self.structure_same() and self._routers_unchanged() and self.grads.same()
 
     def probe(self, probes: Probes, reads: str = "all") -> bool:
         """Write the check of ``reads`` down as probes (:meth:`same` for ``"all"``,

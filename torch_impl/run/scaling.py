@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from itertools import compress
 from sys import getrefcount
 from typing import Any
 
@@ -182,18 +183,25 @@ def coalesce(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     in one storage are merged into one 1-D span (overlapping ones are kept apart).
     Spans come storage by storage (in the order each storage first appears), each by
     offset; the tensors that cannot merge (not contiguous, empty, without storage)
-    follow, in their order. Each tensor's facts are read in C-level passes (an FSDP2 step
-    binds its new gradients with it), one by one only where a tensor refuses one."""
+    follow, in their order. Each tensor's facts are read in C-level passes (an FSDP2 or
+    torch DDP step binds its new gradients with it), one by one only where a tensor
+    refuses one. Where no storage holds two of the tensors that could merge (gradients
+    allocated one by one), nothing merges: they come back as they are, in their order."""
     try:
-        facts = list(zip(tensors, map(_STORAGE_PTR, map(torch.Tensor.untyped_storage, tensors)),
-                         map(torch.Tensor.is_contiguous, tensors), map(torch.Tensor.numel, tensors),
-                         map(torch.Tensor.storage_offset, tensors), map(_DTYPE, tensors), map(_DEVICE, tensors)))
+        ptrs = list(map(_STORAGE_PTR, map(torch.Tensor.untyped_storage, tensors)))
+        numels = list(map(torch.Tensor.numel, tensors))
+        mergeable = list(map(operator.and_, map(torch.Tensor.is_contiguous, tensors), map(bool, numels)))
     except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, ...)
         facts = list(map(_facts, tensors))
+    else:
+        if len(set(compress(ptrs, mergeable))) == sum(mergeable):
+            return [*compress(tensors, mergeable), *compress(tensors, map(operator.not_, mergeable))]
+        facts = list(zip(tensors, ptrs, mergeable, numels, map(torch.Tensor.storage_offset, tensors),
+                         map(_DTYPE, tensors), map(_DEVICE, tensors)))
     by_storage: dict[tuple[Any, torch.dtype, torch.device], list[tuple[int, int, torch.Tensor]]] = {}
     other: list[torch.Tensor] = []
-    for t, ptr, contiguous, numel, offset, dtype, device in facts:
-        if ptr is None or not contiguous or numel == 0:
+    for t, ptr, can_merge, numel, offset, dtype, device in facts:
+        if ptr is None or not can_merge:
             other.append(t)
         else:
             by_storage.setdefault((ptr, dtype, device), []).append((offset, numel, t))
@@ -222,11 +230,12 @@ _OFFSET = operator.itemgetter(0)
 
 
 def _facts(t: torch.Tensor) -> tuple[Any, ...]:
-    """:func:`coalesce`'s facts of one tensor; a tensor that refuses its storage or
+    """:func:`coalesce`'s facts of one tensor (tensor, storage pointer, contiguous and not
+    empty, elements, storage offset, dtype, device); a tensor that refuses its storage or
     contiguity has no storage pointer (None)."""
     try:
         if t.is_contiguous():
-            return t, t.untyped_storage().data_ptr(), True, t.numel(), t.storage_offset(), t.dtype, t.device
+            return t, t.untyped_storage().data_ptr(), t.numel() != 0, t.numel(), t.storage_offset(), t.dtype, t.device
     except (RuntimeError, NotImplementedError):
         pass
     return t, None, False, 0, 0, None, None
