@@ -69,17 +69,18 @@ class DdpReduction(NamedTuple):
     hook: str
 
 
-def ddp_wrappers(model: Sequence[Any], inner: Sequence[Any] = (),
-                 walks: Sequence[Sequence[tuple[str, Any]]] = ()) -> tuple[TorchDdp, ...]:
+def ddp_wrappers(model: Sequence[Any], inner: Sequence[Any] | None = None,
+                 walks: Sequence[Sequence[tuple[str, Any]]] | None = None) -> tuple[TorchDdp, ...]:
     """Every torch ``DistributedDataParallel`` in ``model``'s (wrapped) chunks, outermost
     first: the wrapper of a chunk and any inside it (a submodule under its own DDP, e.g.
     experts over expt_dp); a ``torch.compile`` wrapper is read through.
 
     Args:
       model: the chunks as given.
-      inner: per chunk, the unwrapped chunk, where the caller walked it (discovery).
-      walks: per chunk, ``inner``'s ``named_modules()``: a chunk whose walk holds no DDP and
-        whose modules above ``inner`` hold none either is not walked again (:func:`_without_ddp`).
+      inner: per chunk, the unwrapped chunk, where the caller walked it (discovery), else None.
+      walks: per chunk, ``inner``'s ``named_modules()`` (None with ``inner``): a chunk whose
+        walk holds no DDP and whose modules above ``inner`` hold none either is not walked
+        again (:func:`_without_ddp`).
     """
     out = []
     for index, chunk in enumerate(model):
@@ -90,7 +91,7 @@ def ddp_wrappers(model: Sequence[Any], inner: Sequence[Any] = (),
             if not has_attr(obj, "module"):
                 break
             obj = obj.module
-        if index < len(walks) and _without_ddp(chunk, inner[index], walks[index]):
+        if walks is not None and inner is not None and _without_ddp(chunk, inner[index], walks[index]):
             continue
         out += [
             TorchDdp(index, name, sub, megatron)
