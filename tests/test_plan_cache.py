@@ -516,3 +516,22 @@ def test_named_parameters_walks_as_torch_does():
     entries = [(spec.name, id(found.tensors[spec.key])) for spec in found.params]
     assert entries == expected
     assert len(expected) == 7
+
+
+def test_a_watch_of_refreshed_specs_watches_the_modules_as_they_are_now():
+    """The watch made for a discovery takes the module ids of discovery's own walk; a watch
+    made for refreshed specs (the same parameters, their flags re-read) walks the modules
+    again, so a submodule put into ``_modules`` directly since (no hook saw it) has its
+    later registrations seen, as a fresh walk would."""
+    chunk = Chunk()
+    found = discover_module.discover([chunk], CONFIG)
+    assert found.module_ids == tuple(map(id, chunk.modules()))
+    sneaked = nn.Module()
+    chunk._modules["sneaked"] = sneaked  # no registration hook sees this
+    refreshed = found.refresh()
+    assert refreshed.module_ids is None and refreshed.params == found.params
+    watch = ModelWatch(refreshed, [chunk], lambda roles=True: (), [])
+    assert id(sneaked) in watch.module_ids and watch.same()
+    sneaked.w = nn.Parameter(torch.zeros(2))  # a registration under it
+    assert not watch.same()
+    watch.close()

@@ -201,7 +201,9 @@ class Discovered:
             param_spec(s.name, s.chunk, self.tensors[s.key], s.role) for s in self.params
         )
         routers = tuple(router_spec(r.name, r.chunk, self.router_modules[r.key]) for r in self.routers)
-        return dataclasses.replace(self, params=params, routers=routers, lineage=object())  # type: ignore[arg-type]
+        # module_ids dropped: the watch made for the refreshed specs walks the modules again
+        return dataclasses.replace(self, params=params, routers=routers, lineage=object(),  # type: ignore[arg-type]
+                                   module_ids=None)
 
     def renewal(self) -> "Discovered":
         """This discovery as a new object of the same :attr:`lineage`, for gradients renewed
