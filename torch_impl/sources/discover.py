@@ -266,7 +266,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
                 seen.add(pid)
                 cls = type(param)
                 # touched() inlined for most parameters: no step flag, role or q / k layernorm name
-                if skip and cls in quiet and pid not in roles and vars(param).keys().isdisjoint(_STEP_FLAGS) and (
+                if skip and cls in quiet and pid not in roles and _STEP_FLAGS.isdisjoint(vars(param)) and (
                         (not marked and QK_MARK not in key) or not is_qk_layernorm(param_name(prefix, key))):
                     left_out = True
                     experts = experts or _trained_expert(param, by_class[cls])
@@ -320,7 +320,7 @@ def touched(
         parameter sets none of them itself (most parameters: one set operation then).
     """
     attrs = vars(param)
-    if class_steps is not None and attrs.keys().isdisjoint(_STEP_FLAGS):
+    if class_steps is not None and _STEP_FLAGS.isdisjoint(attrs):
         return may_touch(name, Role.NONE, class_steps)
     return may_touch(name, Role.NONE, (_flag(attrs, class_flags, flag) for flag in FLAG_ATTRS))
 
