@@ -298,7 +298,7 @@ def discover(model: Sequence[Any], config: FinalizeConfig, untouched: Sequence[b
                 router_modules[spec.key] = sub
     found = (tuple(params), tuple(routers), tensors, router_modules, tuple(chunks))
     module_ids = tuple(id(sub) for root, walk in zip(chunks, walks) if isinstance(root, nn.Module) for _, sub in walk)
-    return Discovered(*found, not left_out, experts, fsdp_groups(chunks, walks), ddp_wrappers(model, chunks, walks),
+    return Discovered(*found, not left_out, experts, fsdp_groups(chunks, walks), ddp_wrappers(model, walks),
                       module_ids)
 
 

@@ -69,7 +69,7 @@ class DdpReduction(NamedTuple):
     hook: str
 
 
-def ddp_wrappers(model: Sequence[Any], inner: Sequence[Any] | None = None,
+def ddp_wrappers(model: Sequence[Any],
                  walks: Sequence[Sequence[tuple[str, Any]]] | None = None) -> tuple[TorchDdp, ...]:
     """Every torch ``DistributedDataParallel`` in ``model``'s (wrapped) chunks, outermost
     first: the wrapper of a chunk and any inside it (a submodule under its own DDP, e.g.
@@ -77,10 +77,9 @@ def ddp_wrappers(model: Sequence[Any], inner: Sequence[Any] | None = None,
 
     Args:
       model: the chunks as given.
-      inner: per chunk, the unwrapped chunk, where the caller walked it (discovery), else None.
-      walks: per chunk, ``inner``'s ``named_modules()`` (None with ``inner``): a chunk whose
-        walk holds no DDP and whose modules above ``inner`` hold none either is not walked
-        again (:func:`_without_ddp`).
+      walks: per chunk, the unwrapped chunk's ``named_modules()`` where the caller walked it
+        (discovery), else None: a chunk whose walk holds no DDP and whose modules above the
+        unwrapped chunk hold none either is not walked again (:func:`_without_ddp`).
     """
     out = []
     for index, chunk in enumerate(model):
@@ -91,7 +90,7 @@ def ddp_wrappers(model: Sequence[Any], inner: Sequence[Any] | None = None,
             if not has_attr(obj, "module"):
                 break
             obj = obj.module
-        if walks is not None and inner is not None and _without_ddp(chunk, inner[index], walks[index]):
+        if walks is not None and _without_ddp(chunk, walks[index]):
             continue
         out += [
             TorchDdp(index, name, sub, megatron)
@@ -100,14 +99,15 @@ def ddp_wrappers(model: Sequence[Any], inner: Sequence[Any] | None = None,
     return tuple(out)
 
 
-def _without_ddp(chunk: Any, inner: Any, walk: Sequence[tuple[str, Any]]) -> bool:
+def _without_ddp(chunk: Any, walk: Sequence[tuple[str, Any]]) -> bool:
     """Whether ``chunk.named_modules()`` holds no DDP, known without walking it again: ``walk``
-    (``inner``'s modules) holds none, and the modules from ``chunk`` down to ``inner`` are a
-    path of one registered child each (the wrappers), none a DDP. Anything else (a wrapper
-    with two submodules, a chain deeper than 64): False, and the caller walks the chunk."""
+    (the unwrapped chunk's ``named_modules()``, that chunk first) holds none, and the modules
+    from ``chunk`` down to the unwrapped chunk are a path of one registered child each (the
+    wrappers), none a DDP. Anything else (a wrapper with two submodules, a chain deeper than
+    64): False, and the caller walks the chunk."""
     if any(isinstance(sub, DistributedDataParallel) for _, sub in walk):
         return False
-    node = chunk
+    inner, node = walk[0][1], chunk
     for _ in range(64):
         if node is inner:
             return True
