@@ -85,14 +85,19 @@ def test_new_gradients_of_the_same_facts_read_as_renewed_not_same():
     assert _answers(watch) == (False, False)
 
 
+@pytest.mark.parametrize("armed", [False, True], ids=["attributes", "guard"])
 @pytest.mark.parametrize("change", [
     "dtype", "strides", "shape", "sparse", "subclass", "inference", "overlapping", "param_class", "frozen",
 ])  # (another device: torch refuses a gradient off its parameter's device, .data included)
-def test_new_gradients_of_other_facts_are_not_renewed(change):
+def test_new_gradients_of_other_facts_are_not_renewed(change, armed):
     """Each change a plan, a spec or a check reads: neither same nor renewed; put back
-    (as new tensors of the old facts), renewed again."""
+    (as new tensors of the old facts), renewed again. ``armed``: a renewal was accepted
+    first, so the renewal's compiled guard (where torch has one) answers before the
+    attribute-by-attribute check."""
     params = _params()
     watch = GradWatch(params)
+    if armed:
+        assert watch.renewed() and watch.renewal_check.guard is not None
     b = params[1]
     new = b.grad = torch.ones(2, 2)  # a new tensor, changed through .data where .grad = refuses
     if change == "dtype":

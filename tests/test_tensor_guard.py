@@ -45,6 +45,26 @@ def test_the_guard_fails_exactly_on_a_metadata_change(change, seen):
     assert guard.check(*tensors) is not seen
 
 
+@pytest.mark.parametrize("mode", ["normal", "inference"])
+def test_a_guard_on_kinds_fails_on_another_device_layout_or_inference_flag(mode):
+    """``kinds=True`` (a watch of new tensors against recorded facts): a new tensor of the
+    same shape and dtype passes; one on the meta device, sparse, or made under inference
+    mode fails. The probe behind it answers the same when first asked in inference mode."""
+    guard_module._guard_type.cache_clear()
+    try:
+        with torch.inference_mode(mode == "inference"):
+            assert guard_module._guard_type(True) is not None  # the probe, first asked in this mode
+        guard = metadata_guard([torch.zeros(2, 3)], kinds=True)
+    finally:
+        guard_module._guard_type.cache_clear()
+    assert guard is not None
+    with torch.inference_mode():
+        frozen = torch.zeros(2, 3)
+    assert guard.check(torch.ones(2, 3))
+    for other in (torch.zeros(2, 3, device="meta"), torch.zeros(2, 3).to_sparse(), frozen):
+        assert not guard.check(other), other
+
+
 def test_the_guard_sees_requires_grad_flipped_under_no_grad():
     p = nn.Parameter(torch.zeros(3))
     with torch.no_grad():
@@ -67,7 +87,7 @@ def test_no_guard_for_nothing_or_what_it_cannot_describe():
 def path(request, monkeypatch):
     """The watch's path: torch's guard, or attribute by attribute (no guard)."""
     if request.param == "attributes":
-        monkeypatch.setattr(guard_module, "metadata_guard", lambda tensors, strides=True: None)
+        monkeypatch.setattr(guard_module, "metadata_guard", lambda tensors, strides=True, kinds=False: None)
     return request.param
 
 

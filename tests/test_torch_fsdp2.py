@@ -278,7 +278,8 @@ def _sharded_watch(rank: int, mesh: Any) -> dict[str, bool]:
     changed("a DTensor of a new spec", DTensor.from_local(local.clone(), grad.device_mesh, grad.placements,
                                                           shape=grad.shape, stride=grad.stride()))
     for what, shard in (("local shard of another shape", local[:1]),
-                        ("local shard of another dtype", local.to(torch.float32))):
+                        ("local shard of another dtype", local.to(torch.float32)),
+                        ("local shard on the meta device", local.to("meta"))):
         grad._local_tensor = shard
         out[what] = watch.same()
         grad._local_tensor = local
@@ -561,13 +562,14 @@ def test_fsdp2_training_steps_keep_the_plan_and_hold_no_gradient() -> None:
 
 def test_a_dtensor_gradient_is_watched_by_its_facts() -> None:
     """FSDP2's new gradients read as unchanged; a gradient gone, a plain one, a DTensor of
-    another spec object, a local shard of another shape or dtype, or an inference shard,
-    read as changed (and unchanged once put back)."""
+    another spec object, a local shard of another shape, dtype or device, or an inference
+    shard, read as changed (and unchanged once put back). The first answer arms the
+    shards' compiled guard, so the later ones go through it first."""
     want = {"unchanged": True, "new gradients of FSDP2's backward": True}
     for what in ("gradient gone", "a plain tensor", "a DTensor of a new spec"):
         want |= {what: False, f"{what}, put back": True}
     want |= {"local shard of another shape": False, "local shard of another dtype": False,
-             "an inference shard": False, "all put back": True}
+             "local shard on the meta device": False, "an inference shard": False, "all put back": True}
     for rank, result in enumerate(_results()):
         assert result["sharded_watch"] == want, rank
 

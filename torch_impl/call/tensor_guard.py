@@ -50,19 +50,37 @@ def _sees_changes(guard_type: Any) -> bool:
     return True
 
 
+def _sees_kinds(guard_type: Any) -> bool:
+    """Whether a guard built by :func:`_build` also fails on a tensor of another kind in
+    the same shape and dtype: on another device (meta), in another layout (sparse), or an
+    inference tensor (what a watch of new tensors against recorded facts asks)."""
+    plain = torch.zeros(2, 3)
+    with torch.inference_mode():
+        inference = torch.zeros(2, 3)
+    others = (torch.zeros(2, 3, device="meta"), plain.to_sparse(), inference)
+    for strides in (True, False):
+        guard = _build(guard_type, [plain], strides)
+        if not guard.check(torch.zeros(2, 3)) or any(guard.check(other) for other in others):
+            return False
+    return True
+
+
 @functools.cache
-def _guard_type() -> Any:
+def _guard_type(kinds: bool = False) -> Any:
     """torch's compiled tensor guard, or None where this torch has none that passes the
-    probe (:func:`_sees_changes`)."""
+    probe (:func:`_sees_changes`, and with ``kinds`` :func:`_sees_kinds` as well), run
+    outside inference mode whatever mode the first caller is in (the answer is kept)."""
     try:
         from torch._C._dynamo.guards import TensorGuards  # noqa: PLC0415 -- private: probed before use
 
-        return TensorGuards if _sees_changes(TensorGuards) else None
+        with torch.inference_mode(False):
+            seen = _sees_changes(TensorGuards) and (not kinds or _sees_kinds(TensorGuards))
+        return TensorGuards if seen else None
     except Exception:  # noqa: BLE001 -- any failure: the attribute-by-attribute path
         return None
 
 
-def metadata_guard(tensors: Sequence[torch.Tensor], strides: bool = True) -> Any:
+def metadata_guard(tensors: Sequence[torch.Tensor], strides: bool = True, kinds: bool = False) -> Any:
     """A guard whose ``check(*tensors)`` is True only while each tensor keeps its Python
     type, dtype, device, ``requires_grad``, sizes and, with ``strides``, strides (False
     also on a change the watches ignore, and always where one tensor is in ``tensors``
@@ -71,12 +89,15 @@ def metadata_guard(tensors: Sequence[torch.Tensor], strides: bool = True) -> Any
     Args:
       tensors: the tensors, in the order ``check`` will get them.
       strides: compare their strides too (a watch that asks about strides).
+      kinds: the caller relies on the guard for the tensors' devices, layouts and
+        inference flags too (a watch of new tensors against recorded facts): only a guard
+        shown to see those (:func:`_sees_kinds`).
 
     Returns:
       The guard, or None: no tensors, no usable guard in this torch, or tensors it cannot
       describe (a nested tensor has no sizes).
     """
-    guard_type = _guard_type()
+    guard_type = _guard_type(kinds)
     if guard_type is None or not tensors:
         return None
     try:
@@ -102,13 +123,16 @@ class GuardedCheck:
     Args:
       strides: the caller's check asks about strides (else its guard compares none: a
         stride change it does not ask about is then no guard failure).
+      kinds: the caller's check asks about devices, layouts and inference flags too
+        (:func:`metadata_guard`).
     """
 
-    def __init__(self, strides: bool = True) -> None:
+    def __init__(self, strides: bool = True, kinds: bool = False) -> None:
         self.guard: Any = None
         self.usable = True
         self.rearms = 0
         self.strides = strides
+        self.kinds = kinds
 
     def same(self, tensors: Sequence[torch.Tensor], slow_same: Callable[[], bool], asked: bool = False) -> bool:
         """Whether ``tensors`` keep what ``slow_same`` checks.
@@ -125,7 +149,7 @@ class GuardedCheck:
         if same and self.usable:
             if self.guard is not None:  # it failed where the caller's check passed
                 self.rearms += 1
-            self.guard = metadata_guard(tensors, self.strides) if self.rearms <= MAX_REARMS else None
+            self.guard = metadata_guard(tensors, self.strides, self.kinds) if self.rearms <= MAX_REARMS else None
             self.usable = self.guard is not None
         return same
 

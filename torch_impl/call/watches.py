@@ -187,9 +187,9 @@ class GradWatch:
     raises against any other tensor (a change); a dict holding another kind of value (a
     one-element tensor, a subclass) is compared key by key and value by identity.
     Everything runs as C-level loops over fixed lists: a few tens of nanoseconds per
-    parameter and check; the parameters' ``requires_grad``, shapes and dtypes, and the
-    gradient tensors' shapes, strides and dtypes, in one C++ call each where torch has its compiled
-    tensor guard
+    parameter and check; the parameters' ``requires_grad``, shapes and dtypes, the gradient
+    tensors' shapes, strides and dtypes, and the facts of new ones (DTensor shards, renewed
+    gradients), in one C++ call each where torch has its compiled tensor guard
     (:func:`~torch_impl.call.tensor_guard.metadata_guard`).
 
     A DTensor gradient (FSDP2 makes one anew on every step after
@@ -272,8 +272,10 @@ class GradWatch:
         # its class may define flags (read once per discovery: ``_class_flags``)
         self.param_types = list(map(type, self.params))
         # requires_grad, shapes and dtypes in one C++ call where torch has the guard (the
-        # parameters' strides are no question of the watch; the gradients' are).
+        # parameters' strides are no question of the watch; the gradients' are); the facts
+        # of new tensors (DTensor gradients' shards, renewed gradients) in one call as well.
         self.param_check, self.grad_check = GuardedCheck(strides=False), GuardedCheck()
+        self.shard_check, self.renewal_check = GuardedCheck(strides=False, kinds=True), GuardedCheck(kinds=True)
 
     def __len__(self) -> int:
         return len(self.params)
@@ -318,10 +320,12 @@ class GradWatch:
             ((guard is not None and guard.check(*params)) or self._params_same())
             and self.attributes.same()
             and list(map(torch.Tensor.data_ptr, self.plain_params)) == self.param_ptrs
-            and list(map(_DEVICE, tensors)) == self.devices
-            and all(map(operator.is_, map(_LAYOUT, tensors), repeat(torch.strided)))
-            and _layouts_same(tensors, self.sizes, self.strides, self.dtypes)
-            and list(map(torch.Tensor.is_inference, tensors)) == self.inference
+            and self.renewal_check.same(tensors, lambda: (
+                list(map(_DEVICE, tensors)) == self.devices
+                and all(map(operator.is_, map(_LAYOUT, tensors), repeat(torch.strided)))
+                and _layouts_same(tensors, self.sizes, self.strides, self.dtypes)
+                and list(map(torch.Tensor.is_inference, tensors)) == self.inference
+            ))
             and disjoint_ranges(list(map(torch.Tensor.data_ptr, tensors)), self.extents)
         )
 
@@ -365,14 +369,13 @@ class GradWatch:
         if list(map(type, grads)) != self.sharded_types:
             return False
         shards = list(map(LOCAL_SHARD, grads))
-        return (
-            all(map(operator.is_, map(_SPEC, grads), self.specs))
-            and all(map(operator.is_, map(_DTYPE, shards), self.shard_dtypes))
+        return all(map(operator.is_, map(_SPEC, grads), self.specs)) and self.shard_check.same(shards, lambda: (
+            all(map(operator.is_, map(_DTYPE, shards), self.shard_dtypes))
             and list(map(_DEVICE, shards)) == self.shard_devices
             and all(map(operator.is_, map(_LAYOUT, shards), self.shard_layouts))
             and _sizes_same(shards, self.shard_sizes)
             and list(map(torch.Tensor.is_inference, shards)) == self.shard_inference
-        )
+        ))
 
     def _params_same(self) -> bool:
         """The parameters' requires_grad, classes, shapes and dtypes, attribute by attribute

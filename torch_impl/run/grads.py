@@ -169,6 +169,20 @@ class GradAccess:
         self._work: dict[ParamKey, torch.Tensor] = {}
         self._dtensors: dict[ParamKey, torch.Tensor] = {}
 
+    def read(self, keys: Sequence[ParamKey]) -> list[torch.Tensor]:
+        """``[self[key] for key in keys]``, in a few C-level passes where each is a plain
+        ``.grad`` tensor (of class ``torch.Tensor`` itself: no ``main_grad``, DTensor or
+        own view; a torch DDP step's new gradients, bound on every step), else key by key."""
+        params = list(map(self.params.__getitem__, keys))
+        grads = list(map(_GRAD, params))
+        if (
+            all(map(operator.is_, map(type, grads), repeat(torch.Tensor)))
+            and not any(map(hasattr, params, repeat("main_grad")))
+            and not (self.own_views and any(map(self.own_views.__contains__, map(id, grads))))
+        ):
+            return grads
+        return [self[key] for key in keys]
+
     def __getitem__(self, key: ParamKey) -> torch.Tensor:
         work = self._work.get(key)
         if work is None:

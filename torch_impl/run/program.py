@@ -12,6 +12,7 @@ from meshgrad.params import ParamKey
 from meshgrad.plan import Action
 from torch_impl.run.stats import ExecStats
 from torch_impl.run.execute import bind_action, execute_ops
+from torch_impl.run.grads import GradAccess
 from torch_impl.run.groups import TorchGroups
 from torch_impl.run.scaling import bind_scale
 
@@ -27,7 +28,8 @@ class Program:
 
     Args:
       actions: the actions to run (TokenScale excluded).
-      grads: gradient tensor by key (plain tensors).
+      grads: gradient tensor by key (plain tensors), read key by key and, for the scale,
+        as one list (:meth:`~torch_impl.run.grads.GradAccess.read`).
       routers: router modules by key.
       groups: this rank's process groups.
       stats: counters (copied bytes).
@@ -37,7 +39,7 @@ class Program:
     def __init__(
         self,
         actions: Sequence[Action],
-        grads: Mapping[ParamKey, torch.Tensor],
+        grads: GradAccess,
         routers: Mapping[ParamKey, nn.Module],
         groups: TorchGroups,
         stats: ExecStats,
@@ -47,7 +49,7 @@ class Program:
         #: Multiplies the bound gradients by the 0-d float32 num_tokens factor (call it with
         #: grad mode off, as the run stage does); None when no gradient is bound to it.
         self.scale: Callable[[torch.Tensor], None] | None = (
-            bind_scale([grads[k] for k in scale_keys]) if scale_keys else None
+            bind_scale(grads.read(scale_keys)) if scale_keys else None
         )
         stats.programs_bound += 1
 
