@@ -4,6 +4,9 @@ multiplication per tensor."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 
 from torch_impl.run.scaling import bind_scale, coalesce
@@ -74,3 +77,61 @@ def test_bound_scale_equals_one_multiplication_per_tensor() -> None:
     bind_scale(tensors)(torch.tensor(0.25))
     for got, expected in zip(tensors, want):
         assert torch.equal(got, expected)
+
+
+def _expected_spans(tensors: list[torch.Tensor]) -> list[tuple[int, int, int, torch.dtype]]:
+    """The spans by the rule itself, worked out apart: per (storage, dtype), in the order
+    each first appears, the contiguous non-empty tensors sorted by offset (ties in their
+    order) and merged where one starts at the previous one's end; then the others, in
+    their order."""
+    groups: dict[tuple[int, torch.dtype], list[tuple[int, int]]] = {}
+    others = []
+    for t in tensors:
+        if t.is_contiguous() and t.numel():
+            groups.setdefault((t.untyped_storage().data_ptr(), t.dtype), []).append((t.storage_offset(), t.numel()))
+        else:
+            others.append((t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype))
+    out = []
+    for (ptr, dtype), spans in groups.items():
+        merged: list[list[int]] = []
+        for offset, numel in sorted(spans, key=lambda span: span[0]):
+            if merged and merged[-1][0] + merged[-1][1] == offset:
+                merged[-1][1] += numel
+            else:
+                merged.append([offset, numel])
+        out += [(ptr, offset, numel, dtype) for offset, numel in merged]
+    return out + others
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_layouts_match_the_rule_and_the_scale_stays_exact(seed: int) -> None:
+    """Flat buffers cut into back-to-back views (FSDP2's shards of a parameter group, in
+    order; or shuffled, with gaps, overlaps, a view as another dtype, strided, empty and
+    lone tensors mixed in): the spans are the rule's, and a bound scale multiplies every
+    element of every tensor exactly once."""
+    rng = random.Random(seed)
+    tensors: list[torch.Tensor] = []
+    for _ in range(rng.randint(1, 5)):
+        flat = torch.arange(1.0, 1.0 + rng.randint(8, 40), dtype=torch.float64)
+        cuts = sorted(rng.sample(range(1, flat.numel()), rng.randint(0, min(6, flat.numel() - 1))))
+        views = [flat[a:b] for a, b in zip([0, *cuts], [*cuts, flat.numel()])]
+        if rng.random() < 0.3 and len(views) > 1:
+            views.pop(rng.randrange(len(views)))  # a gap
+        if rng.random() < 0.2:
+            views.append(flat[1:4])  # overlapping the others
+        tensors += views
+    extras = [torch.arange(1.0, 5.0), torch.arange(1.0, 9.0)[::2], torch.zeros(0, dtype=torch.float64)]
+    if rng.random() < 0.5:
+        tensors += rng.sample(extras, rng.randint(1, len(extras)))
+    if rng.random() < 0.3:
+        tensors.append(tensors[0][:1].clone().view(torch.int64))  # its own storage, another dtype
+    if rng.random() < 0.5:
+        rng.shuffle(tensors)
+    assert _spans(tensors) == _expected_spans(tensors)
+    floats = [t for t in tensors if t.is_floating_point() and t.numel()]
+    elements = [(t.untyped_storage().data_ptr(), t.storage_offset() + i * t.stride(0))
+                for t in floats for i in range(t.numel())]
+    if len(set(elements)) == len(elements):  # no element in two tensors: each scaled once
+        want = [t * 0.5 for t in floats]
+        bind_scale(floats)(torch.tensor(0.5))
+        assert all(map(torch.equal, floats, want))
