@@ -23,7 +23,7 @@ from torch_impl.call.replay import keep_replay, replayed
 from torch_impl.call.steady import entry_kind, keep_steady, steady_read
 from torch_impl.run.errors import ranked
 from torch_impl.run.execute import execute_local, finish_ddp_sync
-from torch_impl.run.grads import GradAccess, local_grad_shards
+from torch_impl.run.grads import GradAccess
 from torch_impl.run.program import without_grad
 from torch_impl.run.scaling import bind_scale, scale_by_tokens
 from torch_impl.run.status import already_shared
@@ -130,7 +130,7 @@ def _run(request: Request, bound: BoundPlan, inputs: CallInputs, total: Any) -> 
         if program is not None:
             apply = program.scale
         else:  # DTensor gradients: the scale goes to their local shards (FSDP2 makes them anew each step)
-            apply = bind_scale(local_grad_shards(found.tensors, bound.plain_scale_keys))
+            apply = bind_scale(GradAccess(found.tensors, local_shards=True).read(bound.plain_scale_keys))
         scale_by_tokens(request.num_tokens, bound.plan.token_scale, groups, bound.ddp, apply, total,
                         state.host_factor)
 

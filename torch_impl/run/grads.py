@@ -58,12 +58,16 @@ def local_shard_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor] | No
     a gradient that is not a DTensor (None included), or a torch whose DTensor keeps its
     shard elsewhere; the caller then reads them through :class:`GradAccess`.
     """
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # as is_dtensor finds it
     # grad_attr's rule: a parameter with main_grad is read through it
-    if dtensor is None or torch.is_grad_enabled() or any(map(hasattr, params, repeat("main_grad"))):
+    if any(map(hasattr, params, repeat("main_grad"))):
         return None
-    grads = list(map(_GRAD, params))
-    if not all(map(isinstance, grads, repeat(dtensor))):
+    return _local_shards(list(map(_GRAD, params)))
+
+
+def _local_shards(grads: list[Any]) -> list[torch.Tensor] | None:
+    """:func:`local_shard_grads` of parameters without ``main_grad``, from their ``.grad``s."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # as is_dtensor finds it
+    if dtensor is None or torch.is_grad_enabled() or not all(map(isinstance, grads, repeat(dtensor))):
         return None
     try:
         return list(map(LOCAL_SHARD, grads))
@@ -172,15 +176,18 @@ class GradAccess:
     def read(self, keys: Sequence[ParamKey]) -> list[torch.Tensor]:
         """``[self[key] for key in keys]``, in a few C-level passes where each is a plain
         ``.grad`` tensor (of class ``torch.Tensor`` itself: no ``main_grad``, DTensor or
-        own view; a torch DDP step's new gradients, bound on every step), else key by key."""
+        own view; a torch DDP step's new gradients) or, with ``local_shards``, a DTensor's
+        local shard (:func:`local_shard_grads`: an FSDP2 step's), both bound on every step;
+        else key by key (which raises for a gradient lost after planning)."""
         params = list(map(self.params.__getitem__, keys))
-        grads = list(map(_GRAD, params))
-        if (
-            all(map(operator.is_, map(type, grads), repeat(torch.Tensor)))
-            and not any(map(hasattr, params, repeat("main_grad")))
-            and not (self.own_views and any(map(self.own_views.__contains__, map(id, grads))))
-        ):
-            return grads
+        if not any(map(hasattr, params, repeat("main_grad"))):  # grad_attr's rule: each one's .grad
+            grads = list(map(_GRAD, params))
+            if all(map(operator.is_, map(type, grads), repeat(torch.Tensor))) and not (
+                    self.own_views and any(map(self.own_views.__contains__, map(id, grads)))):
+                return grads
+            shards = _local_shards(grads) if self.local_shards else None
+            if shards is not None:
+                return shards
         return [self[key] for key in keys]
 
     def __getitem__(self, key: ParamKey) -> torch.Tensor:
@@ -210,20 +217,8 @@ class GradAccess:
         self._work.clear()
 
 
-def local_grad_shards(params: Mapping[ParamKey, torch.Tensor], keys: Sequence[ParamKey]) -> list[torch.Tensor]:
-    """The local shards of the gradients of ``keys`` (of ``params``), as :class:`GradAccess`
-    with ``local_shards`` reads them: by :func:`local_shard_grads` where it applies, else
-    through :class:`GradAccess` (which raises for a gradient lost after planning)."""
-    shards = local_shard_grads(list(map(params.__getitem__, keys)))
-    if shards is None:
-        access = GradAccess(params, local_shards=True)
-        shards = [access[k] for k in keys]
-    return shards
-
-
 __all__ = [
     "LOCAL_SHARD", "GradAccess", "GradRead", "all_finite", "get_grad", "grad_attr", "is_dtensor", "is_own_view",
-    "local_grad_shards",
     "local_shard_grads", "read_grads", "reshard",
     "unshard",
 ]
