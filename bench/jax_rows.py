@@ -10,7 +10,7 @@ step (quick mode: the first two rows), both candidates do the same reductions:
   (dp mean of every leaf, then a tp sum of the layernorms: what a researcher writes).
 
 Per row: the jit compile time (trace + lower + XLA compile, the heap collected first; the
-fastest of eight below 1,000 leaves, of four below 4,000: a compile's first runs in a process
+fastest of sixteen below 1,000 leaves, of six below 4,000: a compile's first runs in a process
 can pay jax's own warm-up, which the smallest row would otherwise count) and the steady
 step time (median of paired, alternating calls), the ratios meshgrad / hand (each the
 median of the pairs' ratios: compiles alternate round by round), the growth of the times
@@ -118,7 +118,7 @@ def _compile(fn: Any, grads: Any) -> tuple[Any, float, collections.Counter]:
 
 def compiles(n: int) -> int:
     """How many times each candidate is compiled at ``n`` leaves (the fastest counts)."""
-    return 8 if n < 1_000 else 4 if n < 4_000 else 1
+    return 16 if n < 1_000 else 6 if n < 4_000 else 1
 
 
 def measure_row(n: int, rounds: int) -> dict[str, Any]:
