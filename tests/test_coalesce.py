@@ -60,6 +60,19 @@ def test_tensors_of_their_own_storages_come_back_as_they_are() -> None:
                              (own[0].untyped_storage().data_ptr(), 0, 4, torch.float32)]
 
 
+def test_a_bound_scale_multiplies_tensors_that_are_no_views_as_they_are() -> None:
+    """No tensor a view: the scale takes them as they are (no spans looked for), also two
+    set back to back on one storage (merging is only a saving): each element once."""
+    flat = torch.arange(1.0, 11.0)
+    first = torch.empty(0).set_(flat.untyped_storage(), 0, (4,), (1,))
+    second = torch.empty(0).set_(flat.untyped_storage(), 4, (2, 3), (3, 1))
+    lone = torch.arange(1.0, 4.0, dtype=torch.float64)
+    assert first._base is None and second._base is None and lone._base is None
+    bind_scale([second, lone, first])(torch.tensor(0.5))
+    assert torch.equal(flat, torch.arange(1.0, 11.0) * 0.5)
+    assert torch.equal(lone, torch.arange(1.0, 4.0, dtype=torch.float64) * 0.5)
+
+
 def test_a_tensor_without_storage_is_kept_apart_and_the_rest_still_merge() -> None:
     flat = torch.arange(8, dtype=torch.float32)
     sparse = torch.eye(3).to_sparse()

@@ -8,6 +8,7 @@ the model's cached state (plans built, programs bound).
 from __future__ import annotations
 
 import importlib
+import types
 
 import pytest
 
@@ -253,6 +254,34 @@ def test_a_covered_parameter_is_watched_in_its_module_dicts_too():
     watch.cover([(0, "inner.w")])
     assert watch.same()
     chunk.inner._parameters["w"] = _param(2, 5.0)
+    assert not watch.same()
+    watch.close()
+
+
+def test_a_plan_covered_stays_covered_and_is_covered_once():
+    """``cover_plan``: a plan's keys are covered on its first binding (its parameter then
+    watched in its module's dict), asked again only for another plan, and a plan covered
+    before another stays covered (the watched keys only grow)."""
+    chunk = _with_one_element_and_inner(Chunk())
+    found = discover_module.discover([chunk], CONFIG)
+    watch = ModelWatch(found, [chunk], lambda roles=True: (), [(0, "a")])
+    asked = []
+
+    class Plan:
+        def __init__(self, keys):
+            self.keys = keys
+
+        def gradient_keys(self, scale_keys):
+            asked.append(self.keys)
+            return [*self.keys, *scale_keys]
+
+    inner, first = (types.SimpleNamespace(plan=Plan(keys), plain_scale_keys=(), helper=False)
+                    for keys in ([(0, "inner.w")], [(0, "a")]))
+    for bound in (inner, inner, first, inner):
+        watch.cover_plan(bound)
+    assert asked == [[(0, "inner.w")], [(0, "a")], [(0, "inner.w")]]  # once per change of plan
+    assert watch.keys == {(0, "a"), (0, "inner.w")} and watch.same()
+    chunk.inner._parameters["w"] = _param(2, 5.0)  # the first plan's parameter, replaced unseen by hooks
     assert not watch.same()
     watch.close()
 

@@ -10,6 +10,7 @@ touches observable, so each test checks values; the watch's answers are checked 
 from __future__ import annotations
 
 import importlib
+import random
 import weakref
 
 import pytest
@@ -19,6 +20,7 @@ from torch import nn  # noqa: E402
 
 from meshgrad import FinalizeConfig  # noqa: E402
 from torch_impl import execution_stats, finalize_model_grads  # noqa: E402
+from torch_impl.call.checks import disjoint_ranges  # noqa: E402
 from torch_impl.call.model_state import ModelState  # noqa: E402
 from torch_impl.call.watches import GradWatch  # noqa: E402
 
@@ -160,6 +162,7 @@ def test_a_released_watch_holds_no_gradient_and_knows_them_when_they_return():
     kept = [p.grad for p in params]
     watch.release()
     assert _answers(watch) == (False, True) and watch.returned()
+    assert watch.returned(watch.renewal())  # what renewal() read answers alike
     del kept
     for p in params:
         p.grad = None
@@ -167,8 +170,12 @@ def test_a_released_watch_holds_no_gradient_and_knows_them_when_they_return():
     for p in params:
         p.grad = torch.ones(p.shape)
     assert _answers(watch) == (False, True) and not watch.returned()
-    watch.renew()
+    renewal = watch.renewal()
+    assert not watch.returned(renewal)
+    watch.renew(renewal)  # what renewal() read: the new tensors and their pointers, held
     assert _answers(watch) == (True, True) and watch.weak is None
+    assert [id(t) for t in watch.tensors] == [id(p.grad) for p in params]
+    assert watch.ptrs == [p.grad.data_ptr() for p in params]
 
 
 # ============================================================ finalize on renewed gradients
@@ -258,6 +265,25 @@ def test_gradients_that_return_are_held_again(nan_check):
     assert (record.nan_spans is not None) == nan_check
     stats = execution_stats(model)
     assert (stats.plans_built, stats.programs_bound) == (1, 4)  # 3 steps, then one binding
+
+
+def test_disjoint_ranges_answers_as_every_pair_compared():
+    """The renewal's memory test, held to a comparison of every pair of ranges (a shared
+    address: max of the starts below min of the ends) on 20,000 random sets, empty ranges,
+    touching and nested ones among them."""
+    rng = random.Random(0)
+    answers = set()
+    for _ in range(20_000):
+        count = rng.randint(0, 6)
+        starts = [rng.randint(0, 30) for _ in range(count)]
+        extents = [rng.randint(0, 8) for _ in range(count)]
+        ends = list(map(int.__add__, starts, extents))
+        shared = any(max(starts[i], starts[j]) < min(ends[i], ends[j])
+                     for i in range(count) for j in range(i + 1, count))
+        assert disjoint_ranges(starts, extents) is not shared, (starts, extents)
+        answers.add(shared)
+    assert answers == {True, False}
+    assert disjoint_ranges([8, 0, 4], [4, 4, 4]) and not disjoint_ranges([0, 4, 2], [4, 4, 4])  # side by side; nested
 
 
 def test_renewed_gradients_that_share_memory_are_refused_before_anything_changes():

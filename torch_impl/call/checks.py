@@ -48,9 +48,17 @@ def disjoint_ranges(starts: list[int], extents: list[int]) -> bool:
     """Whether the address ranges ``[start, start + extent)`` overlap nowhere, in C-level
     passes: then no two tensors share an element (one that did would lie in both ranges).
     Views of one buffer side by side pass; interleaved ones answer False (the full check
-    of :func:`check_gradients` decides those)."""
-    ranges = sorted(zip(starts, map(operator.add, starts, extents)))
-    return all(map(operator.le, map(operator.itemgetter(1), ranges[:-1]), map(operator.itemgetter(0), ranges[1:])))
+    of :func:`check_gradients` decides those).
+
+    The starts and the ends are sorted apart (integers: no tuple per range): the ranges
+    overlap nowhere exactly when the i-th smallest end is at most the (i+1)-th smallest
+    start for every i. An address ``x`` lies in (number of starts <= x) minus (number of
+    ends <= x) ranges; with k starts at or below it, the (k-1)-th smallest end is at most
+    the k-th smallest start, itself at most x, so at most one range holds it (an empty
+    range holds nothing either way)."""
+    ends = sorted(map(operator.add, starts, extents))
+    ordered = sorted(starts)
+    return all(map(operator.le, ends[:-1], ordered[1:]))
 
 
 def _element_offsets(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from itertools import repeat
 from typing import Any
 
 from torch_impl.call.probes import Probes
-from torch_impl.call.watches import differs
+from torch_impl.call.dict_watch import differs
 
 #: Most plans (and helper group sets, embedding discoveries) one model state keeps.
 MAX_PLANS = 16

@@ -194,16 +194,17 @@ class ModelState:
     def _renew(self, slot: tuple[bool, bool], cached: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The entry ``cached`` of ``slot`` with its discovery renewed, where its watch sees
         the model unchanged but for new ``.grad`` tensors like the old
-        (:meth:`~torch_impl.call.model_watch.ModelWatch.renewed`: ``zero_grad(set_to_none=True)``);
+        (:meth:`~torch_impl.call.model_watch.ModelWatch.renewal`: ``zero_grad(set_to_none=True)``);
         else None. The specs, plans and checks hold; the discovery becomes a new object of
         its lineage, so that the binding and NaN scan of the old gradients (keyed on it)
         are redone for the new ones. Renewed twice running, they are not held past the call
         (:meth:`release_renewed`)."""
-        if not cached[2].renewed():
+        renewal = cached[2].renewal()
+        if renewal is None:
             return None
         self.programs.clear()
         found = cached[1].renewal()
-        if cached[2].renew(found):
+        if cached[2].renew(found, renewal):
             self.renewed = found
         entry = self.found[slot] = (cached[0], found, cached[2], cached[3])
         return entry
@@ -279,7 +280,7 @@ class ModelState:
         kept = self.kept(found)
         cached = kept[1] if kept is not None else None
         if cached is not None:
-            cached[2].cover(bound.plan.gradient_keys(bound.plain_scale_keys), bound.helper)  # what the plan reads is watched
+            cached[2].cover_plan(bound)  # what the plan reads is watched
             if cached[2].has_dtensor():  # kept: the watch's DTensor facts hold while the discovery does
                 put(self.programs, id(bound), (bound, None, found))
                 return None

@@ -15,7 +15,8 @@ from torch import nn
 from meshgrad.params import ParamKey
 from torch_impl.call.probes import Probes
 from torch_impl.call.registration_hooks import drop_retired, register, retire
-from torch_impl.call.watches import BUFFERS, MODULES, PARAMETERS, DictWatch, ExactDicts, GradWatch, by_value, differs, split
+from torch_impl.call.dict_watch import BUFFERS, MODULES, PARAMETERS, DictWatch, ExactDicts, by_value, differs, split
+from torch_impl.call.watches import GradWatch, Renewal
 
 
 class _Edges:
@@ -171,6 +172,7 @@ class ModelWatch:
         self.touched = self.keys if touched is None else set(touched) & self.keys
         self.grads = self._grad_watch(self.keys)
         self._helper: tuple[GradWatch, DictWatch] | None = None  # made on a helper's first check
+        self._covered: Any = None  # the last plan cover_plan() covered
         routers = list(found.router_modules.values())
         # A router's attributes against a copy (its containers, _buffers among them, are the
         # same objects, so they compare by identity); its buffers key by key, by identity
@@ -281,17 +283,23 @@ class ModelWatch:
         full, rest = self._helper
         return self.structure_same(roles=False) and self._routers_unchanged() and full.same() and rest.same()
 
-    def renewed(self) -> bool:
+    def renewal(self) -> Renewal | None:
         """Whether the model is what :meth:`same` watches but for new plain ``.grad``
-        tensors that read as the old ones (:meth:`~torch_impl.call.watches.GradWatch.renewed`):
-        the discovery's specs, and every plan made from them, still hold."""
+        tensors that read as the old ones: then the discovery's specs, and every plan made
+        from them, still hold. Returns what it read of the new gradients
+        (:meth:`~torch_impl.call.watches.GradWatch.renewal`, for :meth:`renew`), else None."""
         # the gradients first: a watch that cannot be renewed answers at once
-        return self.grads.renewed() and self.structure_same() and self._routers_unchanged()
+        renewal = self.grads.renewal()
+        return renewal if renewal is not None and self.structure_same() and self._routers_unchanged() else None
 
-    def renew(self, found: Any) -> bool:
+    def renew(self, found: Any, renewal: Renewal | None = None) -> bool:
         """Watch the renewed gradients from now on, for ``found``: the same discovery
         as a new object (what was checked or bound against the old gradients is keyed on
         the old one).
+
+        Args:
+          found: the renewed discovery.
+          renewal: what :meth:`renewal` read of the new gradients just now (None: read again).
 
         Returns:
           Whether to release them after the call: renewed twice running, they are renewed
@@ -299,9 +307,9 @@ class ModelWatch:
           (:meth:`~torch_impl.call.watches.GradWatch.returned`: ``set_to_none=False``, or
           DDP's bucket views): they are held, and watched by identity, again.
         """
-        returned = self.grads.returned()
+        returned = self.grads.returned(renewal)
         self.found = found
-        self.grads.renew()
+        self.grads.renew(renewal)
         self._helper = None  # a seed helper's own watch holds the old gradients
         again, self.renewing = self.renewing and not returned, not returned
         return again
@@ -327,6 +335,15 @@ class ModelWatch:
         if helper and keys - self.touched:
             self.touched = self.touched | keys
             self._helper = None
+
+    def cover_plan(self, bound: Any) -> None:
+        """:meth:`cover` what the bound plan ``bound`` reads or writes (its gradient keys;
+        a seed helper's: touched too), skipped for the plan covered last: the watched and
+        touched keys only ever grow, so a plan covered stays covered (a renewed training
+        step binds its plan anew on every call)."""
+        if bound is not self._covered:
+            self.cover(bound.plan.gradient_keys(bound.plain_scale_keys), bound.helper)
+            self._covered = bound
 
     def has_dtensor(self) -> bool:
         return self.grads.has_dtensor()

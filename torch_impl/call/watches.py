@@ -1,20 +1,20 @@
-"""The watches that say at C speed whether a cached plan's inputs are unchanged:
+"""The watch that says at C speed whether a cached plan's inputs are unchanged:
 :class:`GradWatch` (parameters' flags and gradient tensors, shapes of gradients and
-parameters), :class:`DictWatch` / :class:`ExactDicts` (dicts compared with copies), and
-:func:`differs`, the comparison they share."""
+parameters; their attribute dicts through :class:`~torch_impl.call.dict_watch.DictWatch`),
+and what a layout reads of a tensor (:func:`tensor_layout`)."""
 
 from __future__ import annotations
 
 import operator
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import chain, repeat
+from itertools import repeat
 from typing import Any
 
 import torch
-from torch import nn
 
 from torch_impl.call.checks import disjoint_ranges, extent_bytes
+from torch_impl.call.dict_watch import DictWatch, split
 from torch_impl.call.tensor_guard import GuardedCheck
 from torch_impl.run.grads import LOCAL_SHARD, get_grad, is_dtensor, is_own_view
 
@@ -27,49 +27,11 @@ _DEVICE = operator.attrgetter("device")
 _LAYOUT = operator.attrgetter("layout")
 #: A DTensor's sharding spec (mesh, placements, global shape and strides).
 _SPEC = operator.attrgetter("_spec")
-MODULES = operator.itemgetter("_modules")
-PARAMETERS = operator.itemgetter("_parameters")
-BUFFERS = operator.itemgetter("_buffers")
 #: What a released :class:`GradWatch` holds in place of each gradient: no tensor is it.
 _RELEASED = object()
-
-
-#: Attribute values whose ``==`` tells a replacement from the same object: plain values
-#: compare by value (an equal replacement reads the same: flags are read by truth value),
-#: and a plain tensor that is not of one element (or is on the meta device) raises when
-#: compared with any other tensor.
-_PLAIN_VALUES = (bool, int, float, str, bytes, type(None))
-_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
-
-
-def _compares_by_identity(value: Any) -> bool:
-    """Whether a changed ``value`` cannot compare equal to its replacement, as far as the
-    watches are concerned (see :data:`_PLAIN_VALUES`; a module without its own ``==``
-    compares by identity)."""
-    kind = type(value)
-    if kind in _PLAIN_VALUES:
-        return True
-    if isinstance(value, nn.Module):
-        return kind.__eq__ is object.__eq__
-    # A meta or empty tensor's comparison result has no truth value (it raises, like a
-    # tensor of two or more elements): only a one-element tensor can compare equal.
-    return kind in _PLAIN_TENSORS and (value.device.type == "meta" or value.numel() != 1)
-
-
-def by_value(mapping: Mapping[str, Any]) -> bool:
-    """Whether a copy of ``mapping`` tells every replacement by ``==`` (all its values
-    :func:`_compares_by_identity`); else it is compared key by key, by identity
-    (:class:`ExactDicts`)."""
-    return all(map(_compares_by_identity, mapping.values()))
-
-
-def differs(live: Any, snapshot: Any) -> bool:
-    """``live != snapshot`` (C-level for lists and dicts: identical elements short-cut); a
-    comparison that raises (two different tensors) counts as a change."""
-    try:
-        return live != snapshot
-    except Exception:  # noqa: BLE001 -- an elementwise comparison's error: not the same object
-        return True
+#: What :meth:`GradWatch.renewal` read: (each gradient parameter's ``.grad``, the tensors
+#: among them, their data pointers).
+Renewal = tuple[list[Any], list[torch.Tensor], list[int]]
 
 
 def _has_storage(tensor: torch.Tensor) -> bool:
@@ -113,63 +75,6 @@ def _layouts_same(tensors: Sequence[torch.Tensor], sizes: Sequence[torch.Size], 
         and all(map(operator.eq, map(torch.Tensor.stride, tensors), strides))
         and all(map(operator.is_, map(_DTYPE, tensors), dtypes))
     )
-
-
-def split(items: Iterable[Any], flags: Iterable[bool]) -> tuple[list[Any], list[Any]]:
-    """(the items whose flag is true, the others), each in order."""
-    kept: list[Any] = []
-    rest: list[Any] = []
-    for item, flag in zip(items, flags):
-        (kept if flag else rest).append(item)
-    return kept, rest
-
-
-class ExactDicts:
-    """Dicts whose values need an identity check (a one-element or meta tensor, a tensor
-    subclass): the same keys in the same order, each value the same object.
-
-    Args:
-      dicts: the dicts as they are now (their keys and values are held).
-    """
-
-    def __init__(self, dicts: Iterable[dict[str, Any]]) -> None:
-        dicts = list(dicts)
-        self.keys = list(map(tuple, dicts))
-        self.values = list(chain.from_iterable(map(dict.values, dicts)))  # held: identity needs live objects
-
-    def same(self, live: Iterable[dict[str, Any]]) -> bool:
-        """Whether ``live`` (the dicts now, in construction order) hold what they held."""
-        live = list(live)
-        return list(map(tuple, live)) == self.keys and all(  # same keys: the values line up
-            map(operator.is_, chain.from_iterable(map(dict.values, live)), self.values)
-        )
-
-
-class DictWatch:
-    """Whether some dicts (parameters' or modules' attribute dicts) hold what they held.
-
-    Each dict is compared with a copy, all in one list comparison (identical values
-    short-cut; a plain value compares by value, a tensor that is not of one element raises
-    against any other tensor: a change), or, when it holds a value that could compare
-    equal to its replacement (a one-element tensor, a subclass), key by key and by
-    identity (:class:`ExactDicts`).
-
-    Args:
-      dicts: the live dicts (held: they are the objects compared each time).
-    """
-
-    def __init__(self, dicts: Iterable[dict[str, Any]]) -> None:
-        dicts = list(dicts)
-        self.plain, self.exact = split(dicts, map(by_value, dicts))
-        self.snapshots = list(map(dict.copy, self.plain))
-        self.exact_now = ExactDicts(self.exact)
-
-    def __len__(self) -> int:
-        return len(self.plain) + len(self.exact)
-
-    def same(self) -> bool:
-        """Whether every dict holds what it held at construction."""
-        return not differs(self.plain, self.snapshots) and (not self.exact or self.exact_now.same(self.exact))
 
 
 class GradWatch:
@@ -308,15 +213,21 @@ class GradWatch:
         matter of shape and strides; no two share an element); a bound program holds the
         old ones, and the NaN scan's spans are theirs: the caller redoes those. Only for a
         watch of plain ``.grad`` gradients (:attr:`renewable`)."""
+        return self.renewal() is not None
+
+    def renewal(self) -> Renewal | None:
+        """:meth:`renewed`'s answer as what it read -- (the ``.grad`` of each gradient
+        parameter, the tensors among them, their data pointers) for :meth:`renew` and
+        :meth:`returned`, asked at once after it -- or None where it answers False."""
         if not self.renewable:
-            return False
+            return None
         params = self.params
         guard = self.param_check.guard
         grads = list(map(_GRAD, self.grad_params))
         if list(map(type, grads)) != self.grad_types:
-            return False
+            return None
         tensors = [g for g in grads if g is not None]
-        return (
+        if not (
             ((guard is not None and guard.check(*params)) or self._params_same())
             and self.attributes.same()
             and list(map(torch.Tensor.data_ptr, self.plain_params)) == self.param_ptrs
@@ -326,15 +237,20 @@ class GradWatch:
                 and _layouts_same(tensors, self.sizes, self.strides, self.dtypes)
                 and list(map(torch.Tensor.is_inference, tensors)) == self.inference
             ))
-            and disjoint_ranges(list(map(torch.Tensor.data_ptr, tensors)), self.extents)
-        )
+        ):
+            return None
+        ptrs = list(map(torch.Tensor.data_ptr, tensors))  # strided tensors: each has one
+        return (grads, tensors, ptrs) if disjoint_ranges(ptrs, self.extents) else None
 
-    def renew(self) -> None:
+    def renew(self, renewal: Renewal | None = None) -> None:
         """Watch (and hold) the gradients :meth:`renewed` has just accepted: their facts
-        are the recorded ones, the objects and data pointers new."""
-        self.grads = list(map(_GRAD, self.grad_params))
-        self.tensors = [g for g in self.grads if g is not None]
-        self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
+        are the recorded ones, the objects and data pointers new (``renewal``: what
+        :meth:`renewal` read of them just now; None: read again)."""
+        if renewal is None:
+            grads = list(map(_GRAD, self.grad_params))
+            tensors = [g for g in grads if g is not None]
+            renewal = grads, tensors, list(map(torch.Tensor.data_ptr, tensors))
+        self.grads, self.tensors, self.ptrs = renewal
         self.weak = None
 
     def release(self) -> None:
@@ -346,17 +262,21 @@ class GradWatch:
         self.grads = [_RELEASED] * len(self.grads)
         self.tensors = []
 
-    def returned(self) -> bool:
+    def returned(self, renewal: Renewal | None = None) -> bool:
         """Whether the watch was released and the parameters hold the released gradient
         tensors, at their data pointers (asked after :meth:`renewed` answered True: with
-        it, what :meth:`same` would have answered for them)."""
+        it, what :meth:`same` would have answered for them; ``renewal``: what
+        :meth:`renewal` read just now, else read again)."""
         if self.weak is None:
             return False
-        tensors = [g for g in map(_GRAD, self.grad_params) if g is not None]
+        if renewal is None:
+            tensors, ptrs = [g for g in map(_GRAD, self.grad_params) if g is not None], None
+        else:
+            _, tensors, ptrs = renewal
         return (
             len(tensors) == len(self.weak)
             and all(map(operator.is_, tensors, map(operator.call, self.weak)))
-            and list(map(torch.Tensor.data_ptr, tensors)) == self.ptrs
+            and (ptrs if ptrs is not None else list(map(torch.Tensor.data_ptr, tensors))) == self.ptrs
         )
 
     def _sharded_same(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from itertools import compress
+from itertools import compress, repeat
 from sys import getrefcount
 from typing import Any
 
@@ -223,6 +223,8 @@ def coalesce(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 _STORAGE_PTR = torch.UntypedStorage.data_ptr
+#: The tensor a view was made from (None: not a view).
+_BASE = operator.attrgetter("_base")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 #: A span's sort key: its offset in its storage.
@@ -251,10 +253,15 @@ def _merge(run: list[torch.Tensor], start: int, end: int) -> torch.Tensor:
 
 def bind_scale(tensors: Sequence[torch.Tensor]) -> Callable[[torch.Tensor], None]:
     """Multiplication of ``tensors`` by a 0-d float32 factor, bound once: back-to-back
-    gradients (a flat buffer) become one span, one ``_foreach_mul_`` per device and dtype.
-    The factor stays on device (no host sync)."""
+    gradients (a flat buffer) become one span (:func:`coalesce`), one ``_foreach_mul_``
+    per device and dtype. Where no tensor is a view (gradients allocated one by one: a
+    torch DDP step's new ``.grad`` tensors), there is no buffer to find spans in, and
+    they are multiplied as they are (one C-level pass tells; merging is only ever a
+    saving: each element is multiplied once either way). The factor stays on device (no
+    host sync)."""
     by_kind: dict[tuple[Any, Any], list[torch.Tensor]] = {}
-    for t in coalesce(tensors):
+    views = not all(map(operator.is_, map(_BASE, tensors), repeat(None)))
+    for t in coalesce(tensors) if views else tensors:
         by_kind.setdefault((t.device, t.dtype), []).append(t)
     kinds = [(device, group) for (device, _), group in by_kind.items()]
 
