@@ -56,7 +56,6 @@ def differs(live: Any, snapshot: Any) -> bool:
         return True
 
 
-
 def split(items: Iterable[Any], flags: Iterable[bool]) -> tuple[list[Any], list[Any]]:
     """(the items whose flag is true, the others), each in order."""
     kept: list[Any] = []
