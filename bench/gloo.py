@@ -4,7 +4,8 @@ against the floor: exactly the needed collectives on pre-flattened buffers.
 Every rank builds the same three models as :mod:`bench.fake` (meshgrad with its own
 buffers, meshgrad drop-in on DDP chunks, megatron-core on DDP chunks) with real gradient
 values, plus the floor's buffers, and times rounds of ``batch`` calls of each, in a
-rotating order, each round started by a barrier. A call's time is the slowest rank's.
+rotating order, each round started by a barrier. A call's time is the slowest rank's; a
+candidate's ratio to the floor is the median of the rounds' ratios (:func:`ratios_to_floor`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import types
 from typing import Any
 
 from bench.models import Layout
-from bench.timing import rotated
+from bench.timing import paired_ratio, rotated
 
 def _groups(lay: Layout, rank: int) -> tuple[Any, Any]:
     """(meshgrad's group namespace, megatron's), created identically on every rank."""
@@ -137,7 +138,7 @@ def world_main(rank: int, world: int, payload: Any, sink: Any) -> None:
                 "rounds": rounds,
                 "batch": batch,
                 "time": {
-                    n: {"median": statistics.median(row), "min": min(row), "max": max(row)}
+                    n: {"median": statistics.median(row), "min": min(row), "max": max(row), "samples": row}
                     for n, row in zip(names, table.tolist())
                 },
                 "meshgrad_buffers_bytes_copied": copied,
@@ -160,6 +161,13 @@ def run_gloo(lay: Layout, *, rounds: int, batch: int, timeout: float = 900.0, me
     if fatal or outcome.timed_out or "result" not in outcome.results[0]:
         raise RuntimeError(f"gloo benchmark world failed ({'timed out' if outcome.timed_out else fatal})")
     result = outcome.results[0]["result"]
-    floor = result["time"]["floor"]["median"]
-    result["vs_floor"] = {n: t["median"] / floor for n, t in result["time"].items() if n != "floor"}
+    result["vs_floor"] = ratios_to_floor(result["time"])
     return result
+
+
+def ratios_to_floor(times: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Each candidate's time over the floor's: the median over rounds of the two times in
+    the same round (:func:`bench.timing.paired_ratio`; each round runs every candidate in
+    turn), so that a slow phase of a shared machine, which a ratio of two medians carries,
+    cancels out of each pair."""
+    return {n: paired_ratio(t, times["floor"]) for n, t in times.items() if n != "floor"}

@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_gloo:
         from bench.gloo import run_gloo
 
-        print("\n== gloo world of 4: end-to-end finalize per call (median of rounds, slowest rank) ==", flush=True)
+        print("\n== gloo world of 4: end-to-end finalize per call (median of rounds, slowest rank; "
+              "x the floor: median of same-round ratios) ==", flush=True)
         for name in ["gloo-24L-h256-tp2dp2"] if quick else list(GLOO_LAYOUTS):
             lay = GLOO_LAYOUTS[name]
             result = run_gloo(lay, rounds=5 if quick else 9, batch=3, megatron=not args.no_megatron)

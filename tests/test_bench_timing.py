@@ -75,3 +75,15 @@ def test_paired_ratio_is_the_median_of_same_round_ratios() -> None:
     b = {"samples": [1.0, 1.0, 3.0]}
     assert timing.paired_ratio(a, b) == 3.0  # ratios 2, 4, 3
     assert timing.paired_ratio(a, {"samples": [1.0]}) is None  # rounds do not pair up
+
+
+def test_the_gloo_rows_ratios_pair_each_round_with_the_floors() -> None:
+    from bench.gloo import ratios_to_floor
+
+    # the machine twice as slow in the second round: each pair keeps the candidates' ratio
+    times = {"floor": {"median": 2.0, "samples": [1.0, 2.0, 1.0]},
+             "meshgrad buffers": {"median": 2.2, "samples": [1.1, 2.2, 1.1]},
+             "megatron": {"median": 4.0, "samples": [1.2, 4.0, 1.3]}}
+    ratios = ratios_to_floor(times)
+    assert ratios["meshgrad buffers"] == pytest.approx(1.1) and ratios["megatron"] == pytest.approx(1.3)
+    assert set(ratios) == {"meshgrad buffers", "megatron"}  # the floor is no candidate
