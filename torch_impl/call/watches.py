@@ -223,10 +223,9 @@ class GradWatch:
             return None
         params = self.params
         guard = self.param_check.guard
-        grads = list(map(_GRAD, self.grad_params))
+        grads, tensors = self._read_grads()
         if list(map(type, grads)) != self.grad_types:
             return None
-        tensors = [g for g in grads if g is not None]
         if not (
             ((guard is not None and guard.check(*params)) or self._params_same())
             and self.attributes.same()
@@ -247,8 +246,7 @@ class GradWatch:
         are the recorded ones, the objects and data pointers new (``renewal``: what
         :meth:`renewal` read of them just now; None: read again)."""
         if renewal is None:
-            grads = list(map(_GRAD, self.grad_params))
-            tensors = [g for g in grads if g is not None]
+            grads, tensors = self._read_grads()
             renewal = grads, tensors, list(map(torch.Tensor.data_ptr, tensors))
         self.grads, self.tensors, self.ptrs = renewal
         self.weak = None
@@ -270,7 +268,7 @@ class GradWatch:
         if self.weak is None:
             return False
         if renewal is None:
-            tensors, ptrs = [g for g in map(_GRAD, self.grad_params) if g is not None], None
+            (_, tensors), ptrs = self._read_grads(), None
         else:
             _, tensors, ptrs = renewal
         return (
@@ -278,6 +276,11 @@ class GradWatch:
             and all(map(operator.is_, tensors, map(operator.call, self.weak)))
             and (ptrs if ptrs is not None else list(map(torch.Tensor.data_ptr, tensors))) == self.ptrs
         )
+
+    def _read_grads(self) -> tuple[list[Any], list[torch.Tensor]]:
+        """(each gradient parameter's ``.grad`` now, the tensors among them)."""
+        grads = list(map(_GRAD, self.grad_params))
+        return grads, [g for g in grads if g is not None]
 
     def _sharded_same(self) -> bool:
         """The DTensor gradients' facts (class docstring) as at construction: the same

@@ -185,8 +185,15 @@ def coalesce(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     offset; the tensors that cannot merge (not contiguous, empty, without storage)
     follow, in their order. Each tensor's facts are read in C-level passes (an FSDP2 or
     torch DDP step binds its new gradients with it), one by one only where a tensor
-    refuses one. Where no storage holds two of the tensors that could merge (gradients
-    allocated one by one), nothing merges: they come back as they are, in their order."""
+    refuses one. Two cases merge nothing and skip the merge loop:
+    - no tensor is a view (gradients allocated one by one: a torch DDP step's new
+      ``.grad`` tensors): there is no buffer to find spans in, and they come back as they
+      are, in their order, after one C-level pass (merging is only ever a saving: a caller
+      covers every element either way);
+    - no storage holds two of the tensors that could merge: those come back as they are,
+      in their order, the others after them."""
+    if all(map(operator.is_, map(_BASE, tensors), repeat(None))):
+        return list(tensors)
     try:
         ptrs = list(map(_STORAGE_PTR, map(torch.Tensor.untyped_storage, tensors)))
         numels = list(map(torch.Tensor.numel, tensors))
@@ -254,14 +261,9 @@ def _merge(run: list[torch.Tensor], start: int, end: int) -> torch.Tensor:
 def bind_scale(tensors: Sequence[torch.Tensor]) -> Callable[[torch.Tensor], None]:
     """Multiplication of ``tensors`` by a 0-d float32 factor, bound once: back-to-back
     gradients (a flat buffer) become one span (:func:`coalesce`), one ``_foreach_mul_``
-    per device and dtype. Where no tensor is a view (gradients allocated one by one: a
-    torch DDP step's new ``.grad`` tensors), there is no buffer to find spans in, and
-    they are multiplied as they are (one C-level pass tells; merging is only ever a
-    saving: each element is multiplied once either way). The factor stays on device (no
-    host sync)."""
+    per device and dtype. The factor stays on device (no host sync)."""
     by_kind: dict[tuple[Any, Any], list[torch.Tensor]] = {}
-    views = not all(map(operator.is_, map(_BASE, tensors), repeat(None)))
-    for t in coalesce(tensors) if views else tensors:
+    for t in coalesce(tensors):
         by_kind.setdefault((t.device, t.dtype), []).append(t)
     kinds = [(device, group) for (device, _), group in by_kind.items()]
 
